@@ -1,0 +1,41 @@
+"""analytic_profile: a job profile estimated from the model's shape, used
+when no measured profile (scripts/profile_model.py) is given.
+
+Roofline estimate: an iteration costs max(FLOPs / peak FLOP/s, bytes / memory
+bandwidth), with conservative per-device-kind numbers. It only needs to rank
+costs sensibly (prefill grows with prompt length, decode with batch and
+context); measured profiles replace it for real runs.
+"""
+
+from __future__ import annotations
+
+from engine.model.config import OPTConfig
+from scheduler.cost_model import PROFILE_SCHEMA, ProfiledCostModel
+
+# (FLOP/s, bytes/s): sustained, not peak.
+DEVICE_SPEED = {"cpu": (5e10, 1e10), "cuda": (3e14, 2e12)}
+PREFILL_LENS = [1, 16, 64, 128, 256, 512, 1024, 2048]
+DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
+DECODE_CONTEXTS = [16, 128, 512, 1024, 2048]
+
+
+def analytic_profile(cfg: OPTConfig, device_kind: str, dtype_bytes: int, dtype: str) -> ProfiledCostModel:
+    flops_s, bytes_s = DEVICE_SPEED.get(device_kind, DEVICE_SPEED["cpu"])
+    weights = cfg.num_params()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * dtype_bytes
+    overhead = 2e-4 * cfg.num_hidden_layers  # launch / Python overhead per iteration
+
+    def cost(tokens: int, kv_bytes: float, attn_flops: float) -> float:
+        flops = 2 * weights * tokens + attn_flops
+        return overhead + max(flops / flops_s, (weights * dtype_bytes + kv_bytes) / bytes_s)
+
+    attn = lambda q, c: 4 * cfg.num_hidden_layers * cfg.hidden_size * q * c  # noqa: E731
+    prefill = [cost(s, s * kv_per_token, attn(s, s) / 2) for s in PREFILL_LENS]
+    decode = [[cost(b, b * c * kv_per_token, attn(b, c)) for c in DECODE_CONTEXTS] for b in DECODE_BATCHES]
+    return ProfiledCostModel.from_dict({
+        "schema": PROFILE_SCHEMA,
+        "key": {"model": cfg.name, "dtype": dtype, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                "hardware": f"{device_kind} (analytic estimate)"},
+        "prefill": {"prompt_lens": PREFILL_LENS, "seconds": prefill},
+        "decode": {"batch_sizes": DECODE_BATCHES, "context_lens": DECODE_CONTEXTS, "seconds": decode},
+    })

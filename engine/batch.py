@@ -1,0 +1,46 @@
+"""The step's contract between the engine and an executor: what to compute
+(ModelBatch) and what came back (BatchResult). Executors receive only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceWork:
+    job_id: str
+    token_ids: list[int]  # the tokens this iteration computes (their KV is written)
+    start_pos: int  # position of token_ids[0] in the sequence (= tokens already cached)
+    block_table: list[int]  # device blocks holding positions 0 .. start_pos + len(token_ids) - 1
+    params: SamplingParams
+    generator: torch.Generator | None  # per-sequence RNG when the request has a seed
+    num_generated: int  # output tokens before this step (for min_tokens)
+    want_prompt_logprobs: bool = False  # first iteration of a request that asked for them
+    prompt_token_ids: list[int] = field(default_factory=list)  # for prompt logprobs only
+
+
+@dataclass
+class ModelBatch:
+    seqs: list[SequenceWork]
+    eos_token_id: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SequenceResult:
+    token_id: int
+    logprobs: dict[int, float] | None = None  # the sampled token and the top-`logprobs` alternatives
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass
+class BatchResult:
+    results: list[SequenceResult]  # one per ModelBatch.seqs entry, same order
+    execute_s: float = 0.0  # wall-clock seconds the executor spent

@@ -1,0 +1,74 @@
+"""EngineConfig: every engine setting, one flat dataclass validated once.
+
+Field names are the CLI flags in snake_case (vLLM's names where vLLM has the
+setting), so `LLM(model=..., max_num_seqs=...)`, the server's flags and this
+class line up. Server-only settings (host, port, api key, ...) live in
+server.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from scheduler.policy import PolicyName
+
+KV_POLICIES = ("proactive", "reactive", "recompute")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a Hugging Face OPT directory; None = the built-in tiny model
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # defaults to the model's context
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0  # GiB of host memory for offloaded KV
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    kv_policy: str = "proactive"
+    starvation_threshold: float | None = 0.3  # alpha, seconds
+    quantum_ratio: float = 2.0
+    reserved_blocks: int = 0
+    profile: str | None = None  # a job-profile JSON (scripts/profile_model.py)
+    max_queued_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+
+        need(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+        need(self.tensor_parallel_size * self.pipeline_parallel_size == 1,
+             "tensor/pipeline parallelism > 1 needs the multi-process executor, which is not built yet; "
+             "use --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+             "num_gpu_blocks_override must be >= 1")
+        need(self.swap_space >= 0, "swap_space must be >= 0 GiB")
+        policies = [p.value for p in PolicyName if p is not PolicyName.SRPT]
+        need(self.scheduling_policy in policies + [PolicyName.SRPT.value],
+             f"scheduling_policy must be one of {', '.join(policies)}; got {self.scheduling_policy!r}")
+        need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {self.kv_policy!r}")
+        need(self.starvation_threshold is None or self.starvation_threshold > 0, "starvation_threshold must be > 0")
+        need(self.quantum_ratio > 1, "quantum_ratio must be > 1")
+        need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
+        need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,303 @@
+"""Engine: the synchronous core. One step() = schedule -> memory -> execute
+-> update jobs -> outputs.
+
+    engine = Engine(EngineConfig(model=path))
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+The engine owns tokens, the model (through an executor) and the clock; it asks
+scheduler/ which jobs run and memory/ where their KV lives. Requests are
+validated and tokenized by prepare_request() (no state changes, so a bad
+request leaves the engine untouched) and admitted by admit(); add_request()
+does both. AsyncEngine drives the same object from asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.analytic_profile import analytic_profile
+from engine.batch import BatchResult, ModelBatch, SequenceWork
+from engine.clock import WallClock
+from engine.config import EngineConfig
+from engine.default_model import default_model_dir
+from engine.errors import ValidationError
+from engine.executor.base import Executor
+from engine.executor.local import LocalExecutor
+from engine.model.config import OPTConfig
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import RequestState, SequenceState
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from memory.kv_manager import KVManager, blocks_needed
+from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
+from scheduler.policy import ScheduleDecision
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class StepPlan:
+    """What one iteration runs: the scheduler's decision and the executor's input."""
+
+    decision: ScheduleDecision
+    batch: ModelBatch
+    seqs: list[SequenceState]
+    start_time: float
+    cost: float  # profiled seconds charged to every job of the batch
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_dir = Path(config.model) if config.model else default_model_dir()
+        self.model_config = OPTConfig.from_model_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.max_model_len = self._resolve_max_model_len()
+        self.executor = executor or LocalExecutor(
+            self.model_dir, self.model_config, dtype=config.dtype, device=config.device,
+            block_size=config.block_size, num_gpu_blocks_override=config.num_gpu_blocks_override,
+            gpu_memory_utilization=config.gpu_memory_utilization, seed=config.seed,
+        )
+        self.kv = KVManager(self.executor.num_device_blocks, self.executor.block_size)
+        self.cost_model = self._load_cost_model()
+        self.scheduler = make_policy(
+            SchedulerConfig(
+                policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
+                max_prompt_len=self.max_model_len,
+            ),
+            self.cost_model,
+        )
+        self.clock = clock or WallClock()
+        self.requests: dict[str, RequestState] = {}
+        self._seq_of_job: dict[str, SequenceState] = {}
+        self.num_steps = 0
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds this model's context of {limit}")
+        return self.config.max_model_len
+
+    def _load_cost_model(self) -> ProfiledCostModel:
+        if self.config.profile:
+            return ProfiledCostModel.from_json(self.config.profile)
+        ex = self.executor
+        device = getattr(ex, "device", None)
+        dtype = getattr(ex, "dtype", None)
+        return analytic_profile(
+            self.model_config, device.type if device is not None else "cpu",
+            dtype.itemsize if dtype is not None else 4, str(dtype).removeprefix("torch."),
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def prepare_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestState:
+        """Validate and tokenize; raises ValidationError and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._check_lengths(len(prompt_ids), params)
+        now = self.clock.now() if arrival_time is None else arrival_time
+        req = RequestState(request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time=now))
+        for k in range(params.n):
+            job = Job(f"{request_id}#{k}", len(prompt_ids), params.max_tokens, now)
+            seed = params.sequence_seed(k)
+            gen = torch.Generator().manual_seed(seed) if seed is not None else None
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            req.seqs.append(SequenceState(req, k, job, detok, gen, logprobs=[] if params.logprobs is not None else None))
+        return req
+
+    def admit(self, req: RequestState) -> None:
+        if req.request_id in self.requests:
+            raise ValidationError(f"request id {req.request_id!r} is already in use", param="request_id")
+        self.requests[req.request_id] = req
+        for seq in req.seqs:
+            self._seq_of_job[seq.job.job_id] = seq
+            self.scheduler.add(seq.job, req.metrics.arrival_time)
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> RequestState:
+        req = self.prepare_request(request_id, prompt, params, arrival_time)
+        self.admit(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now (finish_reason "abort"), freeing its KV; None if unknown."""
+        return self._end_request(request_id, "abort")
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        return self._end_request(request_id, "error", message)
+
+    def _end_request(self, request_id: str, reason: str, message: str | None = None) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish(reason, error=message)
+                self._release(seq)
+        return self._finish_request(req)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValidationError("prompt must not be empty", param="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValidationError(
+                    f"prompt token id {bad[0]} is out of range; ids must be in [0, {vocab})", param="prompt"
+                )
+            return None, list(prompt)
+        if isinstance(prompt, list) and not prompt:
+            raise ValidationError("prompt must not be empty", param="prompt")
+        raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> None:
+        ctx = self.max_model_len
+        if prompt_len > ctx:
+            raise ValidationError(
+                f"prompt has {prompt_len} tokens; this model's context is {ctx} tokens", param="prompt",
+                code="context_length_exceeded",
+            )
+        if prompt_len + params.max_tokens > ctx:
+            raise ValidationError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{prompt_len + params.max_tokens} exceeds this model's context of {ctx} tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        need = blocks_needed(prompt_len + params.max_tokens, self.kv.block_size)
+        if need > self.kv.device.num_blocks:
+            raise ValidationError(
+                f"the request needs {need} KV blocks ({prompt_len} + {params.max_tokens} tokens) but the device "
+                f"cache has only {self.kv.device.num_blocks}; shorten it or raise --num-gpu-blocks-override",
+                param="max_tokens",
+            )
+
+    # -- the step ---------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.schedule_step()
+        if plan is None:
+            return []
+        try:
+            result = self.executor.execute(plan.batch)
+        except Exception as e:  # a failed forward pass fails its batch; the engine goes on
+            log.exception("forward step failed; failing the %d requests of its batch", len(plan.seqs))
+            return self.fail_step(plan, f"internal error in the forward pass: {type(e).__name__}")
+        return self.finish_step(plan, result)
+
+    def schedule_step(self) -> StepPlan | None:
+        now = self.clock.now()
+        decision = self.scheduler.schedule(now, self.kv)
+        if not decision.batch:
+            return None
+        seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
+        cost = self.cost_model.iteration_cost(decision.batch)
+        batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
+        for s in seqs:
+            m = s.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        return StepPlan(decision, batch, seqs, now, cost)
+
+    def _work(self, seq: SequenceState) -> SequenceWork:
+        job = seq.job
+        tokens = seq.token_ids
+        want_plp = seq.request.params.prompt_logprobs is not None and job.num_generated == 0
+        return SequenceWork(
+            job_id=job.job_id,
+            token_ids=tokens[job.num_computed : job.context_len],
+            start_pos=job.num_computed,
+            block_table=self.kv.block_table(job.job_id),
+            params=seq.request.params,
+            generator=seq.generator,
+            num_generated=job.num_generated,
+            want_prompt_logprobs=want_plp and seq.request.prompt_logprobs is None,
+            prompt_token_ids=seq.request.prompt_ids if want_plp else [],
+        )
+
+    def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
+        end = self.clock.now()
+        touched: dict[str, RequestState] = {}
+        for seq, res in zip(plan.seqs, result.results):
+            req = seq.request
+            if seq.finished:  # aborted while the step ran
+                continue
+            if req.request_id not in touched:
+                req.metrics.executing_s += end - plan.start_time
+                touched[req.request_id] = req
+            self._append_token(seq, res, end)
+        self.scheduler.on_step_done(plan.decision.batch, end, plan.cost)
+        self.num_steps += 1
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._finish_request(req) if req.finished else req.to_output())
+        return outputs
+
+    def fail_step(self, plan: StepPlan, message: str) -> list[RequestOutput]:
+        ids = dict.fromkeys(s.request.request_id for s in plan.seqs)
+        return [out for rid in ids if (out := self.fail(rid, message)) is not None]
+
+    def _append_token(self, seq: SequenceState, res, now: float) -> None:
+        job, req, params = seq.job, seq.request, seq.request.params
+        job.num_computed = job.context_len
+        token = res.token_id
+        seq.output_ids.append(token)
+        job.num_generated += 1
+        if seq.logprobs is not None and res.logprobs is not None:
+            seq.logprobs.append(res.logprobs)
+        if res.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = res.prompt_logprobs
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        old_len = len(seq.text)
+        seq.text += seq.detokenizer.step([token])
+        ending: tuple[str, int | None] | None = None
+        if token in params.stop_token_ids:
+            ending = ("stop", token)
+        elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
+            ending = ("stop", None)
+        elif job.num_generated >= params.max_tokens or job.context_len >= self.max_model_len:
+            ending = ("length", None)
+        if ending is not None:
+            seq.text += seq.detokenizer.flush()
+        if not seq.check_stop_strings(old_len) and ending is not None:
+            seq.finish(*ending)
+        if seq.finished:
+            self._release(seq)
+
+    def _release(self, seq: SequenceState) -> None:
+        self.kv.free(seq.job.job_id)
+        self.scheduler.remove(seq.job)
+        self._seq_of_job.pop(seq.job.job_id, None)
+
+    def _finish_request(self, req: RequestState) -> RequestOutput:
+        m = req.metrics
+        m.finished_time = self.clock.now()
+        m.preemptions = sum(s.job.num_preemptions for s in req.seqs)
+        m.queued_s = max(0.0, (m.finished_time - m.arrival_time) - m.executing_s - m.swap_wait_s)
+        self.requests.pop(req.request_id, None)
+        return req.to_output()

@@ -1,0 +1,69 @@
+"""LLM: the offline API, with vLLM's shapes.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model=None)                       # None: the built-in tiny model
+    outs = llm.generate(["Hello", [2, 100, 7]], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].text
+
+engine_args are the CLI flags in snake_case (engine/config.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.engine import Engine, Prompt
+from engine.errors import ValidationError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    if isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes):
+        return list(prompts)
+    raise ValidationError("prompts must be a string, a list of token ids, or a list of those", param="prompt")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        unknown = set(engine_args) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise ValidationError(
+                    f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts; pass one, or one per prompt"
+                )
+        # Validate every request before admitting any, so a bad one changes nothing.
+        states = [
+            self.engine.prepare_request(str(next(self._ids)), p, sp) for p, sp in zip(prompt_list, param_list)
+        ]
+        for st in states:
+            self.engine.admit(st)
+        finished: dict[str, RequestOutput] = {}
+        wanted = {st.request_id for st in states}
+        while wanted - finished.keys():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[st.request_id] for st in states]

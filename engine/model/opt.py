@@ -1,0 +1,134 @@
+"""OPTStage: one pipeline stage of OPT, on one tensor-parallel rank, computing
+flattened batches over a paged KV cache.
+
+Computes what Hugging Face's OPTForCausalLM computes (checked in
+tests/test_model_reference.py): learned positions with OPT's offset of 2,
+pre-LN blocks (do_layer_norm_before=True) or post-LN blocks (opt-350m),
+project_in / project_out when word_embed_proj_dim != hidden_size, ReLU FFN,
+the final layer norm when the config has one, lm_head tied to the embeddings.
+
+A stage owns layers `layout.stage_layers(n)`; the first stage embeds tokens,
+the last computes logits. Parameter names follow Hugging Face's, without the
+`model.decoder.` prefix, with q/k/v fused into `qkv_proj` (engine/loader.py
+maps checkpoints onto them). Embeddings and lm_head are replicated across
+tensor-parallel ranks; attention heads and FFN columns are split.
+
+Legend: T tokens in the flattened batch, S sequences, E hidden size,
+P word_embed_proj_dim, V vocab size, H local heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from engine.model.config import POSITION_OFFSET, OPTConfig
+from engine.model.layers import ColumnParallelLinear, RowParallelLinear
+from engine.parallel import TensorParallelGroup
+from kernels.paged_attention import AttentionMetadata, paged_attention
+
+
+class OPTAttention(nn.Module):
+    def __init__(self, cfg: OPTConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.num_heads = tp.layout.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        e = cfg.hidden_size
+        # One matmul for q, k, v: rows [q | k | v], each this rank's heads.
+        self.qkv_proj = ColumnParallelLinear(e, 3 * e, cfg.enable_bias, tp)
+        self.out_proj = RowParallelLinear(e, e, cfg.enable_bias, tp)
+
+    def forward(
+        self, x: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, E] -> [T, E]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
+        out = paged_attention(q, k, v, kv_cache, layer, meta, self.scale)  # [T, H, D]
+        return self.out_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class OPTDecoderLayer(nn.Module):
+    def __init__(self, cfg: OPTConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.pre_ln = cfg.do_layer_norm_before
+        affine = cfg.layer_norm_elementwise_affine
+        self.self_attn = OPTAttention(cfg, tp)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_dim, cfg.enable_bias, tp)
+        self.fc2 = RowParallelLinear(cfg.ffn_dim, cfg.hidden_size, cfg.enable_bias, tp)
+        self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, elementwise_affine=affine)
+
+    def forward(self, h: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
+        # [T, E] -> [T, E]
+        residual = h
+        if self.pre_ln:
+            h = self.self_attn_layer_norm(h)
+        h = residual + self.self_attn(h, kv_cache, layer, meta)
+        if not self.pre_ln:
+            h = self.self_attn_layer_norm(h)
+        residual = h
+        if self.pre_ln:
+            h = self.final_layer_norm(h)
+        h = residual + self.fc2(F.relu(self.fc1(h)))
+        if not self.pre_ln:
+            h = self.final_layer_norm(h)
+        return h
+
+
+class OPTStage(nn.Module):
+    def __init__(self, cfg: OPTConfig, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        layout = tp.layout
+        self.cfg = cfg
+        self.layer_range = layout.stage_layers(cfg.num_hidden_layers)
+        self.is_first = layout.is_first_stage
+        self.is_last = layout.is_last_stage
+        e, p = cfg.hidden_size, cfg.word_embed_proj_dim
+        if self.is_first or self.is_last:  # the last stage needs it for the tied lm_head
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, p)
+            self.embed_tokens.weight.requires_grad_(False)
+        if self.is_first:
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, e)
+            self.embed_positions.weight.requires_grad_(False)
+            self.project_in = nn.Linear(p, e, bias=False) if cfg.has_projections else None
+        self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp) for _ in self.layer_range)
+        if self.is_last:
+            affine = cfg.layer_norm_elementwise_affine
+            self.final_layer_norm = (
+                nn.LayerNorm(e, elementwise_affine=affine) if cfg.has_final_layer_norm else None
+            )
+            self.project_out = nn.Linear(e, p, bias=False) if cfg.has_projections else None
+        self.requires_grad_(False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_range)
+
+    def forward(
+        self,
+        inputs: torch.Tensor,  # first stage: token ids [T] long; later stages: hidden [T, E]
+        positions: torch.Tensor,  # [T] long, 0-based position of each token in its sequence
+        kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], L = this stage's layers
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        if self.is_first:
+            h = self.embed_tokens(inputs)  # [T, P]
+            if self.project_in is not None:
+                h = self.project_in(h)  # [T, E]
+            h = h + self.embed_positions(positions + POSITION_OFFSET)
+        else:
+            h = inputs
+        for i, layer in enumerate(self.layers):
+            h = layer(h, kv_cache, i, meta)
+        return h
+
+    def compute_logits(self, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Logits of the selected rows: [T, E] x [S] -> [S, V] (float32)."""
+        h = h[indices]
+        if self.final_layer_norm is not None:
+            h = self.final_layer_norm(h)
+        if self.project_out is not None:
+            h = self.project_out(h)  # [S, P]
+        return F.linear(h, self.embed_tokens.weight).float()

@@ -1,0 +1,104 @@
+"""RequestState and SequenceState: what the engine tracks per request while
+it runs — token ids, detokenizer, stop checks — beside the scheduler's Job.
+
+A request with n > 1 has n sequences, each its own Job (no KV is shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+from scheduler.job import Job
+
+
+@dataclass(eq=False)
+class SequenceState:
+    request: RequestState
+    index: int
+    job: Job
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    text: str = ""  # output text so far (cut at a stop string)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def check_stop_strings(self, old_len: int) -> bool:
+        """Cut the text at the first stop string that newly appeared; True if one did."""
+        stops = self.request.params.stop_strings
+        if not stops:
+            return False
+        longest = max(len(s) for s in stops)
+        search_from = max(0, old_len - longest + 1)
+        hits = [(i, s) for s in stops if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        idx, stop = min(hits)
+        self.text = self.text[:idx]
+        self.finish("stop", stop)
+        return True
+
+    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+            self.job.finished = True
+
+    def visible_text(self) -> str:
+        """Text safe to show now: while running, a tail that may begin a stop string is held back."""
+        stops = self.request.params.stop_strings
+        if self.finished or not stops:
+            return self.text
+        hold = max(len(s) for s in stops) - 1
+        return self.text[: max(0, len(self.text) - hold)]
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.visible_text(),
+            token_ids=list(self.output_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            error=self.error,
+        )
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[SequenceState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            outputs=[s.to_output() for s in self.seqs],
+            finished=self.finished,
+            metrics=replace(self.metrics),
+            prompt_logprobs=self.prompt_logprobs,
+        )

@@ -1,0 +1,131 @@
+"""Attention over a paged KV cache, and the cache write: plain-torch reference.
+
+What it is: pure functions on tensors that run on any device (CPU here, CUDA
+where present). What it is not: a fast kernel; fused CUDA paths come later
+and are tested against these.
+
+Legend
+    T   tokens in the flattened batch (every job's new tokens, concatenated)
+    S   sequences (jobs) in the batch
+    H   attention heads on this tensor-parallel rank
+    D   head dim
+    NB  blocks in the stage's KV cache, bs = block size, MB = max blocks per job
+    L   layers of this pipeline stage
+
+KV cache layout, block-major: kv_cache[NB, L, 2, bs, H, D]. One block holds
+K (index 0) and V (index 1) of every layer of the stage for bs tokens, so an
+offload or upload of a block is one contiguous copy. Token t of a job lives
+at block_table[t // bs], offset t % bs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's KV goes and what each sequence attends to."""
+
+    slot_blocks: torch.Tensor  # [T] long: block id of each new token's KV
+    slot_offsets: torch.Tensor  # [T] long: offset in that block
+    # Sequences with nothing cached before this step (prefill, or recompute):
+    # (start, end) spans of the flat token dim; they attend causally to themselves.
+    fresh_spans: list[tuple[int, int]]
+    # Sequences with one new token (decode), batched together.
+    decode_token_index: torch.Tensor  # [S_d] long: position of each one in the flat token dim
+    decode_block_tables: torch.Tensor  # [S_d, MB] long (padded with 0)
+    decode_context_lens: torch.Tensor  # [S_d] long: tokens attended to, including the new one
+    # Sequences with several new tokens after a cached prefix (chunked prefill):
+    # (start, end, block_table [MB] long, context_len).
+    partial: list[tuple[int, int, torch.Tensor, int]]
+
+
+def write_kv(
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    meta: AttentionMetadata,
+) -> None:
+    kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
+    kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    block_tables: torch.Tensor,  # [S, MB]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole block tables, contiguous: two [S, MB * bs, H, D]."""
+    s, mb = block_tables.shape
+    blocks = kv_cache[block_tables, layer]  # [S, MB, 2, bs, H, D]
+    _, _, _, bs, h, d = blocks.shape
+    return blocks[:, :, 0].reshape(s, mb * bs, h, d), blocks[:, :, 1].reshape(s, mb * bs, h, d)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Write this step's K/V into the cache, then attend every new token to its
+    sequence's context (causally)."""
+    write_kv(kv_cache, layer, k, v, meta)
+    out = torch.empty_like(q)
+    for start, end in meta.fresh_spans:
+        # [1, H, n, D] each
+        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1)
+    if meta.decode_token_index.numel():
+        out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], kv_cache, layer, meta, scale)
+    for start, end, table, context_len in meta.partial:
+        out[start:end] = _partial_attention(q[start:end], kv_cache, layer, table, context_len, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [S_d, H, D]
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [S_d, H, D]
+    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables)  # [S_d, C, H, D], C = MB * bs
+    c = keys.shape[1]
+    valid = torch.arange(c, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [S_d, C]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [S_d, H, 1, D]
+        keys.transpose(1, 2),  # [S_d, H, C, D]
+        values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],  # [S_d, 1, 1, C]
+        scale=scale,
+    )  # [S_d, H, 1, D]
+    return out.squeeze(2)
+
+
+def _partial_attention(
+    q: torch.Tensor,  # [n, H, D]: the last n tokens of a context of context_len
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,  # [MB]
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:  # [n, H, D]
+    keys, values = gather_kv(kv_cache, layer, block_table[None])
+    keys, values = keys[0, :context_len], values[0, :context_len]  # [C, H, D]
+    n = q.shape[0]
+    # Query i sits at position context_len - n + i and sees keys 0..that position.
+    q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, C]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+    )  # [H, n, D]
+    return out.transpose(0, 1)

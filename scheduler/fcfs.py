@@ -1,0 +1,114 @@
+"""FCFS: iteration-level, run-to-completion batching, as vLLM and Orca do it.
+
+Rule (DESIGN.md, "FCFS, once"):
+- a running job is never preempted by policy;
+- waiting jobs join in arrival order while batch slots, the batched-token
+  budget and device KV memory allow (admission stops at the first that does
+  not fit: no overtaking);
+- when a running job cannot grow because device KV is exhausted, the newest
+  running job is preempted (memory/ drops it for recompute, or offloads it
+  under a swapping kv-policy) and goes back to the head of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.job import Job
+from scheduler.policy import KVAdmission, PolicyName, ScheduleDecision, SchedulingPolicy
+
+
+class FCFSPolicy(SchedulingPolicy):
+    name = PolicyName.FCFS
+
+    def __init__(self, config, cost) -> None:
+        super().__init__(config, cost)
+        self._running: list[Job] = []  # in admission order (oldest first)
+        self._waiting: list[Job] = []  # in arrival order
+
+    @property
+    def jobs(self) -> Sequence[Job]:
+        return self._running + self._waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add(self, job: Job, now: float) -> None:
+        self._waiting.append(job)
+
+    def remove(self, job: Job) -> None:
+        if job in self._running:
+            self._running.remove(job)
+        elif job in self._waiting:
+            self._waiting.remove(job)
+
+    def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
+        decision = ScheduleDecision()
+        tokens = 0
+        # 1. Running jobs grow, oldest first; the newest gives way when KV runs out.
+        i = 0
+        while i < len(self._running):
+            job = self._running[i]
+            n = job.num_new_tokens
+            # The slot check matters when running jobs were skipped (not ready) and more joined.
+            full = len(decision.batch) >= self.config.max_num_seqs
+            if full or not job.ready or not self._fits_token_budget(tokens, job, len(decision.batch)):
+                i += 1
+                continue
+            while not kv.can_fit(job, n):
+                victim = self._running[-1]
+                self._preempt(victim, kv, decision)
+                if victim is job:
+                    break
+            else:
+                kv.allocate(job, n)
+                decision.batch.append(job)
+                tokens += n
+                i += 1
+        # 2. Waiting jobs join in arrival order, unless memory just forced a preemption.
+        while not decision.preempted and self._waiting and len(decision.batch) < self.config.max_num_seqs:
+            job = self._waiting[0]
+            n = job.num_new_tokens
+            if not job.ready or not self._fits_token_budget(tokens, job, len(decision.batch)):
+                break
+            if not kv.can_fit(job, n):
+                break
+            kv.allocate(job, n)
+            self._waiting.pop(0)
+            self._running.append(job)
+            decision.batch.append(job)
+            tokens += n
+        for job in decision.batch:
+            if job.first_scheduled_time is None:
+                job.first_scheduled_time = now
+            job.last_scheduled_time = now
+        return decision
+
+    def _preempt(self, victim: Job, kv: KVAdmission, decision: ScheduleDecision) -> None:
+        self._running.remove(victim)
+        kv.evict(victim)
+        victim.num_preemptions += 1
+        decision.preempted.append(victim)
+        # Back to the head of the queue, keeping arrival order among waiters; it was admitted
+        # before every waiter of the same arrival time, so it goes ahead of them.
+        pos = 0
+        while pos < len(self._waiting) and self._waiting[pos].arrival_time < victim.arrival_time:
+            pos += 1
+        self._waiting.insert(pos, victim)
+
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        for job in batch:
+            job.service_total += cost
+            job.last_scheduled_time = now
+
+    def estimated_wait(self, job: Job, now: float) -> float:
+        """Queue position times the cost of one decode step (0 when running)."""
+        if job in self._running:
+            return 0.0
+        pos = self._waiting.index(job) if job in self._waiting else 0
+        return (pos + 1) * self.cost.t_dec(max(1, len(self._running)), job.context_len)

@@ -1,0 +1,68 @@
+"""Job: the per-sequence state that scheduling policies read and update.
+
+What it is: one schedulable sequence (a request with n > 1 has n jobs), its
+lengths, its place in the MLFQ, and the service it has been charged on the
+engine's clock. What it is not: a holder of tokens, tensors or KV blocks; the
+engine keeps token ids, memory/ keeps block ids.
+
+Pure Python: scheduler/ never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Job:
+    job_id: str
+    prompt_len: int
+    max_new_tokens: int
+    arrival_time: float
+    # The true output length: given only to the SRPT oracle (simulation, tests).
+    true_output_len: int | None = None
+
+    num_generated: int = 0  # output tokens sampled so far
+    num_computed: int = 0  # tokens whose KV is in the cache (reset to 0 when KV is dropped)
+
+    queue: int = 0  # MLFQ level, 0 = Q1 (the highest priority)
+    service_in_queue: float = 0.0  # profiled seconds charged while in the current queue
+    last_scheduled_time: float = field(default=-1.0)  # engine clock; arrival_time until first run
+
+    ready: bool = True  # all KV on the device, no copy pending, not in flight in a pipeline stage
+    finished: bool = False
+
+    # Telemetry.
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    num_promotions: int = 0
+    num_demotions: int = 0
+    service_total: float = 0.0  # profiled seconds charged over the job's life
+
+    def __post_init__(self) -> None:
+        if self.last_scheduled_time < 0:
+            self.last_scheduled_time = self.arrival_time
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the sequence: the prompt plus every sampled output token."""
+        return self.prompt_len + self.num_generated
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens the next iteration computes: the whole prompt (or, after a drop,
+        prompt + output so far) on a first iteration, else the one new token."""
+        return self.context_len - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed == 0
+
+    def starve_time(self, now: float) -> float:
+        """Seconds since the job last ran (or arrived), on the engine clock."""
+        return now - self.last_scheduled_time
+
+    def remaining_tokens(self) -> int:
+        """Output tokens still to generate, as far as the scheduler may know."""
+        target = self.true_output_len if self.true_output_len is not None else self.max_new_tokens
+        return max(0, target - self.num_generated)

@@ -1,0 +1,143 @@
+"""The interface every scheduling policy implements, and the two narrow
+protocols it talks through: the cost model (profiled iteration times) and the
+KV admission verbs that memory/ provides.
+
+A policy decides *which jobs run* each iteration. It never touches tensors or
+block ids: it asks `kv.can_fit(job, n)` / `kv.allocate(job, n)` for room and
+`kv.evict(job)` to give a job's device blocks back (memory/ chooses whether
+that is a drop for recompute or an offload), and reads `job.ready`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.job import Job
+
+
+class PolicyName(str, enum.Enum):
+    FCFS = "fcfs"
+    SKIP_JOIN_MLFQ = "skip-join-mlfq"
+    MLFQ = "mlfq"
+    FIXED_PRIORITY = "fixed-priority"
+    SRPT = "srpt"  # oracle: simulation and tests only
+
+
+class CostModel(Protocol):
+    """Profiled iteration costs in seconds (see scheduler/cost_model.py)."""
+
+    def t_init(self, prompt_len: int) -> float:
+        """Time of a first iteration (prefill) of a prompt of this length, alone."""
+        ...
+
+    def t_dec(self, batch_size: int, context_len: int) -> float:
+        """Time of one decode iteration of `batch_size` jobs of this mean context."""
+        ...
+
+    def iteration_cost(self, jobs: Sequence[Job]) -> float:
+        """Profiled time of one iteration that runs exactly these jobs."""
+        ...
+
+
+class KVAdmission(Protocol):
+    """The verbs a policy may use on memory/ (implemented by memory.KVManager)."""
+
+    def can_fit(self, job: Job, num_new_tokens: int) -> bool:
+        """Whether the job's KV can grow by num_new_tokens on the device now
+        (counting the allocations already made this tick)."""
+        ...
+
+    def allocate(self, job: Job, num_new_tokens: int) -> None:
+        """Reserve device room for the job's next num_new_tokens (after can_fit)."""
+        ...
+
+    def evict(self, job: Job) -> None:
+        """Give back the job's device blocks. Afterwards job.num_computed says
+        what survived (0: dropped, to be recomputed) and job.ready whether it
+        can run without a transfer."""
+        ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: PolicyName = PolicyName.SKIP_JOIN_MLFQ
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
+    quantum_ratio: float = 2.0
+    demotion_step: int = 1  # eta: queues dropped per demotion
+    max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.starvation_threshold is not None and not self.starvation_threshold > 0:
+            raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
+        if not self.quantum_ratio > 1:
+            raise ValueError(f"quantum_ratio must be > 1, got {self.quantum_ratio}")
+        if self.demotion_step < 1:
+            raise ValueError(f"demotion_step must be >= 1, got {self.demotion_step}")
+        if self.max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1 token, got {self.max_prompt_len}")
+
+
+@dataclass
+class ScheduleDecision:
+    # The jobs that run this iteration, each computing job.num_new_tokens tokens.
+    batch: list[Job] = field(default_factory=list)
+    # Jobs that ran last iteration but not in this one (by policy or for memory).
+    preempted: list[Job] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(j.num_new_tokens for j in self.batch)
+
+
+class SchedulingPolicy(ABC):
+    """Owns the set of unfinished jobs and orders them.
+
+    The engine calls, per iteration: schedule(now, kv) -> run the batch ->
+    on_step_done(batch, now, cost); and add/remove as jobs arrive and end.
+    """
+
+    name: PolicyName
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+
+    @abstractmethod
+    def add(self, job: Job, now: float) -> None: ...
+
+    @abstractmethod
+    def remove(self, job: Job) -> None:
+        """Forget a job that finished or was aborted (its KV is freed by the engine)."""
+
+    @abstractmethod
+    def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision: ...
+
+    @abstractmethod
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        """Charge every job of the batch the iteration's profiled cost."""
+
+    @abstractmethod
+    def estimated_wait(self, job: Job, now: float) -> float:
+        """Estimated time until the job is next scheduled (ENST for MLFQ policies)."""
+
+    @property
+    @abstractmethod
+    def jobs(self) -> Sequence[Job]:
+        """Every unfinished job the policy holds."""
+
+    def has_work(self) -> bool:
+        return bool(self.jobs)
+
+    def _fits_token_budget(self, tokens_so_far: int, job: Job, batch_len: int) -> bool:
+        """The batched-token limit; a job too large for it runs alone rather than never."""
+        return batch_len == 0 or tokens_so_far + job.num_new_tokens <= self.config.max_num_batched_tokens

@@ -1,0 +1,51 @@
+"""Shared fixtures: real checkpoints written to disk in Hugging Face layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.model_maker import opt_config, write_opt_checkpoint
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+# Small OPT shapes for reference tests: a pre-LN one and an opt-350m-like post-LN one with project_in/out.
+SMALL_PRE_LN = dict(vocab_size=512, max_position_embeddings=256, hidden_size=64, num_hidden_layers=3,
+                    num_attention_heads=4, ffn_dim=128)
+SMALL_POST_LN = dict(SMALL_PRE_LN, word_embed_proj_dim=32, do_layer_norm_before=False)
+
+
+def shared_dataset(relpath: str) -> Path:
+    path = SHARED / "datasets" / relpath
+    if not path.exists():
+        pytest.skip(f"shared dataset {relpath} is not present at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The built-in tiny model (tokenizer + weights), built once per session."""
+    from engine.default_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-opt")
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory, tiny_model_dir):
+    """Factory: a small random OPT checkpoint with the tiny tokenizer files, cached per shape."""
+    cache: dict[tuple, Path] = {}
+
+    def make(shape: dict, weight_format: str = "safetensors", seed: int = 0, prefix: str = "model.decoder.") -> Path:
+        key = (tuple(sorted(shape.items())), weight_format, seed, prefix)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("ckpt")
+            cfg = opt_config(**shape)
+            write_opt_checkpoint(out, cfg, seed=seed, weight_format=weight_format, prefix=prefix)
+            for f in tiny_model_dir.iterdir():
+                if f.name not in ("config.json", "model.safetensors"):
+                    (out / f.name).write_bytes(f.read_bytes())
+            cache[key] = out
+        return cache[key]
+
+    return make
