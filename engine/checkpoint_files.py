@@ -80,7 +80,7 @@ class CheckpointFiles:
                     ) from None
                 if not isinstance(state, dict):
                     raise CheckpointError(f"{path.name} does not hold a state dict")
-                for name, tensor in state.items():
+                for name in state:
                     self._where[name] = state
         return self
 

@@ -53,9 +53,11 @@ class EngineConfig:
              "tensor/pipeline parallelism > 1 needs the multi-process executor, which is not built yet; "
              "use --tensor-parallel-size 1 --pipeline-parallel-size 1")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two <= 128, got {self.block_size}")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+             f"block_size must be a power of two <= 128, got {self.block_size}")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              "num_gpu_blocks_override must be >= 1")
@@ -63,7 +65,8 @@ class EngineConfig:
         policies = [p.value for p in PolicyName if p is not PolicyName.SRPT]
         need(self.scheduling_policy in policies + [PolicyName.SRPT.value],
              f"scheduling_policy must be one of {', '.join(policies)}; got {self.scheduling_policy!r}")
-        need(self.kv_policy in KV_POLICIES, f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {self.kv_policy!r}")
+        need(self.kv_policy in KV_POLICIES,
+             f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {self.kv_policy!r}")
         need(self.starvation_threshold is None or self.starvation_threshold > 0, "starvation_threshold must be > 0")
         need(self.quantum_ratio > 1, "quantum_ratio must be > 1")
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")

@@ -122,7 +122,8 @@ class Engine:
             seed = params.sequence_seed(k)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            req.seqs.append(SequenceState(req, k, job, detok, gen, logprobs=[] if params.logprobs is not None else None))
+            logprobs = [] if params.logprobs is not None else None
+            req.seqs.append(SequenceState(req, k, job, detok, gen, logprobs=logprobs))
         return req
 
     def admit(self, req: RequestState) -> None:
@@ -250,7 +251,8 @@ class Engine:
                 req.metrics.executing_s += end - plan.start_time
                 touched[req.request_id] = req
             self._append_token(seq, res, end)
-        self.scheduler.on_step_done(plan.decision.batch, end, plan.cost)
+        # Finished and aborted jobs have left the scheduler already: charge the rest.
+        self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
         self.num_steps += 1
         outputs = []
         for req in touched.values():

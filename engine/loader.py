@@ -119,7 +119,7 @@ def load_model_stage(
             _fill(files, name, param, target, layout.tp_rank, layout.tp_size)
             filled.add((target.param, target.part))
     missing = []
-    for pname, param in params.items():
+    for pname in params:
         parts = (0, 1, 2) if ".qkv_proj." in pname else (None,)
         missing += [pname for p in parts if (pname, p) not in filled]
     if missing:

@@ -37,10 +37,11 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)  # [S, V], raw model distribution
         masked = self._mask_min_tokens(logits, seqs, eos_token_id)
         tokens = self._sample(masked, seqs)
-        return [
-            SequenceResult(t, _top_logprobs(logprobs[i], t, s.params.logprobs) if s.params.logprobs is not None else None)
-            for i, (t, s) in enumerate(zip(tokens, seqs))
-        ]
+        results = []
+        for i, (t, s) in enumerate(zip(tokens, seqs)):
+            k = s.params.logprobs
+            results.append(SequenceResult(t, _top_logprobs(logprobs[i], t, k) if k is not None else None))
+        return results
 
     @staticmethod
     def _mask_min_tokens(logits: torch.Tensor, seqs: list[SequenceWork], eos: int | None) -> torch.Tensor:

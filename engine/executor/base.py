@@ -18,5 +18,5 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, batch: ModelBatch) -> BatchResult: ...
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release workers and device memory (nothing to do in process)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import BatchResult, ModelBatch, SequenceResult
+from engine.batch import BatchResult, ModelBatch
 from engine.executor.base import Executor
 from engine.kv_cache import allocate_kv_cache, num_device_blocks
 from engine.loader import load_model_stage

@@ -41,7 +41,9 @@ class OPTConfig:
                 f"num_attention_heads {self.num_attention_heads}"
             )
         if self.activation_function != "relu":
-            raise CheckpointError(f"config.json: activation_function {self.activation_function!r} is not supported (OPT uses relu)")
+            raise CheckpointError(
+                f"config.json: activation_function {self.activation_function!r} is not supported (OPT uses relu)"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,43 @@
+# FastServe: `make serve` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: serve test test-slow lint model bench experiments clean
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-test.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+models/tiny-opt/config.json: $(STAMP)
+	$(PY) scripts/make_tiny_model.py --out models/tiny-opt
+
+model: models/tiny-opt/config.json
+
+## serve: the OpenAI-compatible server on 127.0.0.1:8000 (the built-in tiny model unless ARGS="--model DIR")
+serve: $(STAMP) models/tiny-opt/config.json
+	$(PY) server.py $(ARGS)
+
+## test: lint + the test suite (slow tests excluded; see test-slow)
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not slow and not cuda" $(ARGS)
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "slow" $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench: $(STAMP)
+	$(PY) scripts/bench_engine.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache

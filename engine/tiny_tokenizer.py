@@ -1,0 +1,77 @@
+"""Training of the built-in tiny model's tokenizer.
+
+What this is: `train_tiny_tokenizer`, which trains a byte-level BPE (GPT-2/OPT style) on the small English
+corpus in scripts/data/tiny_corpus.txt and writes it in OPT's Hugging Face layout, so that both
+`engine.tokenizer.Tokenizer` and transformers' AutoTokenizer load it and give the same ids (BOS "</s>" first).
+Training is deterministic: the same files, byte for byte, on every run and machine.
+
+What this is not: a tokenizer for real text (the corpus is ~26 KB; OPT checkpoints ship their own), and
+not the loader (engine/tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+
+from engine.tokenizer import Tokenizer, TokenizerError
+
+CORPUS = Path(__file__).resolve().parents[1] / "scripts" / "data" / "tiny_corpus.txt"
+SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3, as in OPT's vocab.json
+BYTE_ALPHABET_SIZE = 256  # byte-level BPE starts from every byte, so any text can be encoded
+
+# The HF configs of facebook/opt-*: BOS and EOS are both "</s>", and BOS is prepended to every text.
+_SPECIAL_TOKENS_MAP = {"bos_token": "</s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+_TOKENIZER_CONFIG = {
+    **_SPECIAL_TOKENS_MAP,
+    "add_bos_token": True,
+    "add_prefix_space": False,
+    "errors": "replace",
+    "model_max_length": 2048,
+    "tokenizer_class": "GPT2Tokenizer",
+}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def train_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 4096) -> Tokenizer:
+    """Train on scripts/data/tiny_corpus.txt and write tokenizer.json, vocab.json, merges.txt,
+    tokenizer_config.json and special_tokens_map.json into `out_dir`; return the loaded tokenizer.
+
+    `vocab_size` is an upper bound: training stops early once every word of the corpus is one token.
+    """
+    min_size = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
+    if vocab_size < min_size:
+        raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs {min_size} or more")
+    if not CORPUS.is_file():
+        raise TokenizerError(f"tiny tokenizer corpus {CORPUS} is missing")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # The same pipeline transformers' GPT2Tokenizer builds for OPT (see engine/tokenizer.py).
+    backend = tokenizers.Tokenizer(models.BPE(fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Rust's trainer breaks ties in pair counts by pair ids, not by hash order, so the result does not
+    # depend on thread count or hash seeds; tests/test_tokenizer.py checks this byte for byte.
+    backend.train([str(CORPUS)], trainer)
+    bos = ("</s>", backend.token_to_id("</s>"))
+    backend.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[bos])
+
+    backend.save(str(out / "tokenizer.json"), pretty=True)
+    backend.model.save(str(out))  # vocab.json + merges.txt
+    _write_json(out / "tokenizer_config.json", _TOKENIZER_CONFIG)
+    _write_json(out / "special_tokens_map.json", _SPECIAL_TOKENS_MAP)
+    return Tokenizer.from_pretrained(out)

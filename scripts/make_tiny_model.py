@@ -1,0 +1,68 @@
+"""Write random-weight OPT checkpoints in Hugging Face layout.
+
+    python scripts/make_tiny_model.py --out models/tiny-opt               # the built-in tiny model
+    python scripts/make_tiny_model.py --shape opt-125m --out models/opt-125m-random
+    python scripts/make_tiny_model.py --shape opt-66b --out models/opt-66b-config   # config only
+
+Deterministic: the same bytes on every machine. opt-125m, opt-350m and
+opt-1.3b get weights (fp32 on disk unless --dtype); larger shapes get a
+config.json only (for the profiler and simulator), unless --weights is given.
+Every checkpoint carries the tiny model's tokenizer (its ids are a subset of
+OPT's vocabulary size; real OPT checkpoints bring their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.default_model import DEFAULT_MODEL_DIR, build_tiny_model, default_model_dir  # noqa: E402
+from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
+
+WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tiny", choices=["tiny", *OPT_SHAPES], help="model shape (default: tiny)")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default: models/<shape>)")
+    ap.add_argument("--format", default="safetensors", choices=["safetensors", "sharded", "bin"],
+                    help="weight file layout")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--weights", action="store_true", help="write weights even for shapes above opt-1.3b")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="overwrite an existing directory")
+    args = ap.parse_args(argv)
+
+    out = args.out or (DEFAULT_MODEL_DIR if args.shape == "tiny" else Path("models") / f"{args.shape}-random")
+    if (out / "config.json").exists():
+        if not args.force:
+            print(f"{out} already exists (use --force to rewrite it)")
+            return 0
+        shutil.rmtree(out)
+    if args.shape == "tiny":
+        build_tiny_model(out)
+        print(f"wrote the tiny model to {out}")
+        return 0
+    with_weights = args.shape in WEIGHTS_BY_DEFAULT or args.weights
+    cfg = opt_config(**OPT_SHAPES[args.shape])
+    write_opt_checkpoint(out, cfg, seed=args.seed, weight_format=args.format if with_weights else "none",
+                         dtype=getattr(torch, args.dtype))
+    tiny = default_model_dir()
+    for name in TOKENIZER_FILES:
+        if (tiny / name).exists():
+            shutil.copyfile(tiny / name, out / name)
+    what = "weights" if with_weights else "config only"
+    print(f"wrote {args.shape} ({what}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Checkpoint loading: every layout loads to the same model; every bad
+checkpoint fails with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import fractions
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.errors import CheckpointError
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_maker import opt_config, write_opt_checkpoint
+from engine.parallel import ParallelLayout, TensorParallelGroup
+from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
+
+
+def load(path, layout: ParallelLayout | None = None):
+    group = TensorParallelGroup(layout or ParallelLayout())
+    return load_model_stage(path, OPTConfig.from_model_dir(path), group, "float32", "cpu")
+
+
+def state(stage) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in stage.state_dict().items()}
+
+
+@pytest.mark.parametrize("shape", [SMALL_PRE_LN, SMALL_POST_LN], ids=["pre-ln", "post-ln"])
+def test_every_layout_loads_the_same_weights(shape, tmp_path):
+    cfg = opt_config(**shape)
+    ref = None
+    for fmt, prefix in [("safetensors", "model.decoder."), ("sharded", "model.decoder."), ("bin", "model.decoder."),
+                        ("safetensors", "decoder.")]:
+        d = write_opt_checkpoint(tmp_path / f"{fmt}-{prefix}", cfg, seed=3, weight_format=fmt, prefix=prefix)
+        sd = state(load(d))
+        if ref is None:
+            ref = sd
+            continue
+        assert sd.keys() == ref.keys()
+        for k in sd:
+            assert torch.equal(sd[k], ref[k]), f"{fmt}/{prefix}: {k} differs"
+
+
+def test_qkv_is_fused_from_q_k_v(tmp_path):
+    d = write_opt_checkpoint(tmp_path / "m", opt_config(**SMALL_PRE_LN), seed=1)
+    raw = load_file(str(d / "model.safetensors"))
+    stage = load(d)
+    qkv = stage.layers[1].self_attn.qkv_proj.weight
+    e = SMALL_PRE_LN["hidden_size"]
+    for part, name in enumerate(["q_proj", "k_proj", "v_proj"]):
+        assert torch.equal(qkv[part * e : (part + 1) * e], raw[f"model.decoder.layers.1.self_attn.{name}.weight"])
+
+
+def test_tensor_and_pipeline_shards_cover_the_checkpoint(tmp_path):
+    """Each (tp, pp) rank loads its slice; the slices put together are the whole tensor."""
+    d = write_opt_checkpoint(tmp_path / "m", opt_config(**SMALL_PRE_LN), seed=2)
+    raw = load_file(str(d / "model.safetensors"))
+    tp = 2
+    stages = [load(d, ParallelLayout(tp_size=tp, pp_size=3, tp_rank=r, pp_rank=s)) for s in range(3) for r in range(tp)]
+    # 3 layers over 3 stages: layer 1 lives on stage 1, split over its 2 TP ranks.
+    s1 = [st for st in stages if st.layer_range == range(1, 2)]
+    fc1 = torch.cat([st.layers[0].fc1.weight for st in s1], dim=0)
+    fc2 = torch.cat([st.layers[0].fc2.weight for st in s1], dim=1)
+    assert torch.equal(fc1, raw["model.decoder.layers.1.fc1.weight"])
+    assert torch.equal(fc2, raw["model.decoder.layers.1.fc2.weight"])
+    assert not hasattr(s1[0], "embed_positions")  # embeddings live on the first stage only
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        OPTConfig.from_model_dir(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        OPTConfig.from_model_dir(tmp_path)
+
+
+def test_malformed_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        OPTConfig.from_model_dir(tmp_path)
+
+
+def test_config_missing_a_field(tmp_path):
+    cfg = opt_config(**SMALL_PRE_LN)
+    del cfg["ffn_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="ffn_dim"):
+        OPTConfig.from_model_dir(tmp_path)
+
+
+def test_architecture_not_opt(tmp_path):
+    cfg = dict(opt_config(**SMALL_PRE_LN), model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="only OPT models are supported"):
+        OPTConfig.from_model_dir(tmp_path)
+
+
+def test_no_weight_files(tmp_path):
+    write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN), weight_format="none")
+    with pytest.raises(CheckpointError, match="has no weights"):
+        load(tmp_path)
+
+
+def test_missing_tensor(tmp_path):
+    d = write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN))
+    sd = load_file(str(d / "model.safetensors"))
+    del sd["model.decoder.layers.2.fc1.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing .*layers\.2\.fc1\.weight"):
+        load(d)
+
+
+def test_shape_mismatch(tmp_path):
+    d = write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN))
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.decoder.layers.0.fc2.weight"] = torch.zeros(3, 3)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.fc2\.weight has shape \[3, 3\].*\[64, 128\]"):
+        load(d)
+
+
+def test_missing_shard_file(tmp_path):
+    d = write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN), weight_format="sharded")
+    next(d.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard files that are missing"):
+        load(d)
+
+
+def test_unexpected_keys_are_reported(tmp_path, caplog):
+    d = write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN))
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.decoder.something_else.weight"] = torch.zeros(2)
+    save_file(sd, str(d / "model.safetensors"))
+    with caplog.at_level(logging.WARNING):
+        load(d)
+    assert "something_else" in caplog.text
+
+
+def test_bin_is_loaded_weights_only(tmp_path):
+    """A .bin that needs full pickle (arbitrary objects) is refused, not executed."""
+    d = write_opt_checkpoint(tmp_path, opt_config(**SMALL_PRE_LN), weight_format="bin")
+    sd = torch.load(d / "pytorch_model.bin", weights_only=True)
+    sd["evil"] = fractions.Fraction(1, 3)  # an arbitrary class: only full pickle would import it
+    torch.save(sd, d / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights-only"):
+        load(d)
