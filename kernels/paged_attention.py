@@ -42,6 +42,7 @@ class AttentionMetadata:
     # Sequences with several new tokens after a cached prefix (chunked prefill):
     # (start, end, block_table [MB] long, context_len).
     partial: list[tuple[int, int, torch.Tensor, int]]
+    workspace: Workspace | None = None  # reused gather buffers (see Workspace)
 
 
 def write_kv(
@@ -55,16 +56,48 @@ def write_kv(
     kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
 
 
+class Workspace:
+    """Scratch buffers reused across layers and steps.
+
+    Large fresh allocations page-fault on first touch (the CPU allocator hands
+    big blocks back to the OS on free), which costs more than the copy itself;
+    gathering K/V into a reused buffer avoids that. Buffers only grow.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            grown = max(numel, int(1.25 * buf.numel())) if buf is not None else numel
+            buf = torch.empty(grown, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
 def gather_kv(
     kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
     layer: int,
     block_tables: torch.Tensor,  # [S, MB]
+    workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of whole block tables, contiguous: two [S, MB * bs, H, D]."""
     s, mb = block_tables.shape
-    blocks = kv_cache[block_tables, layer]  # [S, MB, 2, bs, H, D]
-    _, _, _, bs, h, d = blocks.shape
-    return blocks[:, :, 0].reshape(s, mb * bs, h, d), blocks[:, :, 1].reshape(s, mb * bs, h, d)
+    _, _, _, bs, h, d = kv_cache.shape
+    flat = block_tables.reshape(-1)
+    out = []
+    for kv in (0, 1):
+        src = kv_cache[:, layer, kv]  # [NB, bs, H, D], a strided view
+        if workspace is None:
+            dst = src.index_select(0, flat)
+        else:
+            dst = torch.index_select(src, 0, flat, out=workspace.get(f"kv{kv}", (s * mb, bs, h, d), kv_cache))
+        out.append(dst.view(s, mb * bs, h, d))
+    return out[0], out[1]
 
 
 def paged_attention(
@@ -98,7 +131,7 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
-    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables)  # [S_d, C, H, D], C = MB * bs
+    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, C, H, D], C = MB*bs
     c = keys.shape[1]
     valid = torch.arange(c, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [S_d, C]
     out = F.scaled_dot_product_attention(

@@ -49,9 +49,7 @@ class ProfiledCostModel:
 
     def __post_init__(self) -> None:
         if not self.prefill_lens or len(self.prefill_lens) != len(self.prefill_seconds):
-            raise ValueError(
-                "profile: prefill.prompt_lens and prefill.seconds must be non-empty and equal in length"
-            )
+            raise ValueError("profile: prefill.prompt_lens and .seconds must be non-empty and equal in length")
         for name, xs in (
             ("prefill.prompt_lens", self.prefill_lens),
             ("decode.batch_sizes", self.decode_batch_sizes),

@@ -20,7 +20,7 @@ from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.sampler import Sampler, prompt_logprobs
-from kernels.paged_attention import AttentionMetadata
+from kernels.paged_attention import AttentionMetadata, Workspace
 
 
 def resolve_device(device: str) -> torch.device:
@@ -62,6 +62,7 @@ class LocalExecutor(Executor):
         self.kv_cache = allocate_kv_cache(self.num_device_blocks, model_cfg, self.layout, block_size,
                                           self.dtype, self.device)
         self.sampler = Sampler(seed)
+        self.workspace = Workspace()
 
     def execute(self, batch: ModelBatch) -> BatchResult:
         start = time.perf_counter()
@@ -123,6 +124,7 @@ class LocalExecutor(Executor):
                                              dtype=torch.long, device=dev).reshape(len(dec_tables), max_blocks),
             decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
             partial=partial,
+            workspace=self.workspace,
         )
         return (
             torch.tensor(ids, device=dev),

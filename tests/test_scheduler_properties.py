@@ -1,0 +1,125 @@
+"""Property-based tests: every policy driven by random workloads on a virtual
+clock (tests/scheduler_sim.simulate), with a fake KV of a random block budget.
+
+Costs: t_init(L) = L/8 s, t_dec = 1 s at batch 1 rising to 2 s at batch 8;
+prompts 1..64 tokens (max_prompt_len 64: quanta [1, 2, 4, 8]).
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import Job, PolicyName, SchedulerConfig, SkipJoinMLFQPolicy, make_policy
+from tests.scheduler_sim import FakeKV, Spec, Tick, make_cost, simulate
+
+COST = make_cost(decode_at_batch_8=2.0)
+BLOCK = 4
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def workloads(draw) -> list[Spec]:
+    n = draw(st.integers(1, 12))
+    t, specs = 0.0, []
+    for i in range(n):
+        t += draw(st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0, 10.0]))  # bursts and gaps
+        specs.append(Spec(f"j{i}", t, draw(st.integers(1, 64)), draw(st.integers(1, 12))))
+    return specs
+
+
+@st.composite
+def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0)):
+    specs = draw(workloads())
+    largest = max(-(-(s.prompt_len + s.output_len) // BLOCK) for s in specs)  # so every job can fit
+    config = SchedulerConfig(
+        policy=draw(st.sampled_from(policies)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(16, 128)),
+        starvation_threshold=draw(st.sampled_from(alphas)),
+        demotion_step=draw(st.integers(1, 2)),
+        max_prompt_len=64,
+    )
+    kv = FakeKV(num_blocks=largest + draw(st.integers(0, 60)), block_size=BLOCK)
+    return config, specs, kv
+
+
+def check_batch_limits(config: SchedulerConfig, tick: Tick) -> None:
+    batch = tick.decision.batch
+    assert len(batch) <= config.max_num_seqs
+    assert len(batch) == 1 or tick.decision.num_tokens <= config.max_num_batched_tokens
+    assert len(set(batch)) == len(batch)
+    assert all(j.ready for j in batch)
+
+
+@SETTINGS
+@given(setups(), st.booleans(), st.integers(0, 2**32))
+def test_batches_respect_the_limits_and_every_job_finishes(setup, flaky: bool, seed: int) -> None:
+    config, specs, kv = setup
+    policy = make_policy(config, COST)
+    done = simulate(
+        policy,
+        specs,
+        kv,
+        on_tick=lambda tick: check_batch_limits(config, tick),
+        flaky_ready=random.Random(seed) if flaky else None,
+    )
+    assert set(done) == {s.job_id for s in specs}
+    assert not kv.held and not policy.has_work()
+
+
+@SETTINGS
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ)))
+def test_no_job_joins_a_queue_whose_quantum_is_shorter_than_its_prefill(setup) -> None:
+    config, specs, kv = setup
+    policy = make_policy(config, COST)
+    assert isinstance(policy, SkipJoinMLFQPolicy)
+
+    def placed(job: Job) -> None:
+        t_init = COST.t_init(job.prompt_len)
+        if policy.skip_join:  # the highest such queue
+            assert policy.quanta[job.queue] >= t_init
+            assert job.queue == 0 or policy.quanta[job.queue - 1] < t_init
+        else:
+            assert job.queue == 0
+
+    simulate(policy, specs, kv, on_add=placed)
+
+
+@SETTINGS
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0)))
+def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
+    """Precondition, checked on each tick after promotion: the ready jobs of Q1
+    fit one batch: at most max_num_seqs of them, their new tokens within
+    max_num_batched_tokens (or just one job), their KV within the device
+    blocks. (Q1 jobs have the smallest ENST, so every other job's KV is
+    evicted before theirs.) Then every job that had waited longer than alpha
+    runs in that tick; and if it held on every tick, no job waited longer than
+    alpha plus the longest iteration."""
+    config, specs, kv = setup
+    policy = make_policy(config, COST)
+    alpha = config.starvation_threshold
+    held_always, longest_wait, longest_iteration = True, 0.0, 0.0
+
+    def on_tick(tick: Tick) -> None:
+        nonlocal held_always, longest_wait, longest_iteration
+        longest_iteration = max(longest_iteration, COST.iteration_cost(tick.decision.batch))
+        q1 = [j for j in policy.jobs if j.queue == 0 and j.ready]
+        fits = (
+            len(q1) <= config.max_num_seqs
+            and (len(q1) == 1 or sum(j.num_new_tokens for j in q1) <= config.max_num_batched_tokens)
+            and sum(kv.blocks(j.context_len) for j in q1) <= kv.num_blocks
+        )
+        held_always &= fits
+        batch = set(tick.decision.batch)
+        for job, waited in tick.starve_before.items():
+            if job in batch:
+                longest_wait = max(longest_wait, waited)
+            elif fits:
+                assert waited <= alpha, f"{job.job_id} waited {waited} s > alpha and did not run"
+
+    simulate(policy, specs, kv, on_tick=on_tick)
+    if held_always:
+        assert longest_wait <= alpha + longest_iteration + 1e-9

@@ -1,0 +1,391 @@
+"""One test per scheduling rule (DESIGN.md; FastServe section 4.1-4.2).
+
+Costs (tests/scheduler_sim.make_cost): t_init(L) = L/8 s, t_dec = 1 s, so with
+max_prompt_len 64 and ratio 2 the quanta are [1, 2, 4, 8]: a prompt of
+8 tokens enters Q1 (index 0), 16 -> Q2, 32 -> Q3, 64 -> Q4.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from scheduler import (
+    FCFSPolicy,
+    FixedPriorityPolicy,
+    Job,
+    MLFQPolicy,
+    PolicyName,
+    SchedulerConfig,
+    SkipJoinMLFQPolicy,
+    SRPTPolicy,
+    make_policy,
+)
+from tests.scheduler_sim import FakeKV, make_cost
+
+COST = make_cost()
+
+
+def config(**kw) -> SchedulerConfig:
+    kw.setdefault("max_prompt_len", 64)
+    kw.setdefault("starvation_threshold", None)
+    return SchedulerConfig(**kw)
+
+
+def mlfq(**kw) -> SkipJoinMLFQPolicy:
+    return SkipJoinMLFQPolicy(config(**kw), COST)
+
+
+def job(job_id: str, prompt_len: int = 8, arrival: float = 0.0, output: int = 10) -> Job:
+    return Job(job_id, prompt_len, output, arrival, true_output_len=output)
+
+
+def step(policy, kv: FakeKV, now: float) -> tuple[list[str], float]:
+    """One engine iteration: schedule at `now`, run, charge; returns (batch ids, end time)."""
+    decision = policy.schedule(now, kv)
+    cost = COST.iteration_cost(decision.batch)
+    for j in decision.batch:
+        j.num_computed = j.context_len
+        j.num_generated += 1
+    policy.on_step_done(decision.batch, now + cost, cost)
+    return [j.job_id for j in decision.batch], now + cost
+
+
+def roomy() -> FakeKV:
+    return FakeKV(num_blocks=10_000)
+
+
+# -- package --------------------------------------------------------------------------------
+
+
+def test_scheduler_never_imports_torch() -> None:
+    code = (
+        "import sys, scheduler, scheduler.fcfs, scheduler.skip_join_mlfq, scheduler.mlfq, "
+        "scheduler.fixed_priority, scheduler.srpt, scheduler.cost_model; "
+        "assert 'torch' not in sys.modules, 'scheduler imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "name, cls",
+    [
+        (PolicyName.FCFS, FCFSPolicy),
+        (PolicyName.SKIP_JOIN_MLFQ, SkipJoinMLFQPolicy),
+        (PolicyName.MLFQ, MLFQPolicy),
+        (PolicyName.FIXED_PRIORITY, FixedPriorityPolicy),
+        (PolicyName.SRPT, SRPTPolicy),
+    ],
+)
+def test_make_policy_builds_the_named_policy(name: PolicyName, cls: type) -> None:
+    assert type(make_policy(config(policy=name), COST)) is cls
+    assert type(make_policy(config(policy=name.value), COST)) is cls
+
+
+def test_make_policy_rejects_an_unknown_name() -> None:
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        make_policy(config(policy="lifo"), COST)
+
+
+def test_config_rejects_a_non_positive_max_prompt_len() -> None:
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        SchedulerConfig(max_prompt_len=0)
+
+
+# -- quanta and skip-join ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio, expected", [(2.0, [1, 2, 4, 8]), (3.0, [1, 3, 9]), (10.0, [1, 10])])
+def test_quanta_are_geometric_until_the_longest_prompt_fits(ratio: float, expected: list[float]) -> None:
+    # q1 = t_dec(1, 16) = 1; the last quantum is the first that covers t_init(64) = 8.
+    assert mlfq(quantum_ratio=ratio).quanta == pytest.approx(expected)
+
+
+def test_a_new_job_skips_to_the_highest_queue_that_covers_its_prefill() -> None:
+    policy = mlfq()
+    placed = {}
+    for prompt_len in (1, 8, 9, 16, 17, 32, 33, 64, 500):
+        j = job(f"p{prompt_len}", prompt_len)
+        policy.add(j, 0.0)
+        placed[prompt_len] = j.queue
+    # t_init = L/8 against quanta [1, 2, 4, 8]; a prompt past max_prompt_len gets the last queue.
+    assert placed == {1: 0, 8: 0, 9: 1, 16: 1, 17: 2, 32: 2, 33: 3, 64: 3, 500: 3}
+    assert policy.queue_lengths() == [2, 2, 2, 3]
+
+
+def test_naive_mlfq_puts_every_new_job_in_q1() -> None:
+    policy = MLFQPolicy(config(), COST)
+    jobs = [job(str(n), n) for n in (8, 20, 64)]
+    for j in jobs:
+        policy.add(j, 0.0)
+    assert [j.queue for j in jobs] == [0, 0, 0]
+
+
+# -- demotion and promotion -------------------------------------------------------------------
+
+
+def test_demotion_once_the_quantum_is_used() -> None:
+    policy, kv = mlfq(), roomy()
+    a = job("a", 8)  # Q1, quantum 1
+    policy.add(a, 0.0)
+    _, t = step(policy, kv, 0.0)  # prefill: charged 1, not over 1
+    assert (a.queue, a.service_in_queue) == (0, 1.0)
+    step(policy, kv, t)  # charged 1 more: 2 > 1
+    assert (a.queue, a.service_in_queue, a.num_demotions, a.service_total) == (1, 0.0, 1, 2.0)
+    assert policy.num_demotions == 1
+
+
+def test_demotion_drops_eta_queues_and_stops_at_the_last() -> None:
+    policy = mlfq(demotion_step=2)
+    a, b = job("a", 8), job("b", 64)  # Q1 and Q4
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    policy.on_step_done([a, b], 1.5, 1.5)
+    assert a.queue == 2 and a.num_demotions == 1  # Q1 -> Q3
+    policy.on_step_done([b], 10.0, 8.5)  # over q4 = 8, already in the last queue
+    assert (b.queue, b.service_in_queue, b.num_demotions) == (3, 0.0, 0)
+    assert policy.num_demotions == 1
+
+
+def test_a_job_starved_past_alpha_is_promoted_to_q1() -> None:
+    policy, kv = mlfq(max_num_seqs=1, starvation_threshold=3.0), roomy()
+    h, low = job("h", 8, output=100), job("low", 64)  # low waits in Q4
+    policy.add(h, 0.0)
+    policy.add(low, 0.0)
+    t = 0.0
+    while t < 3.0:
+        batch, t = step(policy, kv, t)
+        assert batch == ["h"] and low.queue == 3
+    assert t == 3.0 and h.queue == 1  # h was demoted after 2 s of service
+    assert policy.schedule(3.0, kv).batch == [h] and low.queue == 3  # starved exactly alpha: not yet
+    low.service_in_queue = 0.5  # as if it had run a little in Q4
+    decision = policy.schedule(3.0 + 1e-9, kv)  # now low has waited longer than alpha
+    assert (low.queue, low.service_in_queue, low.num_promotions, policy.num_promotions) == (0, 0.0, 1, 1)
+    assert decision.batch == [low] and decision.preempted == [h]
+
+
+def test_a_starving_job_already_in_q1_stays_put() -> None:
+    policy, kv = mlfq(max_num_seqs=1, starvation_threshold=0.5), roomy()
+    a, b = job("a", 8), job("b", 8)  # both Q1; b waits behind a for 2 s
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    _, t = step(policy, kv, 0.0)
+    assert step(policy, kv, t)[0] == ["a"]  # b has starved 1 s > alpha
+    assert [j.job_id for j in policy.schedule(2.0, kv).batch] == ["b"]  # a was demoted
+    assert b.num_promotions == 0 and policy.num_promotions == 0
+
+
+def test_no_promotion_without_alpha() -> None:
+    policy, kv = mlfq(max_num_seqs=1, starvation_threshold=None), roomy()
+    low = job("low", 64)
+    policy.add(low, 0.0)
+    t = 0.0
+    for i in range(50):  # a stream of one-token jobs in Q1 keeps low waiting 50 s
+        short = job(f"s{i}", 8, arrival=t, output=1)
+        policy.add(short, t)
+        batch, t = step(policy, kv, t)
+        assert batch == [short.job_id]
+        policy.remove(short)
+    assert low.queue == 3 and policy.num_promotions == 0
+
+
+# -- batch formation ----------------------------------------------------------------------------
+
+
+def test_batch_takes_the_highest_queues_fifo_up_to_max_num_seqs() -> None:
+    policy = mlfq(max_num_seqs=3)
+    for name, prompt in [("long", 64), ("a", 8), ("mid", 20), ("b", 8), ("c", 8)]:
+        policy.add(job(name, prompt), 0.0)
+    assert [j.job_id for j in policy.schedule(0.0, roomy()).batch] == ["a", "b", "c"]
+    policy = mlfq(max_num_seqs=4)
+    for name, prompt in [("long", 64), ("a", 8), ("mid", 20), ("b", 8)]:
+        policy.add(job(name, prompt), 0.0)
+    assert [j.job_id for j in policy.schedule(0.0, roomy()).batch] == ["a", "b", "mid", "long"]
+
+
+def test_batch_respects_the_token_budget_and_lets_a_smaller_job_through() -> None:
+    policy = mlfq(max_num_batched_tokens=20)
+    for name, prompt in [("a", 8), ("b", 8), ("c", 8), ("d", 4)]:
+        policy.add(job(name, prompt), 0.0)
+    decision = policy.schedule(0.0, roomy())
+    assert [j.job_id for j in decision.batch] == ["a", "b", "d"]  # c (8) would make 24 > 20
+    assert decision.num_tokens == 20
+
+
+def test_a_prompt_larger_than_the_token_budget_runs_alone() -> None:
+    policy = mlfq(max_num_batched_tokens=16)
+    big, small = job("big", 40), job("small", 8)  # big: Q3; small: Q1
+    policy.add(big, 0.0)
+    policy.add(small, 0.0)
+    assert [j.job_id for j in policy.schedule(0.0, roomy()).batch] == ["small"]
+    policy.remove(small)
+    assert [j.job_id for j in policy.schedule(1.0, roomy()).batch] == ["big"]
+
+
+@pytest.mark.parametrize("name", list(PolicyName))
+def test_a_job_that_is_not_ready_is_never_scheduled(name: PolicyName) -> None:
+    policy, kv = make_policy(config(policy=name, max_num_seqs=4), COST), roomy()
+    a, b = job("a", 8), job("b", 8)  # a comes first in every policy's order
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    a.ready = False
+    # FCFS lets nobody overtake the head of its queue; the priority policies take the next job.
+    expected = [] if name is PolicyName.FCFS else ["b"]
+    assert [j.job_id for j in policy.schedule(0.0, kv).batch] == expected
+    a.ready = True
+    assert [j.job_id for j in policy.schedule(1.0, kv).batch] == ["a", "b"]
+
+
+def test_a_high_priority_job_evicts_lower_priority_kv_largest_wait_first() -> None:
+    policy = mlfq(max_num_seqs=1)
+    kv = FakeKV(num_blocks=25, block_size=4)
+    q3, q4 = job("q3", 32), job("q4", 64)  # Q3 and Q4, holding 8 and 16 blocks after their prefill
+    for j in (q4, q3):
+        policy.add(j, 0.0)
+        kv.allocate(j, j.prompt_len)
+        j.num_computed = j.prompt_len
+    new = job("new", 8)  # Q1, needs 2 blocks; 1 is free
+    policy.add(new, 0.0)
+    # ENST(q4) = (q1+q2+q3) + q3 = 11 (new in Q1, q3 in Q3); ENST(q3) = q1 + q2 = 3.
+    assert (policy.estimated_wait(q4, 0.0), policy.estimated_wait(q3, 0.0)) == (11.0, 3.0)
+    decision = policy.schedule(0.0, kv)
+    assert [j.job_id for j in decision.batch] == ["new"]
+    assert q4.num_computed == 0 and q3.num_computed == 32  # only the largest-wait job was evicted
+    assert kv.num_evictions == 1
+
+
+def test_a_job_that_cannot_fit_is_skipped_and_higher_priority_kv_is_kept() -> None:
+    policy = mlfq(max_num_seqs=2)
+    kv = FakeKV(num_blocks=4, block_size=4)
+    a, big = job("a", 8), job("big", 24)  # a: Q1, 3 blocks with its next token; big: Q3, 6 blocks
+    policy.add(a, 0.0)
+    policy.add(big, 0.0)
+    kv.allocate(a, 8)
+    a.num_computed, a.num_generated = 8, 1
+    assert [j.job_id for j in policy.schedule(0.0, kv).batch] == ["a"]
+    assert kv.num_evictions == 0 and a.num_computed == 8
+
+
+def test_jobs_displaced_by_higher_priority_ones_are_reported_preempted() -> None:
+    policy, kv = mlfq(max_num_seqs=1), roomy()
+    low = job("low", 64)
+    policy.add(low, 0.0)
+    assert step(policy, kv, 0.0)[0] == ["low"]
+    policy.add(job("short", 8), 8.0)
+    decision = policy.schedule(8.0, kv)
+    assert [j.job_id for j in decision.batch] == ["short"]
+    assert decision.preempted == [low] and low.num_preemptions == 1
+    assert policy.num_policy_preemptions == 1
+    assert low.first_scheduled_time == 0.0 and low.last_scheduled_time == 8.0  # end of its last run
+
+
+# -- ENST ----------------------------------------------------------------------------------------
+
+
+def test_estimated_wait_is_the_papers_enst() -> None:
+    policy, kv = mlfq(max_num_seqs=2, starvation_threshold=12.0), roomy()
+    a, b, c = job("a", 8), job("b", 8), job("c", 16)  # Q1, Q1, Q2
+    target = job("t", 64, arrival=0.0)  # Q4 (index 3)
+    for j in (a, b, c, target):
+        policy.add(j, 0.0)
+    # T_execute(t) = (1/B) * [2 jobs in Q1 x (q1+q2+q3) + 1 job in Q2 x (q2+q3)]
+    #              = (2 * (1 + 2 + 4) + 1 * (2 + 4)) / 2 = 10
+    assert policy.estimated_wait(target, 1.0) == pytest.approx(10.0)  # T_promote = 12 - 1 = 11
+    assert policy.estimated_wait(target, 5.0) == pytest.approx(7.0)  # T_promote = 12 - 5 = 7
+    assert policy.estimated_wait(c, 1.0) == pytest.approx(2 * 1 / 2)  # two Q1 jobs x q1, over B
+    policy.schedule(0.0, kv)  # a and b run
+    assert policy.estimated_wait(a, 0.0) == 0.0
+    no_alpha = mlfq(max_num_seqs=2)
+    for j in (job("a", 8), job("b", 8), job("c", 16), target):
+        no_alpha.add(j, 0.0)
+    assert no_alpha.estimated_wait(target, 100.0) == pytest.approx(10.0)
+
+
+# -- fixed priority and SRPT ----------------------------------------------------------------------
+
+
+def test_fixed_priority_preempts_for_a_shorter_prompt_and_never_promotes() -> None:
+    policy, kv = FixedPriorityPolicy(config(max_num_seqs=1, starvation_threshold=0.5), COST), roomy()
+    long = job("long", 40)
+    policy.add(long, 0.0)
+    assert step(policy, kv, 0.0)[0] == ["long"]
+    t = 5.0
+    for i in range(20):  # a stream of shorter prompts keeps it waiting 20 s, alpha or not
+        short = job(f"s{i}", 8, arrival=t, output=1)
+        policy.add(short, t)
+        batch, t = step(policy, kv, t)
+        assert batch == [short.job_id]
+        policy.remove(short)
+    assert (long.num_preemptions, long.num_promotions, long.num_generated) == (1, 0, 1)
+
+
+def test_srpt_runs_the_fewest_remaining_tokens_first() -> None:
+    policy, kv = SRPTPolicy(config(max_num_seqs=1), COST), roomy()
+    a, b = job("a", 8, output=3), job("b", 8, output=5)
+    policy.add(b, 0.0)
+    policy.add(a, 0.0)
+    batch, t = step(policy, kv, 0.0)
+    assert batch == ["a"]  # 3 left against b's 5
+    c = job("c", 8, output=1)
+    policy.add(c, t)
+    decision = policy.schedule(t, kv)
+    assert decision.batch == [c] and decision.preempted == [a]  # 1 left against a's 2
+
+
+# -- FCFS ----------------------------------------------------------------------------------------
+
+
+def fcfs(**kw) -> FCFSPolicy:
+    return FCFSPolicy(config(policy=PolicyName.FCFS, **kw), COST)
+
+
+def test_fcfs_admits_in_arrival_order_without_overtaking() -> None:
+    policy = fcfs(max_num_seqs=4)
+    kv = FakeKV(num_blocks=5, block_size=4)
+    first, big, small = job("first", 8, 0.0), job("big", 16, 1.0), job("small", 4, 2.0)  # 2, 4, 1 blocks
+    for j in (first, big, small):
+        policy.add(j, j.arrival_time)
+    # big does not fit beside first (2 + 4 > 5); small would, but may not overtake it.
+    assert [j.job_id for j in policy.schedule(0.0, kv).batch] == ["first"]
+
+
+def test_fcfs_preempts_the_newest_running_job_when_kv_runs_out() -> None:
+    policy = fcfs(max_num_seqs=4)
+    kv = FakeKV(num_blocks=6, block_size=4)
+    a, b, c, w = job("a", 8, 0.0), job("b", 8, 1.0), job("c", 8, 2.0), job("w", 4, 3.0)
+    for j in (a, b, c):
+        policy.add(j, j.arrival_time)
+    assert step(policy, kv, 3.0)[0] == ["a", "b", "c"]  # 6 blocks, all used
+    policy.add(w, 3.0)
+    # a grows to 9 tokens: needs a 3rd block; c, the newest, gives its KV back.
+    decision = policy.schedule(5.0, kv)
+    assert [j.job_id for j in decision.batch] == ["a", "b"] and decision.preempted == [c]
+    assert c.num_preemptions == 1 and c.num_computed == 0
+    assert [j.job_id for j in policy.jobs] == ["a", "b", "c", "w"]  # c back at the head, before w
+
+
+def test_fcfs_preempted_job_goes_ahead_of_waiters_that_arrived_with_it() -> None:
+    # The offline API adds every prompt at t=0: arrival-time ties are the normal case.
+    policy = fcfs(max_num_seqs=2)
+    kv = FakeKV(num_blocks=4, block_size=4)
+    a, b, c = job("a", 8), job("b", 8), job("c", 8)
+    for j in (a, b, c):
+        policy.add(j, 0.0)
+    step(policy, kv, 0.0)  # a, b run; c waits
+    decision = policy.schedule(1.0, kv)
+    assert decision.preempted == [b]
+    assert [j.job_id for j in policy.jobs] == ["a", "b", "c"]
+
+
+def test_fcfs_batch_never_exceeds_max_num_seqs_after_unready_running_jobs() -> None:
+    policy, kv = fcfs(max_num_seqs=2), roomy()
+    a, b, c, d = (job(x, 8) for x in "abcd")
+    for j in (a, b, c, d):
+        policy.add(j, 0.0)
+    step(policy, kv, 0.0)  # a, b run
+    a.ready = False
+    assert [j.job_id for j in policy.schedule(1.0, kv).batch] == ["b", "c"]
+    a.ready = True
+    assert len(policy.schedule(2.0, kv).batch) == 2
