@@ -30,6 +30,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of host memory for offloaded KV
+    num_host_blocks_override: int | None = None  # host-tier blocks, overriding swap_space (tests)
     scheduling_policy: str = "fcfs"
     seed: int = 0
     kv_policy: str = "proactive"
@@ -62,6 +63,8 @@ class EngineConfig:
         need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              "num_gpu_blocks_override must be >= 1")
         need(self.swap_space >= 0, "swap_space must be >= 0 GiB")
+        need(self.num_host_blocks_override is None or self.num_host_blocks_override >= 0,
+             "num_host_blocks_override must be >= 0")
         policies = [p.value for p in PolicyName if p is not PolicyName.SRPT]
         need(self.scheduling_policy in policies + [PolicyName.SRPT.value],
              f"scheduling_policy must be one of {', '.join(policies)}; got {self.scheduling_policy!r}")

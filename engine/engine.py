@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from engine.analytic_profile import analytic_profile
 from engine.batch import BatchResult, ModelBatch, SequenceWork
 from engine.clock import WallClock
 from engine.config import EngineConfig
@@ -31,10 +30,12 @@ from engine.executor.base import Executor
 from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from memory.kv_manager import KVManager, blocks_needed
+from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
 from scheduler.policy import ScheduleDecision
 
@@ -54,6 +55,19 @@ class StepPlan:
     cost: float  # profiled seconds charged to every job of the batch
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A read-only snapshot of the policy's counters (for the server's /metrics)."""
+
+    policy: str
+    num_jobs: int  # unfinished jobs the policy holds
+    queue_lengths: list[int]  # jobs per MLFQ level, Q1 first; [] for policies without queues (fcfs)
+    quanta: list[float]  # profiled seconds per MLFQ level; [] without queues
+    num_promotions: int  # starvation promotions to Q1 (MLFQ policies)
+    num_demotions: int
+    num_policy_preemptions: int  # jobs that ran one iteration and not the next (priority policies)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -66,7 +80,7 @@ class Engine:
             block_size=config.block_size, num_gpu_blocks_override=config.num_gpu_blocks_override,
             gpu_memory_utilization=config.gpu_memory_utilization, seed=config.seed,
         )
-        self.kv = KVManager(self.executor.num_device_blocks, self.executor.block_size)
+        self.kv = self._make_kv_manager()
         self.cost_model = self._load_cost_model()
         self.scheduler = make_policy(
             SchedulerConfig(
@@ -91,16 +105,24 @@ class Engine:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds this model's context of {limit}")
         return self.config.max_model_len
 
+    def _make_kv_manager(self) -> KVManager:
+        """Two tiers: the executor's device blocks and a host tier of --swap-space GiB."""
+        cfg, ex = self.config, self.executor
+        policy = KVPolicy(cfg.kv_policy)
+        num_host, transfers = 0, None
+        if policy is not KVPolicy.RECOMPUTE and hasattr(ex, "attach_host_tier"):
+            num_host = cfg.num_host_blocks_override
+            if num_host is None:
+                num_host = int(cfg.swap_space * (1 << 30)) // ex.kv_block_bytes
+            transfers = ex.attach_host_tier(num_host)
+        return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers)
+
     def _load_cost_model(self) -> ProfiledCostModel:
-        if self.config.profile:
-            return ProfiledCostModel.from_json(self.config.profile)
-        ex = self.executor
-        device = getattr(ex, "device", None)
-        dtype = getattr(ex, "dtype", None)
-        return analytic_profile(
-            self.model_config, device.type if device is not None else "cpu",
-            dtype.itemsize if dtype is not None else 4, str(dtype).removeprefix("torch."),
-        )
+        """--profile analytic | PATH, else a matching file in the profile folder, else a short
+        profile measured now (engine/profiles.py)."""
+        cost, self.profile_source = load_cost_model(self.config, self.model_config, self.executor)
+        log.info("job profile: %s", self.profile_source)
+        return cost
 
     # -- requests ------------------------------------------------------------------------------
     def prepare_request(
@@ -195,6 +217,21 @@ class Engine:
                 param="max_tokens",
             )
 
+    # -- telemetry --------------------------------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        """Counters read from the policy; changes nothing."""
+        sched = self.scheduler
+        queue_lengths = getattr(sched, "queue_lengths", None)
+        return SchedulerStats(
+            policy=sched.name.value,
+            num_jobs=len(sched.jobs),
+            queue_lengths=list(queue_lengths()) if queue_lengths is not None else [],
+            quanta=list(getattr(sched, "quanta", [])),
+            num_promotions=getattr(sched, "num_promotions", 0),
+            num_demotions=getattr(sched, "num_demotions", 0),
+            num_policy_preemptions=getattr(sched, "num_policy_preemptions", 0),
+        )
+
     # -- the step ---------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -212,7 +249,9 @@ class Engine:
 
     def schedule_step(self) -> StepPlan | None:
         now = self.clock.now()
+        self.kv.poll()  # finished copies: free their source blocks, mark uploaded jobs ready
         decision = self.scheduler.schedule(now, self.kv)
+        self.kv.plan(decision.batch, self.scheduler.estimated_wait, now)  # proactive offload/upload
         if not decision.batch:
             return None
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
@@ -222,6 +261,8 @@ class Engine:
             m = s.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+            m.swap_wait_s += self.kv.take_swap_wait(s.job.job_id)
+            self.kv.note_scheduled(s.job, now)
         return StepPlan(decision, batch, seqs, now, cost)
 
     def _work(self, seq: SequenceState) -> SequenceWork:

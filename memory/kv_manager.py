@@ -1,66 +1,188 @@
-"""KVManager: where each job's KV cache lives, in paged blocks.
+"""KVManager: where each job's KV cache lives — device blocks, host blocks,
+or nowhere (dropped) — and the verbs that move it.
 
-What it is: the block tables of every job and the admission verbs the
-scheduler uses (can_fit / allocate / evict), plus free() for finished jobs.
-What it is not: tensors, attention, or the choice of which jobs run.
+What it is: block tables on two tiers, each job's residency, the admission
+verbs the scheduler uses (can_fit / allocate / evict), the engine's verbs
+(free, block_table, poll, plan) and telemetry. What it is not: tensors (the
+engine's Swapper copies bytes through the TransferBackend it injects) or the
+choice of which jobs run (scheduler/).
 
-This step has one tier (the device) and one eviction rule: drop the blocks,
-and the job recomputes its KV when it runs again (job.num_computed = 0). The
-host tier, offload/upload and the ENST-ranked proactive policy extend this
-class in the KV-manager issue.
+kv-policy (paper section 4.2; the rules live in memory/kv_policy.py and
+memory/proactive.py):
+- recompute: evicting drops the KV; the job rebuilds it (prefill over prompt +
+  output so far) when next scheduled.
+- reactive: evicting offloads to host, and the step waits for the copy; a job
+  on the host stays schedulable and is uploaded when the scheduler picks it,
+  the step waiting again (swap wait).
+- proactive: plan() keeps free device blocks above a watermark by offloading
+  the idle jobs with the largest ENST ahead of need, and uploads host jobs
+  with the smallest ENST when there is room, both overlapped with compute; a
+  job on the host is not ready (not schedulable) until its upload completes.
+When the host tier is full, an eviction falls back to a drop (recompute).
+
+Invariants (check_invariants): every block on each tier is free or owned by
+exactly one job; device blocks of an offload are reused only after its copy
+completes; host blocks are freed only after their upload completes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+import time
+from dataclasses import dataclass, field
 
 from memory.block_allocator import BlockAllocator
+from memory.kv_policy import KVPolicy
+from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class Residency(str, enum.Enum):
+    NONE = "none"  # no KV anywhere (new, or dropped: recompute)
+    DEVICE = "device"
+    HOST = "host"
+    OFFLOADING = "offloading"  # device -> host copy in flight; both tiers held
+    UPLOADING = "uploading"  # host -> device copy in flight; both tiers held
+
+
+@dataclass(eq=False)
+class JobKV:
+    job: object  # scheduler.Job (read: job_id, num_computed; written: ready, num_computed on drop)
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    residency: Residency = Residency.NONE
+    transfer: TransferHandle | None = None
+    transfer_tick: int = -1  # tick the last transfer started (no ping-pong within a tick)
+    transfer_started: float = 0.0
+    predicted_wait: float | None = None  # ENST when an upload started, for ENST accuracy
+    upload_time: float | None = None
+    freed: bool = False  # finished or aborted while a copy was in flight
+
+
 @dataclass
 class KVStats:
-    num_evictions: int = 0
+    num_drops: int = 0  # evictions that dropped KV (recompute)
     num_recomputed_tokens: int = 0
+    num_offloads: int = 0
+    num_uploads: int = 0
+    blocks_offloaded: int = 0
+    blocks_uploaded: int = 0
+    swap_wait_s: float = 0.0  # seconds steps spent blocked on copies (reactive paths)
+    host_full_fallbacks: int = 0  # evictions that wanted the host but found it full
+    enst_samples: list[tuple[float, float]] = field(default_factory=list)  # (predicted, actual) next-run wait
 
 
 class KVManager:
-    def __init__(self, num_device_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        policy: KVPolicy | str = KVPolicy.RECOMPUTE,
+        reserved_blocks: int = 0,
+        transfers: TransferBackend | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.policy = KVPolicy(policy)
+        self.reserved_blocks = reserved_blocks
         self.device = BlockAllocator(num_device_blocks, "device")
-        self._tables: dict[str, list[int]] = {}
+        self.host = BlockAllocator(num_host_blocks, "host")
+        self.transfers = transfers or NoCopyBackend()
+        self._jobs: dict[str, JobKV] = {}
+        self._orphans: list[JobKV] = []  # freed while a copy was in flight
+        self.tick = 0
         self.stats = KVStats()
+        self._job_swap_wait: dict[str, float] = {}
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
-        return self._extra_blocks(job, num_new_tokens) <= self.device.num_free
+        return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
 
     def allocate(self, job, num_new_tokens: int) -> None:
-        extra = self._extra_blocks(job, num_new_tokens)
+        kv = self._entry(job)
+        if kv.residency in (Residency.HOST, Residency.UPLOADING):
+            self._upload_now(kv)  # reactive: the scheduler picked a job whose KV is on the host
+        extra = self._extra_device_blocks(job, num_new_tokens)
         if extra > 0:
-            self._tables.setdefault(job.job_id, []).extend(self.device.allocate(job.job_id, extra))
+            kv.device.extend(self.device.allocate(job.job_id, extra))
+        if kv.residency is Residency.NONE:
+            kv.residency = Residency.DEVICE
 
     def evict(self, job) -> None:
-        """Drop the job's KV: it recomputes prompt + output so far when next run."""
-        self._release(job.job_id)
-        self.stats.num_evictions += 1
-        self.stats.num_recomputed_tokens += job.num_computed
-        job.num_computed = 0
-        job.ready = True
+        """Free the job's device blocks now: offload (waiting for the copy) or drop."""
+        kv = self._jobs.get(job.job_id)
+        if kv is None or not kv.device:
+            return
+        if kv.residency is Residency.OFFLOADING:
+            self._wait(kv)
+            return
+        if kv.residency is Residency.UPLOADING:
+            self._wait(kv)
+        if self.policy is not KVPolicy.RECOMPUTE and self._start_offload(kv):
+            self._wait(kv)
+        else:
+            self._drop(kv)
 
-    # -- the engine's verbs ------------------------------------------------------------------------
-    def free(self, job_id: str) -> None:
-        """Return every block of a finished or aborted job."""
-        self._release(job_id)
-
+    # -- the engine's verbs ----------------------------------------------------------------------
     def block_table(self, job_id: str) -> list[int]:
-        return self._tables.get(job_id, [])
+        kv = self._jobs.get(job_id)
+        return kv.device if kv is not None else []
 
+    def residency(self, job_id: str) -> Residency:
+        kv = self._jobs.get(job_id)
+        return kv.residency if kv is not None else Residency.NONE
+
+    def free(self, job_id: str) -> None:
+        """Return every block of a finished or aborted job (after any copy in flight)."""
+        kv = self._jobs.pop(job_id, None)
+        self._job_swap_wait.pop(job_id, None)
+        if kv is None:
+            return
+        if kv.transfer is not None and not kv.transfer.done():
+            kv.freed = True
+            self._orphans.append(kv)
+            return
+        self._release_all(kv)
+
+    def take_swap_wait(self, job_id: str) -> float:
+        """Seconds this job's steps waited on copies since the last call."""
+        return self._job_swap_wait.pop(job_id, 0.0)
+
+    def poll(self) -> None:
+        """Complete finished copies: free the source tier's blocks, mark uploaded jobs ready."""
+        for kv in list(self._jobs.values()):
+            if kv.transfer is not None and kv.transfer.done():
+                self._complete(kv)
+        still = []
+        for kv in self._orphans:
+            if kv.transfer.done():
+                kv.transfer = None
+                self._release_all(kv)
+            else:
+                still.append(kv)
+        self._orphans = still
+
+    def plan(self, batch, estimated_wait, now: float) -> None:
+        """After the scheduler picked `batch`: start proactive offloads/uploads (proactive only)."""
+        from memory.proactive import plan_transfers
+
+        self.tick += 1
+        if self.policy is KVPolicy.PROACTIVE:
+            plan_transfers(self, batch, estimated_wait, now)
+
+    def note_scheduled(self, job, now: float) -> None:
+        """ENST accuracy: when an uploaded job next runs, record predicted vs actual wait."""
+        kv = self._jobs.get(job.job_id)
+        if kv is not None and kv.predicted_wait is not None:
+            self.stats.enst_samples.append((kv.predicted_wait, now - kv.upload_time))
+            kv.predicted_wait = None
+
+    # -- capacity ---------------------------------------------------------------------------------
     def max_tokens_per_job(self) -> int:
         return self.device.num_blocks * self.block_size
 
@@ -68,18 +190,112 @@ class KVManager:
     def device_usage(self) -> float:
         return self.device.num_used / self.device.num_blocks if self.device.num_blocks else 0.0
 
+    @property
+    def host_usage(self) -> float:
+        return self.host.num_used / self.host.num_blocks if self.host.num_blocks else 0.0
+
+    def num_swapped(self) -> int:
+        return sum(1 for kv in self._jobs.values() if kv.residency in (Residency.HOST, Residency.OFFLOADING))
+
     def check_invariants(self) -> None:
         self.device.check_invariants()
-        owned = sum(len(t) for t in self._tables.values())
-        assert owned == self.device.num_used, f"tables hold {owned} blocks, allocator says {self.device.num_used}"
+        self.host.check_invariants()
+        entries = list(self._jobs.values()) + self._orphans
+        dev = sum(len(kv.device) for kv in entries)
+        host = sum(len(kv.host) for kv in entries)
+        assert dev == self.device.num_used, f"tables hold {dev} device blocks, allocator says {self.device.num_used}"
+        assert host == self.host.num_used, f"tables hold {host} host blocks, allocator says {self.host.num_used}"
 
-    # -- internals ---------------------------------------------------------------------------------
-    def _extra_blocks(self, job, num_new_tokens: int) -> int:
-        have = len(self._tables.get(job.job_id, ()))
-        need = blocks_needed(job.num_computed + num_new_tokens, self.block_size)
-        return max(0, need - have)
+    # -- moves (also used by memory/proactive.py) -------------------------------------------------
+    def _entry(self, job) -> JobKV:
+        kv = self._jobs.get(job.job_id)
+        if kv is None:
+            kv = self._jobs[job.job_id] = JobKV(job)
+        return kv
 
-    def _release(self, job_id: str) -> None:
-        blocks = self._tables.pop(job_id, None)
-        if blocks:
-            self.device.free(job_id, blocks)
+    def _extra_device_blocks(self, job, num_new_tokens: int) -> int:
+        kv = self._jobs.get(job.job_id)
+        have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
+        if kv is not None and kv.residency is Residency.HOST:
+            have = 0  # an upload needs device room for the whole context
+        return max(0, blocks_needed(job.num_computed + num_new_tokens, self.block_size) - have)
+
+    def _start_offload(self, kv: JobKV) -> bool:
+        """Begin device -> host; False (nothing started) when the host tier has no room."""
+        n = len(kv.device)
+        if n > self.host.num_free:
+            self.stats.host_full_fallbacks += 1
+            return False
+        kv.host = self.host.allocate(kv.job.job_id, n)
+        kv.transfer = self.transfers.copy(Direction.OFFLOAD, list(zip(kv.device, kv.host)))
+        kv.residency = Residency.OFFLOADING
+        kv.transfer_tick = self.tick
+        kv.job.ready = False
+        self.stats.num_offloads += 1
+        self.stats.blocks_offloaded += n
+        return True
+
+    def _start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
+        n = len(kv.host)
+        if n > self.device.num_free:
+            return False
+        kv.device = self.device.allocate(kv.job.job_id, n)
+        kv.transfer = self.transfers.copy(Direction.UPLOAD, list(zip(kv.host, kv.device)))
+        kv.residency = Residency.UPLOADING
+        kv.transfer_tick = self.tick
+        kv.predicted_wait, kv.upload_time = predicted_wait, now
+        kv.job.ready = False
+        self.stats.num_uploads += 1
+        self.stats.blocks_uploaded += n
+        return True
+
+    def _upload_now(self, kv: JobKV) -> None:
+        if kv.residency is Residency.HOST:
+            if not self._start_upload(kv):
+                raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
+        self._wait(kv)
+
+    def _wait(self, kv: JobKV) -> None:
+        start = time.perf_counter()
+        kv.transfer.wait()
+        waited = time.perf_counter() - start
+        self.stats.swap_wait_s += waited
+        jid = kv.job.job_id
+        self._job_swap_wait[jid] = self._job_swap_wait.get(jid, 0.0) + waited
+        self._complete(kv)
+
+    def _complete(self, kv: JobKV) -> None:
+        jid = kv.job.job_id
+        if kv.residency is Residency.OFFLOADING:
+            self.device.free(jid, kv.device)
+            kv.device = []
+            kv.residency = Residency.HOST
+            # Reactive: a host job stays schedulable (uploaded on demand); proactive: not until uploaded.
+            kv.job.ready = self.policy is KVPolicy.REACTIVE
+        elif kv.residency is Residency.UPLOADING:
+            self.host.free(jid, kv.host)
+            kv.host = []
+            kv.residency = Residency.DEVICE
+            kv.job.ready = True
+        kv.transfer = None
+
+    def _drop(self, kv: JobKV) -> None:
+        jid = kv.job.job_id
+        self.device.free(jid, kv.device)
+        kv.device = []
+        if kv.host:
+            self.host.free(jid, kv.host)
+            kv.host = []
+        kv.residency = Residency.NONE
+        self.stats.num_drops += 1
+        self.stats.num_recomputed_tokens += kv.job.num_computed
+        kv.job.num_computed = 0
+        kv.job.ready = True
+
+    def _release_all(self, kv: JobKV) -> None:
+        jid = kv.job.job_id
+        if kv.device:
+            self.device.free(jid, kv.device)
+        if kv.host:
+            self.host.free(jid, kv.host)
+        kv.device, kv.host = [], []

@@ -15,11 +15,12 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch
 from engine.executor.base import Executor
-from engine.kv_cache import allocate_kv_cache, num_device_blocks
+from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape, num_device_blocks
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.sampler import Sampler, prompt_logprobs
+from engine.swapper import Swapper, allocate_host_cache
 from kernels.paged_attention import AttentionMetadata, Workspace
 
 
@@ -63,6 +64,21 @@ class LocalExecutor(Executor):
                                           self.dtype, self.device)
         self.sampler = Sampler(seed)
         self.workspace = Workspace()
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return kv_block_bytes(self.model.cfg, self.layout, self.block_size, self.dtype)
+
+    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
+        """Allocate the host tier (pinned on CUDA) and the Swapper that moves blocks to and from it."""
+        shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
+        host = allocate_host_cache(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
+        self.swapper = Swapper(self.kv_cache, host, copy_delay_s)
+        return self.swapper
+
+    def shutdown(self) -> None:
+        if getattr(self, "swapper", None) is not None:
+            self.swapper.shutdown()
 
     def execute(self, batch: ModelBatch) -> BatchResult:
         start = time.perf_counter()

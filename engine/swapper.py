@@ -1,0 +1,94 @@
+"""Swapper: moves KV blocks between the device cache and the host cache.
+
+The TransferBackend memory/ plans against (memory/transfers.py). Each call
+copies whole blocks — with the block-major layout one block is one contiguous
+piece holding every layer's K and V for block_size tokens — and returns a
+handle:
+- CUDA: the copies are queued on a dedicated copy stream after the compute
+  stream's pending work (so an offload reads what compute wrote), into pinned
+  host memory, non-blocking; the handle is a CUDA event.
+- CPU: one copy thread runs the copies in order; the handle is its future.
+Either way memory/ frees the source blocks only once the handle is done, and
+a job being uploaded becomes ready only then, so compute never races a copy.
+
+`copy_delay_s` slows every copy (tests of the ordering rules use it).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from memory.transfers import Direction
+
+
+class _FutureHandle:
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class _EventHandle:
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+def allocate_host_cache(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+
+
+class Swapper:
+    def __init__(self, device_cache: torch.Tensor, host_cache: torch.Tensor, copy_delay_s: float = 0.0) -> None:
+        self.device_cache = device_cache  # [NB, L, 2, bs, H, D]
+        self.host_cache = host_cache  # [NH, L, 2, bs, H, D]
+        self.copy_delay_s = copy_delay_s
+        self.bytes_copied = 0
+        self.copy_seconds = 0.0
+        self._cuda = device_cache.is_cuda
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=device_cache.device)
+        else:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-swap")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.device_cache[0].numel() * self.device_cache.element_size()
+
+    def copy(self, direction: Direction, pairs: list[tuple[int, int]]):
+        src, dst = ((self.device_cache, self.host_cache) if direction is Direction.OFFLOAD
+                    else (self.host_cache, self.device_cache))
+        self.bytes_copied += len(pairs) * self.block_bytes
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))
+            with torch.cuda.stream(self._stream):
+                for s, d in pairs:
+                    dst[d].copy_(src[s], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return _EventHandle(event)
+        return _FutureHandle(self._thread.submit(self._copy_blocks, src, dst, pairs))
+
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        start = time.perf_counter()
+        if self.copy_delay_s:
+            time.sleep(self.copy_delay_s)
+        for s, d in pairs:
+            dst[d].copy_(src[s])
+        self.copy_seconds += time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        if not self._cuda:
+            self._thread.shutdown(wait=True)

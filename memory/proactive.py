@@ -1,0 +1,57 @@
+"""Proactive KV-cache management: the rule (paper section 4.2, Fig. 9).
+
+After the scheduler has picked the batch, every tick:
+1. Watermark. Keep free device blocks >= len(batch) + reserved_blocks (room
+   for the batch's next-iteration growth, one block per job at most, plus the
+   burst slots kept for arriving jobs). Counting blocks already being offloaded
+   as free-to-be, while below it: offload the idle device-resident job with
+   the LARGEST estimated_wait (ENST), never one in the batch and never one
+   whose upload started this tick (no ping-pong). Host full: drop it instead.
+2. Upload. Host-resident jobs in order of SMALLEST ENST: upload each while
+   the device keeps the watermark after taking its blocks.
+3. Swap. If the best host job still did not fit and its ENST is smaller than
+   the largest ENST among idle device-resident jobs, offload that job now; the
+   upload follows on a later tick, once the copy has freed the room.
+Copies are asynchronous; a job being uploaded becomes ready when its copy
+completes (KVManager.poll), so compute never reads KV that is still moving.
+"""
+
+from __future__ import annotations
+
+from memory.kv_manager import JobKV, KVManager, Residency
+
+
+def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
+    in_batch = {j.job_id for j in batch}
+    watermark = len(batch) + kv.reserved_blocks
+    entries = list(kv._jobs.values())
+    idle = [e for e in entries if e.residency is Residency.DEVICE and e.device
+            and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
+    enst = {e.job.job_id: estimated_wait(e.job, now) for e in entries
+            if e.residency in (Residency.DEVICE, Residency.HOST)}
+    idle.sort(key=lambda e: enst[e.job.job_id], reverse=True)  # largest ENST first
+    pending_free = sum(len(e.device) for e in entries if e.residency is Residency.OFFLOADING)
+
+    # 1. Watermark.
+    while idle and kv.device.num_free + pending_free < watermark:
+        victim = idle.pop(0)
+        pending_free += _offload_or_drop(kv, victim)
+
+    # 2. Upload, smallest ENST first, keeping the watermark.
+    host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
+    for i, e in enumerate(host):
+        if kv.device.num_free - len(e.host) < watermark:
+            # 3. Swap: make room for a host job that will run before an idle device job.
+            if idle and enst[e.job.job_id] < enst[idle[0].job.job_id]:
+                _offload_or_drop(kv, idle.pop(0))
+            break
+        kv._start_upload(e, enst[e.job.job_id], now)
+
+
+def _offload_or_drop(kv: KVManager, e: JobKV) -> int:
+    """Offload (blocks free when the copy completes) or drop (free now); returns blocks pending."""
+    n = len(e.device)
+    if kv._start_offload(e):
+        return n
+    kv._drop(e)
+    return 0

@@ -1,0 +1,45 @@
+"""The transfer verbs memory/ asks of the engine, as protocols.
+
+memory/ decides which blocks move where; the engine's Swapper (engine/swapper.py)
+moves the bytes (a copy stream on CUDA, a copy thread on CPU) and hands back a
+handle. memory/ only asks a handle whether it is done, or waits on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+
+class Direction(str, enum.Enum):
+    OFFLOAD = "offload"  # device -> host
+    UPLOAD = "upload"  # host -> device
+
+
+class TransferHandle(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class TransferBackend(Protocol):
+    def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> TransferHandle:
+        """Start copying blocks: pairs of (source block, destination block)."""
+        ...
+
+
+class CompletedTransfer:
+    """A transfer that needed no copy (used when no backend is attached)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class NoCopyBackend:
+    """Moves no bytes: for the simulator and for tests of the bookkeeping alone."""
+
+    def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> TransferHandle:
+        return CompletedTransfer()

@@ -1,0 +1,192 @@
+"""KVManager bookkeeping on two tiers, with copies whose completion the test
+controls: ownership is never doubled or lost, source blocks are reused only
+after their copy completes, and every count returns to its start."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from memory.kv_manager import KVManager, Residency
+from memory.transfers import Direction
+from scheduler.job import Job
+
+
+class ManualHandle:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+
+
+class ManualBackend:
+    """Copies that complete only when the test says so (or someone waits)."""
+
+    def __init__(self) -> None:
+        self.handles: list[ManualHandle] = []
+        self.calls: list[tuple[Direction, list[tuple[int, int]]]] = []
+
+    def copy(self, direction, pairs):
+        h = ManualHandle()
+        self.handles.append(h)
+        self.calls.append((direction, pairs))
+        return h
+
+    def complete_all(self) -> None:
+        for h in self.handles:
+            h.finished = True
+
+
+def job(i: int, prompt: int = 6) -> Job:
+    return Job(f"j{i}", prompt, 16, 0.0)
+
+
+def grow(kv: KVManager, j: Job, n: int) -> None:
+    kv.allocate(j, n)
+    j.num_computed += n
+
+
+def test_offloaded_device_blocks_are_not_reused_until_the_copy_completes():
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    a, b = job(0, 12), job(1, 8)
+    grow(kv, a, 12)  # 3 blocks
+    grow(kv, b, 8)  # 2 blocks
+    kv.plan([b], lambda j, now: 10.0 if j is a else 0.0, now=0.0)  # watermark 1: 3 free, nothing to do
+    assert kv.residency("j0") is Residency.DEVICE
+    kv.reserved_blocks = 5
+    kv.plan([b], lambda j, now: 10.0 if j is a else 0.0, now=0.0)  # now a (idle, largest ENST) is offloaded
+    assert kv.residency("j0") is Residency.OFFLOADING and not a.ready
+    assert kv.device.num_free == 3  # a's 3 blocks stay owned while the copy runs
+    c = job(2, 20)
+    assert not kv.can_fit(c, 20)  # 5 blocks needed, 3 free
+    be.complete_all()
+    kv.poll()
+    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 6 and kv.host.num_used == 3
+    assert kv.can_fit(c, 20)
+    kv.check_invariants()
+
+
+def test_upload_makes_a_job_ready_only_when_complete():
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.evict(a)  # synchronous offload (waits)
+    assert kv.residency("j0") is Residency.HOST and not a.ready and a.num_computed == 8
+    kv.plan([], lambda j, now: 0.0, now=1.0)  # room: upload
+    assert kv.residency("j0") is Residency.UPLOADING and not a.ready
+    kv.poll()
+    assert not a.ready
+    be.complete_all()
+    kv.poll()
+    assert a.ready and kv.residency("j0") is Residency.DEVICE and kv.host.num_used == 0
+    kv.note_scheduled(a, now=3.0)
+    assert kv.stats.enst_samples == [(0.0, 2.0)]
+
+
+def test_reactive_uploads_on_demand_and_counts_swap_wait():
+    kv = KVManager(4, 4, num_host_blocks=4, policy="reactive", transfers=ManualBackend())
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.evict(a)
+    assert kv.residency("j0") is Residency.HOST and a.ready  # reactive: still schedulable
+    assert kv.can_fit(a, 1)
+    kv.allocate(a, 1)  # waits for the upload
+    assert kv.residency("j0") is Residency.DEVICE and len(kv.block_table("j0")) == 3
+    assert kv.take_swap_wait("j0") >= 0.0 and kv.stats.num_uploads == 1
+
+
+def test_host_full_eviction_drops():
+    kv = KVManager(4, 4, num_host_blocks=1, policy="reactive", transfers=ManualBackend())
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.evict(a)
+    assert kv.residency("j0") is Residency.NONE and a.num_computed == 0 and a.ready
+    assert kv.stats.host_full_fallbacks == 1 and kv.stats.num_drops == 1
+
+
+def test_free_during_a_copy_waits_for_it():
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", reserved_blocks=8, transfers=be)
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.plan([], lambda j, now: 1.0, now=0.0)
+    assert kv.residency("j0") is Residency.OFFLOADING
+    kv.free("j0")
+    assert kv.device.num_used == 2 and kv.host.num_used == 2  # held until the copy completes
+    kv.check_invariants()
+    be.complete_all()
+    kv.poll()
+    assert kv.device.num_used == 0 and kv.host.num_used == 0
+    kv.check_invariants()
+
+
+class KVMachine(RuleBasedStateMachine):
+    """Random allocate / grow / evict / plan / complete / finish / abort sequences."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.be = ManualBackend()
+        self.kv = KVManager(12, 2, num_host_blocks=6, policy="proactive", reserved_blocks=1, transfers=self.be)
+        self.jobs: dict[str, Job] = {}
+        self.n = 0
+
+    @rule(prompt=st.integers(1, 9))
+    def add(self, prompt):
+        j = Job(f"j{self.n}", prompt, 64, 0.0)
+        self.n += 1
+        if self.kv.can_fit(j, prompt):
+            grow(self.kv, j, prompt)
+            self.jobs[j.job_id] = j
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def step(self, data):
+        j = data.draw(st.sampled_from(sorted(self.jobs)))
+        job_ = self.jobs[j]
+        if job_.ready and self.kv.can_fit(job_, job_.context_len - job_.num_computed + 1):
+            grow(self.kv, job_, job_.context_len - job_.num_computed + 1)
+            job_.prompt_len += 1  # a token was generated (kept in prompt_len for simplicity)
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def evict(self, data):
+        self.kv.evict(self.jobs[data.draw(st.sampled_from(sorted(self.jobs)))])
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), k=st.integers(0, 3))
+    def plan(self, data, k):
+        batch = [self.jobs[x] for x in data.draw(st.lists(st.sampled_from(sorted(self.jobs)), max_size=2))]
+        self.kv.plan(batch, lambda j, now: float(hash(j.job_id) % 7), now=float(k))
+
+    @rule()
+    def complete(self):
+        self.be.complete_all()
+        self.kv.poll()
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.kv.free(self.jobs.pop(data.draw(st.sampled_from(sorted(self.jobs)))).job_id)
+
+    @invariant()
+    def ownership(self):
+        self.kv.check_invariants()
+
+    def teardown(self):
+        for jid in list(self.jobs):
+            self.kv.free(jid)
+        self.be.complete_all()
+        self.kv.poll()
+        self.kv.check_invariants()
+        assert self.kv.device.num_free == 12 and self.kv.host.num_free == 6
+
+
+TestKVMachine = KVMachine.TestCase
+TestKVMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
