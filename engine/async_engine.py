@@ -14,18 +14,27 @@ are reused only by the next schedule, so no lock is needed.
 
 A stream keeps only the newest snapshot (outputs are cumulative), so a slow
 reader never holds the engine back and never grows a buffer.
+
+For the server: add_requests() admits a group (the prompts of one HTTP
+request) all or nothing; merge_streams() reads a group as one iterator;
+finish listeners see every finished request once (finished, aborted or
+failed), whether or not anyone still reads its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
-from engine.engine import Engine, Prompt
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server parses its flags before torch is imported
+    from engine.engine import Engine, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,8 @@ class RequestStream:
             raise self._error or EngineDeadError("the engine stopped")
         out, self._latest = self._latest, None
         self.finished = out.finished
+        if self._error is not None:  # the engine died after this snapshot: the next read raises
+            self._event.set()
         return out
 
     async def abort(self) -> None:
@@ -83,19 +94,31 @@ class AsyncEngine:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
         self._task: asyncio.Task | None = None
         self._accepting = True
+        self._closed = False
         self.error: BaseException | None = None
+        # Called with each finished request's last output (finished, aborted or failed), on the loop.
+        self.finish_listeners: list[Callable[[RequestOutput], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="fastserve-engine-loop")
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="fastserve-engine-loop")
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
 
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done() and self.error is None
 
     async def shutdown(self, timeout: float = 0.0) -> None:
-        """Stop admitting; let in-flight requests finish within `timeout` s; abort the rest."""
+        """Stop admitting; let in-flight requests finish within `timeout` s; abort the rest.
+        Idempotent: a second call returns at once."""
         self._accepting = False
+        if self._closed:
+            return
+        self._closed = True
         deadline = asyncio.get_running_loop().time() + timeout
         while self._streams and asyncio.get_running_loop().time() < deadline and self.is_alive:
             await asyncio.sleep(0.01)
@@ -112,28 +135,46 @@ class AsyncEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return sum(1 for j in self.engine.scheduler.jobs if j.first_scheduled_time is None)
+        """Requests none of whose sequences has been scheduled yet (what --max-queued-requests bounds)."""
+        return sum(1 for r in self.engine.requests.values() if r.metrics.first_scheduled_time is None)
+
+    def num_running(self) -> int:
+        """Requests that have been scheduled at least once and are not finished."""
+        return len(self.engine.requests) - self.num_waiting()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
         """Validate and admit; raises ValidationError, QueueFullError or EngineDeadError, changing nothing."""
+        return self.add_requests([(request_id, prompt, params)])[0]
+
+    def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams | None]]) -> list[RequestStream]:
+        """Admit a group all or nothing: every request is validated before any is admitted, and the
+        group is one admission decision (admitted while fewer than --max-queued-requests wait)."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running") from self.error
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        req = self.engine.prepare_request(request_id, prompt, params)
+        ids = [rid for rid, _, _ in items]
+        if len(set(ids)) != len(ids):
+            raise ValidationError("request ids within a group must be distinct", param="request_id")
+        reqs = [self.engine.prepare_request(rid, prompt, params) for rid, prompt, params in items]
         if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
-        self.engine.admit(req)
-        stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream
+        streams = []
+        for req in reqs:
+            self.engine.admit(req)
+            stream = RequestStream(req.request_id, self)
+            self._streams[req.request_id] = stream
+            streams.append(stream)
         self._wakeup.set()
-        return stream
+        return streams
 
     async def abort(self, request_id: str) -> None:
         out = self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and out is not None:
             stream._put(out)
+        if out is not None:
+            self._notify_finished(out)
 
     # -- the loop ----------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -175,3 +216,36 @@ class AsyncEngine:
             stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
+        for out in outputs:
+            if out.finished:
+                self._notify_finished(out)
+
+    def _notify_finished(self, out: RequestOutput) -> None:
+        for listener in self.finish_listeners:
+            try:
+                listener(out)
+            except Exception:  # a listener (metrics, logs) must never take the engine loop down
+                log.exception("finish listener failed for request %s", out.request_id)
+
+
+async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as (stream index, output), in the order they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    out = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for fut in pending:
+            fut.cancel()

@@ -39,7 +39,7 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
 
     # 2. Upload, smallest ENST first, keeping the watermark.
     host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
-    for i, e in enumerate(host):
+    for e in host:
         if kv.device.num_free - len(e.host) < watermark:
             # 3. Swap: make room for a host job that will run before an idle device job.
             if idle and enst[e.job.job_id] < enst[idle[0].job.job_id]:
