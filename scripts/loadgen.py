@@ -1,0 +1,289 @@
+"""Load generator: replays a workload against any OpenAI-compatible server (ours or vLLM), streaming, and
+reports vLLM benchmark_serving's metrics plus the paper's (per-token latency, throughput at SLO, breakdown).
+
+    python scripts/loadgen.py --base-url http://127.0.0.1:8000 --dataset-name lengths \\
+        --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 200 --request-rate 2
+    python scripts/loadgen.py ... --sweep 1,2,4,8 --label skip-join --save-result --plot fig11.png
+
+Flags follow benchmark_serving's names (--base-url, --endpoint, --model, --dataset-name, --dataset-path,
+--num-prompts, --request-rate, --burstiness, --seed, --ignore-eos, --goodput, --save-result, --result-dir,
+--result-filename, --percentile-metrics, --metric-percentiles, --max-concurrency, --disable-tqdm); ours are
+--slo-per-token, --sweep, --text-prompts, --plot, --compare, --label, --tokenizer/--gpt2-bpe (token counting
+for text datasets), --vocab-size, --max-model-len, --trace-speedup, --request-timeout, the synthetic lengths.
+Prompts are token ids by default (random ids in [4, vocab) from --seed, exactly the dataset's prompt length,
+max_tokens = its output length, ignore_eos), so any tokenizer sees the same work; --text-prompts sends the
+dataset's text instead. Trace datasets (azure-*) keep their own arrival times unless --request-rate or --sweep
+is given. Items that cannot fit the context (--max-model-len, else what /v1/models says) are dropped.
+Each request has a timeout, so a run always ends. Exit status: 0, 1 on an error (unreachable server, bad
+dataset), 2 on bad flags, 3 when some requests failed. What this is not: a server, or a simulator (scripts/ has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from loadgen_client import RequestResult, send_request, server_info
+from loadgen_metrics import (
+    LATENCY_METRICS,
+    compute_metrics,
+    format_report,
+    format_sweep,
+    parse_goodput,
+    rate_at_slo,
+    run_json,
+    slo_points,
+)
+from tqdm import tqdm
+from workload import (
+    DATASETS,
+    TRACE_DATASETS,
+    LengthFilter,
+    WorkItem,
+    gpt2_bpe_token_counter,
+    load_workload,
+    model_token_counter,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
+    add("--endpoint", default="/v1/completions", help="completions route (default: %(default)s)")
+    add("--model", help="model name to send (default: the first that /v1/models lists)")
+    add("--dataset-name", choices=DATASETS, default="sharegpt", help="default: %(default)s")
+    add("--dataset-path", help="the dataset file (not needed for synthetic)")
+    add("--num-prompts", type=int, default=100, help="requests per run (default: %(default)s)")
+    add("--request-rate", type=float, default=None,
+        help="requests/s, 'inf' sends all at once (default: inf; trace datasets: the trace's own times)")
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson (default: 1)")
+    add("--seed", type=int, default=0, help="seeds sampling, arrivals and prompt ids (default: 0)")
+    add("--ignore-eos", action="store_true", help="with --text-prompts: generate all max_tokens")
+    add("--goodput", nargs="+", help='SLOs in ms, vLLM format: "ttft:500 tpot:50 e2el:2000"')
+    add("--save-result", action="store_true", help="write the result JSON")
+    add("--result-dir", default=".", help="where --save-result writes (default: .)")
+    add("--result-filename", help="file name for --save-result (default: LABEL-RATEqps-MODEL-DATE.json)")
+    add("--percentile-metrics", default=",".join(LATENCY_METRICS),
+        help="which of ttft,tpot,itl,e2el to print (default: %(default)s)")
+    add("--metric-percentiles", default="99", help="percentiles to print, e.g. 25,50,99 (default: 99)")
+    add("--max-concurrency", type=int, default=None, help="most requests in flight (default: unlimited)")
+    add("--disable-tqdm", action="store_true", help="no progress bar")
+    add("--slo-per-token", type=float, default=0.3, help="per-token latency SLO, seconds (default: 0.3)")
+    add("--sweep", help="comma-separated request rates to run in turn, e.g. 1,2,4,8; reports throughput at SLO")
+    add("--text-prompts", action="store_true", help="send the dataset's prompt text instead of token ids")
+    add("--plot", help="write a PNG: per-token latency vs rate (Fig. 11) and the breakdown (Fig. 15b)")
+    add("--compare", nargs="+", default=[], help="result JSON files of other runs to draw in --plot")
+    add("--label", default="", help="name of this run/policy in the report, JSON and plot")
+    add("--tokenizer", help="model dir whose tokenizer counts text tokens (sharegpt, alpaca)")
+    add("--gpt2-bpe", help="dir with GPT-2 encoder.json + vocab.bpe to count text tokens (if no --tokenizer)")
+    add("--vocab-size", type=int, help="token-id prompts draw from [4, this) (default: the server's, else 4000)")
+    add("--max-model-len", type=int, help="drop items longer than this (default: what /v1/models says)")
+    add("--trace-speedup", type=float, default=1.0, help="trace datasets: divide arrival times by this")
+    add("--random-input-len", type=int, default=128, help="synthetic: prompt tokens (default: 128)")
+    add("--random-output-len", type=int, default=128, help="synthetic: output tokens (default: 128)")
+    add("--random-range-ratio", type=float, default=0.0, help="synthetic: uniform within +-this fraction")
+    add("--input-output-ratio", type=float, help="synthetic: keep input+output, split it RATIO:1 (Fig. 14)")
+    add("--request-timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    return p
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.dataset_name != "synthetic" and not args.dataset_path:
+        raise SystemExit(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if args.text_prompts and args.dataset_name not in ("sharegpt", "alpaca"):
+        raise SystemExit("--text-prompts needs a dataset with text (sharegpt, alpaca)")
+    if args.num_prompts < 1 or args.request_timeout <= 0:
+        raise SystemExit("--num-prompts must be >= 1 and --request-timeout > 0")
+    bad = set(args.percentile_metrics.split(",")) - set(LATENCY_METRICS)
+    if bad:
+        raise SystemExit(f"--percentile-metrics: unknown {', '.join(sorted(bad))}; choose from ttft,tpot,itl,e2el")
+    if any(not 0 < p < 100 for p in _floats(args.metric_percentiles, "--metric-percentiles")):
+        raise SystemExit("--metric-percentiles must lie strictly between 0 and 100")
+
+
+def token_counter(args: argparse.Namespace):
+    if args.dataset_name not in ("sharegpt", "alpaca"):
+        return None
+    if args.tokenizer:
+        return model_token_counter(args.tokenizer)
+    if args.gpt2_bpe:
+        return gpt2_bpe_token_counter(args.gpt2_bpe)
+    raise SystemExit(f"--dataset-name {args.dataset_name} counts tokens: pass --tokenizer MODEL_DIR or --gpt2-bpe DIR")
+
+
+def workload_for(args: argparse.Namespace, rate: float | None, max_len: int | None) -> list[WorkItem]:
+    limit = max_len - 1 if max_len and args.text_prompts else max_len  # the server adds BOS to text
+    if args.dataset_name == "sharegpt":  # vLLM's filter, within the context
+        lf = LengthFilter(max_total_len=min(2048, limit)) if limit else LengthFilter()
+    else:  # no empty prompts or outputs, and nothing that cannot fit
+        lf = LengthFilter(min_len=1, max_prompt_len=limit or sys.maxsize, max_total_len=limit or sys.maxsize)
+    synthetic = dict(input_len=args.random_input_len, output_len=args.random_output_len,
+                     range_ratio=args.random_range_ratio, io_ratio=args.input_output_ratio)
+    return load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=args.count_tokens,
+                         rate=rate, burstiness=args.burstiness, trace_speedup=args.trace_speedup,
+                         length_filter=lf, synthetic=synthetic, seed=args.seed)
+
+
+def payloads(args: argparse.Namespace, items: list[WorkItem], model: str, vocab: int) -> list[dict]:
+    """One streaming completions body per item."""
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for it in items:
+        prompt = it.prompt_text if args.text_prompts else rng.integers(4, vocab, size=it.prompt_len).tolist()
+        out.append({"model": model, "prompt": prompt, "max_tokens": it.output_len, "temperature": 0.0,
+                    "ignore_eos": bool(args.ignore_eos or not args.text_prompts), "stream": True,
+                    "stream_options": {"include_usage": True}})
+    return out
+
+
+async def run_once(session: aiohttp.ClientSession, url: str, items: list[WorkItem], bodies: list[dict],
+                   args: argparse.Namespace, desc: str) -> tuple[list[RequestResult], float]:
+    """Send each body at its item's arrival time; (results in item order, seconds from start to last reply)."""
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = tqdm(total=len(items), desc=desc, disable=args.disable_tqdm, file=sys.stderr)
+    start = time.perf_counter()
+
+    async def one(item: WorkItem, body: dict) -> RequestResult:
+        result = RequestResult(item.prompt_len, item.output_len)
+        if limit:
+            await limit.acquire()
+        try:
+            result.start_s = time.perf_counter() - start
+            return await send_request(session, url, body, result, args.request_timeout)
+        finally:
+            if limit:
+                limit.release()
+            bar.update(1)
+
+    tasks = []
+    for item, body in zip(items, bodies):
+        delay = start + item.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(item, body)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+async def benchmark(args: argparse.Namespace) -> dict:
+    """Every run of the invocation; prints reports and returns the result JSON."""
+    percentiles = _floats(args.metric_percentiles, "--metric-percentiles")
+    goodput = parse_goodput(args.goodput) if args.goodput else None
+    shown = [m for m in LATENCY_METRICS if m in args.percentile_metrics.split(",")]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        told = args.model and args.vocab_size and args.max_model_len
+        info = None if told else await server_info(session, args.base_url)
+        model = args.model or info.model
+        vocab = args.vocab_size or (info and info.vocab_size) or 4000
+        max_len = args.max_model_len or (info and info.max_model_len)
+        if args.sweep:
+            rates: list[float | None] = _floats(args.sweep, "--sweep")
+        else:
+            default = None if args.dataset_name in TRACE_DATASETS else math.inf
+            rates = [args.request_rate if args.request_rate is not None else default]
+        if any(r is not None and not r > 0 for r in rates):
+            raise SystemExit("request rates must be > 0 (or inf)")
+        url = args.base_url.rstrip("/") + args.endpoint
+        runs, rows = [], []
+        for rate in rates:
+            items = workload_for(args, rate, max_len)
+            if len(items) < args.num_prompts:
+                print(f"note: {len(items)} of {args.num_prompts} requests fit (max_model_len {max_len})")
+            offered = rate if rate is not None else _offered_rate(items)
+            label = "trace" if rate is None else f"{rate:g} req/s"
+            results, duration = await run_once(session, url, items, payloads(args, items, model, vocab), args, label)
+            m = compute_metrics(results, duration, percentiles, goodput)
+            print(format_report(m, label, shown, percentiles, goodput))
+            for err in sorted({r.error for r in results if r.error})[:5]:
+                print(f"  error: {err}")
+            run = run_json(offered, args.burstiness, m, results)
+            run["trace_speedup"] = args.trace_speedup if rate is None else None
+            runs.append((offered, m, run))
+            rows.append((label, m))
+    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "label": args.label,
+              "model_id": model, "base_url": args.base_url, "dataset_name": args.dataset_name,
+              "num_prompts": args.num_prompts, "seed": args.seed, "text_prompts": args.text_prompts,
+              "goodput_config": goodput, "slo_per_token_s": args.slo_per_token,
+              "rates": [r for r, _, _ in runs], "runs": [run for _, _, run in runs]}
+    if len(runs) > 1:
+        print(format_sweep(rows, args.slo_per_token))
+        pairs = [(r, m) for r, m, _ in runs]
+        for which in ("mean", "p95"):
+            best = rate_at_slo(slo_points(pairs, which), args.slo_per_token)
+            result[f"throughput_at_slo_{which}"] = best
+            print(f"Throughput at SLO ({which} per-token latency <= {args.slo_per_token:g} s): "
+                  + (f"{best:g} req/s" if best is not None else "none of the swept rates"))
+    return result
+
+
+def _offered_rate(items: list[WorkItem]) -> float:
+    span = items[-1].arrival_s - items[0].arrival_s if items else 0.0
+    return (len(items) - 1) / span if span > 0 else math.inf
+
+
+def jsonable(obj: object) -> object:
+    """obj with every non-finite float written as a string ("inf"), so the JSON is strict."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def result_path(args: argparse.Namespace, result: dict) -> Path:
+    if args.result_filename:
+        return Path(args.result_dir) / args.result_filename
+    rates = "-".join(f"{r:g}" for r in result["rates"])  # "inf" for inf
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(result["model_id"]).name)
+    return Path(args.result_dir) / f"{args.label or 'openai'}-{rates}qps-{model}-{result['date']}.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _validate(args)
+    args.count_tokens = token_counter(args)
+    try:
+        result = asyncio.run(benchmark(args))
+    except (RuntimeError, ValueError) as e:  # unreachable server, bad dataset, bad --goodput
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.save_result:
+        path = result_path(args, result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(jsonable(result), allow_nan=False))
+        print(f"result saved to {path}")
+    if args.plot:
+        from loadgen_plot import plot_results
+
+        others = [json.loads(Path(f).read_text()) for f in args.compare]
+        plot_results([result, *others], args.plot, args.slo_per_token)
+        print(f"plot saved to {args.plot}")
+    failed = sum(run["failed"] for run in result["runs"])
+    return 0 if failed == 0 else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
