@@ -317,7 +317,8 @@ class Engine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         old_len = len(seq.text)
-        seq.text += seq.detokenizer.step([token])
+        if params.detokenize:
+            seq.text += seq.detokenizer.step([token])
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:
             ending = ("stop", token)
@@ -325,7 +326,7 @@ class Engine:
             ending = ("stop", None)
         elif job.num_generated >= params.max_tokens or job.context_len >= self.max_model_len:
             ending = ("length", None)
-        if ending is not None:
+        if ending is not None and params.detokenize:
             seq.text += seq.detokenizer.flush()
         if not seq.check_stop_strings(old_len) and ending is not None:
             seq.finish(*ending)

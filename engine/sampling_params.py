@@ -46,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (no text, no stop strings) - the simulator's setting
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,6 +71,8 @@ class SamplingParams:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValidationError("stop must be a non-empty string or a list of non-empty strings", param="stop")
         self.stop_strings = stop
+        if stop and not self.detokenize:
+            raise ValidationError("stop strings need detokenize=True", param="stop")
         ids = self.stop_token_ids or []
         if not isinstance(ids, list):
             raise ValidationError("stop_token_ids must be a list of integers", param="stop_token_ids")

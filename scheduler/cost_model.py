@@ -114,8 +114,13 @@ class ProfiledCostModel:
 
     def iteration_cost(self, jobs: Sequence[Job]) -> float:
         """Decode jobs share one step; each first iteration adds its prefill time."""
-        decode = [j for j in jobs if not j.is_prefill]
-        cost = sum(self.t_init(j.num_new_tokens) for j in jobs if j.is_prefill)
-        if decode:
-            cost += self.t_dec(len(decode), sum(j.context_len for j in decode) // len(decode))
+        return self.batch_cost(
+            [j.num_new_tokens for j in jobs if j.is_prefill], [j.context_len for j in jobs if not j.is_prefill]
+        )
+
+    def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int]) -> float:
+        """Cost of an iteration from its shape: prompts prefilled, and contexts of the decoding jobs."""
+        cost = sum(self.t_init(n) for n in prefill_lens)
+        if decode_context_lens:
+            cost += self.t_dec(len(decode_context_lens), sum(decode_context_lens) // len(decode_context_lens))
         return cost
