@@ -58,6 +58,10 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
     return quanta
 
 
+# Demotion needs service > quantum beyond float noise: six 0.1 s steps after 1.0 s are 1.6000000000000003 s,
+# which has not exceeded a 1.6 s quantum.
+QUANTUM_SLACK = 1 + 1e-9
+
 class SkipJoinMLFQPolicy(PriorityPolicy):
     name = PolicyName.SKIP_JOIN_MLFQ
     skip_join = True  # False: every new job enters Q1 (naive MLFQ)
@@ -144,7 +148,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         super().on_step_done(batch, now, cost)
         last, eta = len(self.quanta) - 1, self.config.demotion_step
         for job in batch:
-            if job.service_in_queue > self.quanta[job.queue] and self._holds(job):
+            if job.service_in_queue > self.quanta[job.queue] * QUANTUM_SLACK and self._holds(job):
                 level = min(job.queue + eta, last)
                 if level != job.queue:
                     job.num_demotions += 1
