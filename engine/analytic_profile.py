@@ -21,9 +21,18 @@ DECODE_CONTEXTS = [16, 128, 512, 1024, 2048]
 
 def analytic_profile(cfg: OPTConfig, device_kind: str, dtype_bytes: int, dtype: str) -> ProfiledCostModel:
     flops_s, bytes_s = DEVICE_SPEED.get(device_kind, DEVICE_SPEED["cpu"])
+    key = {"model": cfg.name, "dtype": dtype, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+           "hardware": f"{device_kind} (analytic estimate)"}
+    return ProfiledCostModel.from_dict(roofline_profile(cfg, flops_s, bytes_s, dtype_bytes, key))
+
+
+def roofline_profile(cfg: OPTConfig, flops_s: float, bytes_s: float, dtype_bytes: int, key: dict,
+                     overhead_per_layer_s: float = 2e-4) -> dict:
+    """A profile dict: each iteration costs max(FLOPs / flops_s, bytes moved / bytes_s) plus a fixed
+    per-layer overhead (launches, Python)."""
     weights = cfg.num_params()
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * dtype_bytes
-    overhead = 2e-4 * cfg.num_hidden_layers  # launch / Python overhead per iteration
+    overhead = overhead_per_layer_s * cfg.num_hidden_layers
 
     def cost(tokens: int, kv_bytes: float, attn_flops: float) -> float:
         flops = 2 * weights * tokens + attn_flops
@@ -32,10 +41,9 @@ def analytic_profile(cfg: OPTConfig, device_kind: str, dtype_bytes: int, dtype: 
     attn = lambda q, c: 4 * cfg.num_hidden_layers * cfg.hidden_size * q * c  # noqa: E731
     prefill = [cost(s, s * kv_per_token, attn(s, s) / 2) for s in PREFILL_LENS]
     decode = [[cost(b, b * c * kv_per_token, attn(b, c)) for c in DECODE_CONTEXTS] for b in DECODE_BATCHES]
-    return ProfiledCostModel.from_dict({
+    return {
         "schema": PROFILE_SCHEMA,
-        "key": {"model": cfg.name, "dtype": dtype, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                "hardware": f"{device_kind} (analytic estimate)"},
+        "key": key,
         "prefill": {"prompt_lens": PREFILL_LENS, "seconds": prefill},
         "decode": {"batch_sizes": DECODE_BATCHES, "context_lens": DECODE_CONTEXTS, "seconds": decode},
-    })
+    }

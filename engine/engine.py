@@ -95,6 +95,9 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._seq_of_job: dict[str, SequenceState] = {}
         self.num_steps = 0
+        # False: step() returns only finished requests (offline use, simulation) instead of a
+        # snapshot of every request that advanced, which costs a copy of its tokens each step.
+        self.emit_running_outputs = True
 
     # -- set-up --------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -267,11 +270,13 @@ class Engine:
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         job = seq.job
-        tokens = seq.token_ids
+        prompt, pl = seq.request.prompt_ids, len(seq.request.prompt_ids)
+        a, b = job.num_computed, job.context_len  # compute positions a .. b-1
+        tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:] + seq.output_ids[: b - pl]
         want_plp = seq.request.params.prompt_logprobs is not None and job.num_generated == 0
         return SequenceWork(
             job_id=job.job_id,
-            token_ids=tokens[job.num_computed : job.context_len],
+            token_ids=tokens,
             start_pos=job.num_computed,
             block_table=self.kv.block_table(job.job_id),
             params=seq.request.params,
@@ -297,7 +302,10 @@ class Engine:
         self.num_steps += 1
         outputs = []
         for req in touched.values():
-            outputs.append(self._finish_request(req) if req.finished else req.to_output())
+            if req.finished:
+                outputs.append(self._finish_request(req))
+            elif self.emit_running_outputs:
+                outputs.append(req.to_output())
         return outputs
 
     def fail_step(self, plan: StepPlan, message: str) -> list[RequestOutput]:

@@ -36,6 +36,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.engine.emit_running_outputs = False
         self._ids = itertools.count()
 
     @property

@@ -75,7 +75,9 @@ def simulated_engine(
     config = EngineConfig(model=str(model_dir), profile=str(profile), dtype=dtype, block_size=block_size,
                           num_gpu_blocks_override=num_device_blocks, num_host_blocks_override=num_host_blocks,
                           **engine_args)
-    return Engine(config, clock=clock, executor=executor)
+    engine = Engine(config, clock=clock, executor=executor)
+    engine.emit_running_outputs = False
+    return engine
 
 
 def _torch_dtype(name: str):
