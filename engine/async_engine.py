@@ -203,10 +203,23 @@ class AsyncEngine:
         except BaseException as e:
             log.exception("engine loop died")
             self.error = e
+            message = f"the engine loop died: {type(e).__name__}: {e}"
             for stream in self._streams.values():
-                stream._fail(EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}"))
+                stream._fail(EngineDeadError(message))
             self._streams.clear()
+            self._fail_all(message)
             raise
+
+    def _fail_all(self, message: str) -> None:
+        """After the loop died: end every request with an error, returning its KV blocks (best effort)."""
+        for request_id in list(self.engine.requests):
+            try:
+                out = self.engine.fail(request_id, message)
+            except Exception:
+                log.exception("could not release request %s after the engine loop died", request_id)
+                continue
+            if out is not None:
+                self._notify_finished(out)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,0 +1,151 @@
+"""Prometheus metrics of the HTTP server, in a per-app CollectorRegistry.
+
+Names follow vLLM's where vLLM has a counterpart, so its dashboards work. Every
+series carries vLLM's `model_name` label.
+
+  read from the engine at scrape time (EngineSnapshot):
+    vllm:num_requests_running, vllm:num_requests_waiting   requests (not sequences)
+    vllm:num_requests_swapped                              jobs whose KV is on the host tier
+    vllm:gpu_cache_usage_perc, vllm:cpu_cache_usage_perc   device / host KV blocks in use, 0..1 (as vLLM)
+    fastserve:kv_free_blocks, fastserve:kv_total_blocks    device KV blocks (all free when idle)
+    fastserve:kv_host_free_blocks, fastserve:kv_host_total_blocks
+    fastserve:scheduler_queue_jobs{queue}                  jobs per MLFQ level (1 = highest)
+    fastserve:scheduler_promotions_total, ..._demotions_total, ..._policy_preemptions_total
+  recorded as each request finishes (observe_finished):
+    vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
+    vllm:request_queue_time_seconds                        histograms
+    vllm:time_per_output_token_seconds                     histogram of each request's mean time per
+                                                           output token after the first (the engine
+                                                           reports cumulative snapshots, not each token)
+    vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:num_preemptions_total
+    vllm:request_success_total{finished_reason}            every finished request, labelled by its
+                                                           first sequence's reason: stop, length,
+                                                           abort or error
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class EngineSnapshot:
+    """The engine's state now, as /health and /metrics report it."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_free: int
+    kv_total: int
+    host_free: int
+    host_total: int
+    scheduler: object | None = None  # engine.engine.SchedulerStats
+
+
+class _EngineCollector:
+    """Yields the scrape-time series from the snapshot render() was given."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model = model_name
+        self.snapshot: EngineSnapshot | None = None
+
+    def collect(self):
+        s, labels = self.snapshot, [self.model]
+        if s is None:
+            return
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        yield gauge("vllm:num_requests_running", "Requests scheduled at least once, not finished.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests admitted, not yet scheduled.", s.num_waiting)
+        yield gauge("vllm:num_requests_swapped", "Jobs whose KV cache is on the host tier.", s.num_swapped)
+        yield gauge("vllm:gpu_cache_usage_perc", "Fraction of device KV blocks in use (0..1).",
+                    (s.kv_total - s.kv_free) / s.kv_total if s.kv_total else 0.0)
+        yield gauge("vllm:cpu_cache_usage_perc", "Fraction of host KV blocks in use (0..1).",
+                    (s.host_total - s.host_free) / s.host_total if s.host_total else 0.0)
+        yield gauge("fastserve:kv_free_blocks", "Free device KV blocks.", s.kv_free)
+        yield gauge("fastserve:kv_total_blocks", "All device KV blocks.", s.kv_total)
+        yield gauge("fastserve:kv_host_free_blocks", "Free host KV blocks.", s.host_free)
+        yield gauge("fastserve:kv_host_total_blocks", "All host KV blocks.", s.host_total)
+        st = s.scheduler
+        if st is None:
+            return
+        queues = GaugeMetricFamily("fastserve:scheduler_queue_jobs", "Jobs per MLFQ level (1 = highest).",
+                                   labels=["model_name", "queue"])
+        for level, n in enumerate(st.queue_lengths, start=1):
+            queues.add_metric(labels + [str(level)], n)
+        yield queues
+        for name, doc, value in (("promotions", "Starvation promotions to Q1.", st.num_promotions),
+                                 ("demotions", "MLFQ demotions.", st.num_demotions),
+                                 ("policy_preemptions", "Jobs that ran one iteration and not the next.",
+                                  st.num_policy_preemptions)):
+            c = CounterMetricFamily(f"fastserve:scheduler_{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = reg = CollectorRegistry()
+        self._model = model_name
+        self._engine = _EngineCollector(model_name)
+        reg.register(self._engine)
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(name, doc, labels + (extra or []), registry=reg)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", _TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time a request spent waiting.",
+                               _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated by finished requests.")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions of finished requests' sequences.")
+        self.success = counter("vllm:request_success", "Finished requests by finish reason.", ["finished_reason"])
+        for metric in (self.ttft, self.tpot, self.e2e, self.queue, self.prompt_tokens, self.generation_tokens,
+                       self.preemptions):
+            metric.labels(model_name)  # every series exists (at zero) from the first scrape
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model_name, reason)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record one finished request (an AsyncEngine finish listener)."""
+        m, name = out.metrics, self._model
+        self.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(name).inc(sum(len(c.token_ids) for c in out.outputs))
+        self.preemptions.labels(name).inc(m.preemptions)
+        reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"
+        self.success.labels(name, reason).inc()
+        if m.ttft_s is not None:
+            self.ttft.labels(name).observe(m.ttft_s)
+        if m.e2e_s is not None:
+            self.e2e.labels(name).observe(m.e2e_s)
+            self.queue.labels(name).observe(m.queued_s)
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        if m.ttft_s is not None and m.e2e_s is not None and longest > 1:
+            self.tpot.labels(name).observe((m.e2e_s - m.ttft_s) / (longest - 1))
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        """The exposition text, with the engine's series as of `snapshot`."""
+        self._engine.snapshot = snapshot
+        return generate_latest(self.registry)

@@ -1,0 +1,544 @@
+"""FastServe's HTTP server: OpenAI-compatible completions and chat on aiohttp + uvloop.
+
+    python server.py --model DIR [--port 8000] ...        (--help documents every flag)
+
+Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
+/v1/models, /version, /metrics (Prometheus text, engine/server_metrics.py) and /health: 200 while
+the engine loop is alive, 503 when it is not or the server is shutting down; no API key needed.
+/health's JSON also reports `running`, `waiting` and the free/total KV blocks of both tiers
+(`kv_free_blocks`, `kv_total_blocks`, `kv_host_free_blocks`, `kv_host_total_blocks`).
+
+Errors are OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or
+wrong API key, 404 unknown model or route, 413 body over --max-request-bytes, 500 a failure inside
+one request (others are unaffected), 503 queue full or shutting down (with Retry-After) or engine
+dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
+Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
+RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
+vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_tokens, ignore_eos and
+stop_token_ids are accepted.
+
+A client that disconnects has its requests aborted (a watcher polls the transports of live
+requests; a failed write does the same); a stream whose client stops reading for
+--stream-write-timeout s is aborted and its connection dropped. SIGTERM/SIGINT: new requests get
+503, in-flight ones get --shutdown-timeout s, the rest end with finish_reason "abort"; exit 0.
+One log line per finished request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import typing
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
+from engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from engine.config import KV_POLICIES, EngineConfig
+from engine.errors import EngineDeadError, ValidationError
+from engine.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
+from engine.outputs import RequestOutput
+from engine.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
+from scheduler.policy import PolicyName
+
+log = logging.getLogger("fastserve.server")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...] = ("tiny-opt",)
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty = off
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+    stream_write_timeout: float = 30.0
+    chat_template: str = DEFAULT_CHAT_TEMPLATE  # Jinja source
+    disconnect_poll_s: float = 0.1
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request being generated, watched for its client going away."""
+
+    request: web.Request
+    streams: list[RequestStream]
+    gone: bool = False
+
+
+@dataclass
+class ServerState:
+    protocol: ProtocolContext
+    metrics: ServerMetrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    live: set[_Live] = field(default_factory=set)
+    client_ids: dict[str, str] = field(default_factory=dict)  # engine request id -> X-Request-Id
+
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+CONFIG = web.AppKey("config", ServerConfig)
+STATE = web.AppKey("state", ServerState)
+REQUEST_ID = web.RequestKey("request_id", str)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, error_body(message, type_, param, code)
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body, status=self.status, headers=self.headers)
+
+
+class _ClientGone(Exception):
+    """The client disconnected or stopped reading; nothing more can be sent."""
+
+
+def _too_large(request: web.Request) -> ApiError:
+    limit = request.app[CONFIG].max_request_bytes
+    return ApiError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                    code="request_too_large")
+
+
+# -- middlewares and signals ------------------------------------------------------------------------------
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    """Request ids, and every failure as an OpenAI error body; one request's failure stays its own."""
+    rid = request.headers.get("X-Request-Id", "")
+    request[REQUEST_ID] = rid if 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable() else uuid.uuid4().hex
+    if rid and request[REQUEST_ID] != rid:
+        return ApiError(400, "X-Request-Id must be 1-128 printable ASCII characters", param="X-Request-Id").response()
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+        if e.status == 413:
+            return _too_large(request).response()
+        return ApiError(e.status, f"{e.reason}: {request.method} {request.path}",
+                        "invalid_request_error" if e.status < 500 else "server_error").response()
+    except Exception as e:
+        log.exception("request %s failed", request[REQUEST_ID])
+        return ApiError(500, f"internal server error ({type(e).__name__}) in request {request[REQUEST_ID]}",
+                        "server_error", code="internal_error").response()
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler):
+    """Bearer --api-key on every route but /health, compared in constant time."""
+    if request.path != "/health":
+        want = "Bearer " + request.app[CONFIG].api_key
+        given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
+        if not hmac.compare_digest(given, want.encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+    return await handler(request)
+
+
+def _cors_origin(request: web.Request) -> str | None:
+    origin, allowed = request.headers.get("Origin"), request.app[CONFIG].allowed_origins
+    return origin if origin and ("*" in allowed or origin in allowed) else None
+
+
+@web.middleware
+async def _cors_middleware(request: web.Request, handler):
+    """Answers CORS preflights of allowed origins (before the API key check: browsers send none)."""
+    if request.method == "OPTIONS" and _cors_origin(request) and "Access-Control-Request-Method" in request.headers:
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS", "Access-Control-Max-Age": "600",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type, X-Request-Id"})
+    return await handler(request)
+
+
+async def _on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
+    if request.app[CONFIG].allowed_origins and (origin := _cors_origin(request)):
+        response.headers.update({"Access-Control-Allow-Origin": origin, "Vary": "Origin",
+                                 "Access-Control-Expose-Headers": "X-Request-Id"})
+
+
+# -- routes ------------------------------------------------------------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, "cmpl")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, "chatcmpl")
+
+
+async def models(request: web.Request) -> web.Response:
+    engine, created = request.app[ENGINE].engine, request.app[STATE].started
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "fastserve",
+             "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+            for name in request.app[CONFIG].served_model_names]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        return web.json_response({"version": metadata.version("fastserve")})
+    except metadata.PackageNotFoundError:
+        return web.json_response({"version": "unknown"})
+
+
+def _snapshot(aengine: AsyncEngine) -> EngineSnapshot:
+    engine = aengine.engine
+    kv = engine.kv
+    return EngineSnapshot(aengine.num_running(), aengine.num_waiting(), kv.num_swapped(), kv.device.num_free,
+                          kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats())
+
+
+async def health(request: web.Request) -> web.Response:
+    aengine, state = request.app[ENGINE], request.app[STATE]
+    ok = aengine.is_alive and not state.draining
+    s = _snapshot(aengine)
+    return web.json_response(
+        {"status": "ok" if ok else ("shutting_down" if state.draining else "engine_dead"), "running": s.num_running,
+         "waiting": s.num_waiting, "kv_free_blocks": s.kv_free, "kv_total_blocks": s.kv_total,
+         "kv_host_free_blocks": s.host_free, "kv_host_total_blocks": s.host_total}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[STATE].metrics.render(_snapshot(request.app[ENGINE]))
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+
+# -- generation --------------------------------------------------------------------------------------------
+async def _read_json(request: web.Request) -> object:
+    if (request.content_length or 0) > request.app[CONFIG].max_request_bytes:
+        raise _too_large(request)
+    if request.content_type != "application/json":
+        raise ApiError(400, f"Content-Type must be application/json, got {request.content_type or 'none'}",
+                       code="invalid_content_type")
+    try:
+        return json.loads(await request.read())
+    except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+        raise _too_large(request) from None
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                       code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "the body is not valid UTF-8 JSON", code="invalid_json") from None
+
+
+async def _generate(request: web.Request, parse, prefix: str) -> web.StreamResponse:
+    aengine, state = request.app[ENGINE], request.app[STATE]
+    if state.draining:
+        raise ApiError(503, "the server is shutting down", "service_unavailable_error", code="shutting_down",
+                       retry_after=5)
+    body = await _read_json(request)
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    try:
+        req = parse(body, state.protocol)
+        streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)])
+    except ValidationError as e:
+        raise ApiError(404 if e.code == "model_not_found" else 400, e.message, param=e.param, code=e.code) from None
+    except QueueFullError as e:
+        raise ApiError(503, f"{e}; retry later", "service_unavailable_error", code="queue_full",
+                       retry_after=1) from None
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), "service_unavailable_error", code="engine_unavailable") from None
+    state.client_ids.update((s.request_id, request[REQUEST_ID]) for s in streams)
+    builder = ResponseBuilder(req, response_id, int(time.time()), state.protocol.tokenizer)
+    live = _Live(request, streams)
+    state.live.add(live)
+    try:
+        return await (_stream(request, builder, live) if req.stream else _collect(builder, live))
+    finally:
+        state.live.discard(live)
+        for s in streams:
+            await s.abort()  # no-op once finished
+            state.client_ids.pop(s.request_id, None)
+
+
+def _failure(outputs: list[RequestOutput | None]) -> str | None:
+    """The error message of the first failed sequence, if any."""
+    return next((c.error or "generation failed" for o in outputs if o for c in o.outputs
+                 if c.finish_reason == "error"), None)
+
+
+async def _collect(builder: ResponseBuilder, live: _Live) -> web.Response:
+    final: list[RequestOutput | None] = [None] * len(live.streams)
+    try:
+        async for i, out in merge_streams(live.streams):
+            final[i] = out
+    except EngineDeadError as e:
+        raise ApiError(500, str(e), "server_error", code="engine_dead") from None
+    if live.gone or None in final:
+        return web.Response(status=499, text="client closed the connection")  # nobody reads it
+    if (message := _failure(final)) is not None:
+        raise ApiError(500, message, "server_error", code="generation_failed")
+    return web.json_response(builder.response(final))
+
+
+async def _stream(request: web.Request, builder: ResponseBuilder, live: _Live) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    timeout = request.app[CONFIG].stream_write_timeout
+
+    async def send(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(resp.write(data), timeout)
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            if request.transport is not None:
+                request.transport.abort()  # drop a client that stopped reading
+            raise _ClientGone(type(e).__name__) from None
+
+    async def send_json(obj: dict) -> None:
+        await send(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    latest: list[RequestOutput | None] = [None] * len(live.streams)
+    try:
+        try:
+            for chunk in builder.first_chunks():
+                await send_json(chunk)
+            async for i, out in merge_streams(live.streams):
+                latest[i] = out
+                for chunk in builder.chunks(i, out):
+                    await send_json(chunk)
+                if (message := _failure([out])) is not None:
+                    await send_json(error_body(message, "server_error", code="generation_failed"))
+                    break
+            else:
+                if builder.req.include_usage:
+                    await send_json(builder.usage_chunk(latest))
+        except EngineDeadError as e:
+            await send_json(error_body(str(e), "server_error", code="engine_dead"))
+        except _ClientGone:
+            raise
+        except Exception as e:
+            log.exception("stream %s failed", builder.response_id)
+            await send_json(error_body(f"internal server error ({type(e).__name__})", "server_error",
+                                       code="internal_error"))
+        await send(b"data: [DONE]\n\n")
+    except _ClientGone as e:
+        live.gone = True
+        log.info("client of %s is gone (%s); its requests are aborted", builder.response_id, e)
+    return resp
+
+
+# -- lifecycle -----------------------------------------------------------------------------------------------
+def _finish_listener(state: ServerState):
+    def on_finished(out: RequestOutput) -> None:
+        state.metrics.observe_finished(out)
+        m, client = out.metrics, state.client_ids.get(out.request_id)
+        log.info("request %s%s finished: reason=%s prompt_tokens=%d output_tokens=%d ttft=%s e2e=%s",
+                 out.request_id, f" (X-Request-Id {client})" if client else "",
+                 ",".join(sorted({c.finish_reason or "abort" for c in out.outputs})), len(out.prompt_token_ids),
+                 sum(len(c.token_ids) for c in out.outputs), "-" if m.ttft_s is None else f"{m.ttft_s:.3f}s",
+                 "-" if m.e2e_s is None else f"{m.e2e_s:.3f}s")
+    return on_finished
+
+
+async def _watch_disconnects(app: web.Application) -> None:
+    state = app[STATE]
+    while True:
+        await asyncio.sleep(app[CONFIG].disconnect_poll_s)
+        for live in list(state.live):
+            transport = live.request.transport
+            if not live.gone and (transport is None or transport.is_closing()):
+                live.gone = True
+                log.info("client went away; aborting %s", ", ".join(s.request_id for s in live.streams))
+                for s in live.streams:
+                    await s.abort()
+
+
+async def _engine_ctx(app: web.Application):
+    await app[ENGINE].start()
+    watcher = asyncio.create_task(_watch_disconnects(app), name="fastserve-disconnect-watcher")
+    yield
+    watcher.cancel()
+    await app[ENGINE].shutdown(0)  # a no-op after drain()
+
+
+async def drain(app: web.Application) -> None:
+    """Stop admitting (503), give in-flight requests --shutdown-timeout s, then abort the rest."""
+    app[STATE].draining = True
+    await app[ENGINE].shutdown(app[CONFIG].shutdown_timeout)
+
+
+def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Application:
+    cfg, tok = server_config, async_engine.engine.tokenizer
+    middlewares = ([_cors_middleware] if cfg.allowed_origins else []) + [_errors_middleware]
+    app = web.Application(middlewares=middlewares + ([_auth_middleware] if cfg.api_key else []),
+                          client_max_size=cfg.max_request_bytes)
+    special = {f"{name}_token": tok.decode([i], skip_special_tokens=False) if i is not None else ""
+               for name, i in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id))}
+    protocol = ProtocolContext(list(cfg.served_model_names), tok, ChatTemplate(cfg.chat_template, **special),
+                               async_engine.engine.max_model_len)
+    app[ENGINE], app[CONFIG] = async_engine, cfg
+    app[STATE] = state = ServerState(protocol, ServerMetrics(cfg.served_model_names[0]))
+    async_engine.finish_listeners.append(_finish_listener(state))
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
+        app.router.add_get(path, handler)
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(drain)
+    app.on_response_prepare.append(_on_prepare)
+    return app
+
+
+# -- command line ----------------------------------------------------------------------------------------------
+_POLICIES = [p.value for p in PolicyName if p is not PolicyName.SRPT]
+# Every EngineConfig field is a flag (kebab case; type and default from the dataclass; "none" for an
+# optional one); here are their help lines and choices (a field missing here gets a generic line).
+ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
+    "model": ("Hugging Face OPT model directory (default: the built-in tiny model)", None),
+    "tokenizer": ("tokenizer directory (default: the model directory)", None),
+    "dtype": ("weights and KV; auto = float16 on CUDA, float32 on CPU", ["auto", "float32", "float16", "bfloat16"]),
+    "device": ("where the model runs", ["auto", "cpu", "cuda"]),
+    "tensor_parallel_size": ("GPUs per pipeline stage (tensor parallelism)", None),
+    "pipeline_parallel_size": ("pipeline stages", None),
+    "max_num_seqs": ("most sequences in one iteration's batch", None),
+    "max_num_batched_tokens": ("most tokens in one iteration (a longer prompt runs alone)", None),
+    "max_model_len": ("context length (default: the model's)", None),
+    "block_size": ("tokens per KV block", None),
+    "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),
+    "num_gpu_blocks_override": ("device KV blocks, instead of measuring memory", None),
+    "swap_space": ("GiB of host memory for offloaded KV blocks", None),
+    "num_host_blocks_override": ("host KV blocks, instead of --swap-space", None),
+    "scheduling_policy": ("which jobs run each iteration", _POLICIES),
+    "seed": ("seed of the engine's sampler (requests without their own seed)", None),
+    "kv_policy": ("how device KV memory is freed when it runs low", list(KV_POLICIES)),
+    "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
+    "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
+    "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
+    "profile": ("'analytic' or a job-profile JSON (default: a stored matching profile, else measured)", None),
+    "max_queued_requests": ("most requests waiting to start; beyond, 503 + Retry-After (default: no limit)", None),
+}
+
+
+def _flag_type(hint):
+    """int, float or str from a field's type; an optional one also takes "none"."""
+    members = typing.get_args(hint) or (hint,)
+    base = next(m for m in members if m is not type(None))
+    if type(None) not in members:
+        return base
+
+    def parse(text: str):
+        return None if text.lower() in ("none", "off") else base(text)
+
+    parse.__name__ = base.__name__  # argparse says "invalid int value"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="server.py", description="FastServe: an OpenAI-compatible server for OPT models.")
+
+    def flag(name: str, doc: str, **kw) -> None:  # every help line says its default
+        p.add_argument(name, help=doc if "default" in doc else doc + " (default: %(default)s)", **kw)
+
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        doc, choices = ENGINE_HELP.get(f.name, (f"engine setting {f.name} (see engine/config.py)", None))
+        flag("--" + f.name.replace("_", "-"), doc, type=_flag_type(hints[f.name]), default=f.default,
+             choices=choices)
+    srv = ServerConfig()
+    flag("--host", "address to listen on", default="127.0.0.1")
+    flag("--port", "port to listen on (0: any free port)", type=int, default=8000)
+    flag("--served-model-name", "model name(s) clients use; responses report the first "
+         "(default: the --model value, or tiny-opt)", nargs="+")
+    flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health "
+         "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
+    flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
+    flag("--chat-template", "Jinja chat template file (default: engine/chat_template.py's)")
+    flag("--shutdown-timeout", "seconds in-flight requests get after SIGTERM before they are aborted",
+         type=float, default=srv.shutdown_timeout)
+    flag("--max-request-bytes", "largest request body; larger ones get 413", type=int,
+         default=srv.max_request_bytes)
+    flag("--stream-write-timeout", "seconds a stream waits on a client that stops reading before "
+         "aborting it", type=float, default=srv.stream_write_timeout)
+    flag("--log-level", "log level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from the flags; a bad value raises ValueError."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.stream_write_timeout <= 0:
+        raise ValueError("--max-request-bytes must be >= 1, --shutdown-timeout >= 0, --stream-write-timeout > 0")
+    template = DEFAULT_CHAT_TEMPLATE
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"cannot read --chat-template {args.chat_template}: {e.strerror}") from None
+    ChatTemplate(template)  # raises ValueError if it does not parse
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    return (EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()}),
+            ServerConfig(tuple(args.served_model_name or [args.model or "tiny-opt"]), args.api_key or None,
+                         origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template))
+
+
+async def serve(app: web.Application, host: str, port: int, access_log: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return 0 (1 if the address cannot be bound)."""
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0,
+                           access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        print(f"server.py: error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    port, cfg = runner.addresses[0][1], app[CONFIG]
+    auth = ' -H "Authorization: Bearer $FASTSERVE_API_KEY"' if cfg.api_key else ""
+    print(f"FastServe: serving {cfg.served_model_names[0]} on http://{host}:{port} ; try: curl "
+          f"http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
+          """-d '{"prompt": "Hello", "max_tokens": 16}'""", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: no new requests; in-flight ones get %.1f s", cfg.shutdown_timeout)
+    await drain(app)  # the listener stays open meanwhile, answering 503
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine_cfg, server_cfg = _configs(args)
+        from engine.engine import Engine  # torch and the model: only once the flags are good
+
+        engine = Engine(engine_cfg)
+    except (ValueError, OSError) as e:  # bad flag values, unreadable model or template files
+        print(f"server.py: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(AsyncEngine(engine, engine_cfg.max_queued_requests), server_cfg)
+    coro = serve(app, args.host, args.port, access_log=args.log_level == "debug")
+    try:
+        import uvloop
+    except ImportError:  # no uvloop on this platform: asyncio's own loop serves the same
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Helpers for the server tests: `server.py` as a real subprocess on loopback, and small HTTP/SSE utilities.
+
+Servers are expensive (~3 s to start), so `shared_server` starts one per distinct argument list and
+reuses it across test modules for the rest of the session (stopped at the session's end). Tests
+that share a server leave it idle; `wait_idle` checks that, through /health's KV block counts.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Fast start-up: small KV tiers (16k device tokens is plenty here) and the analytic job profile (no
+# start-up measurement).
+QUICK_ARGS = ("--profile", "analytic", "--num-host-blocks-override", "256")
+# A short stream write timeout (slow-reader test) and a small body limit (413 test).
+DEFAULT_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "1024", "--stream-write-timeout", "2",
+                "--max-request-bytes", "65536")
+API_KEY = "test-key-123"
+# max-num-seqs 1 + max-queued-requests 1: one request runs, one waits, the rest get 503.
+RESTRICTED_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "256", "--max-num-seqs", "1",
+                   "--max-queued-requests", "1", "--api-key", API_KEY, "--allowed-origins", "http://allowed.example")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python server.py --model DIR --port P ARGS`, its log in a file."""
+
+    def __init__(self, model_dir: Path, args: tuple[str, ...], log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        cmd = [sys.executable, str(REPO / "server.py"), "--model", str(model_dir), "--port", str(self.port), *args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+_SHARED: dict[tuple, ServerProcess] = {}
+
+
+def shared_server(request: pytest.FixtureRequest, model_dir: Path, args: tuple[str, ...]) -> ServerProcess:
+    """A running server with these arguments, started once per session and shared."""
+    key = (str(model_dir), args)
+    srv = _SHARED.get(key)
+    if srv is None or srv.proc.poll() is not None:
+        log_dir = request.getfixturevalue("tmp_path_factory").mktemp("server-logs")
+        srv = _SHARED[key] = ServerProcess(model_dir, args, log_dir).wait_ready()
+        request.config.add_cleanup(srv.stop)
+    return srv
+
+
+def get_json(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post_json(url: str, body: object, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of a POST; `body` bytes are sent as they are."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def wait_idle(url: str, timeout: float = 15.0) -> dict:
+    """/health once nothing runs or waits and every KV block (both tiers) is free; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, h = get_json(url + "/health")
+        if (status == 200 and h["running"] == h["waiting"] == 0 and h["kv_free_blocks"] == h["kv_total_blocks"]
+                and h["kv_host_free_blocks"] == h["kv_host_total_blocks"]):
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: {status} {h}")
+        time.sleep(0.05)
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The payloads of `data: ...\\n\\n` events, checking that nothing else is on the wire."""
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    events = raw[:-2].split(b"\n\n")
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events), raw[:500]
+    return [e[len(b"data: "):] for e in events]
+
+
+def sse_chunks(raw: bytes) -> list[dict]:
+    """The JSON chunks of a stream that ends with `data: [DONE]`."""
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]" and b"[DONE]" not in events[:-1]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def streamed_text(chunks: list[dict], index: int = 0) -> str:
+    """The text of choice `index` put together from completion or chat chunks."""
+    parts = []
+    for c in chunks:
+        for ch in c.get("choices", []):
+            if ch["index"] == index:
+                parts.append(ch["text"] if "text" in ch else ch["delta"].get("content") or "")
+    return "".join(parts)
+
+
+def metric_samples(url: str, headers: dict | None = None) -> dict[tuple, float]:
+    """/metrics parsed by prometheus_client: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(url + "/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def finished_count(url: str, reason: str, headers: dict | None = None) -> float:
+    """vllm:request_success_total for one finish reason (0 before the first such request)."""
+    return sum(v for (name, labels), v in metric_samples(url, headers).items()
+               if name == "vllm:request_success_total" and ("finished_reason", reason) in labels)
+
+
+async def open_raw(port: int, path: str, body: dict, rcvbuf: int | None = None):
+    """A raw HTTP/1.1 POST on its own connection: (reader, writer), the response unread."""
+    import asyncio
+
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connect, so the TCP window stays small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    data = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    return reader, writer
