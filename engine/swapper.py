@@ -47,7 +47,9 @@ class _EventHandle:
 
 
 def allocate_host_cache(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.zeros((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+    """Uninitialised: a host block is always written by an offload before an upload reads it, so the
+    pages of a large swap space are only touched when used."""
+    return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
 
 
 class Swapper:

@@ -164,7 +164,7 @@ def test_bad_requests_raise_and_change_nothing(llm, prompt, params, match):
         (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(n=1000), "n"), (dict(logprobs=100), "logprobs"),
-        (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop=[""]), "stop"),
+        (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop=[""]), "stop"), (dict(seed=2**70), "seed"),
     ],
 )
 def test_sampling_params_validation_names_the_field(kwargs, param):
