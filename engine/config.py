@@ -31,7 +31,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of host memory for offloaded KV
     num_host_blocks_override: int | None = None  # host-tier blocks, overriding swap_space (tests)
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "skip-join-mlfq"
     seed: int = 0
     kv_policy: str = "proactive"
     starvation_threshold: float | None = 0.3  # alpha, seconds

@@ -155,10 +155,7 @@ def _sampling_params(body: dict, max_tokens, logprobs) -> SamplingParams:
         kw["max_tokens"] = max_tokens
     if logprobs is not None:
         kw["logprobs"] = logprobs
-    params = SamplingParams(**kw)  # validates types and ranges, naming the field
-    if params.seed is not None and not -(2**63) <= params.seed < 2**63:
-        raise ValidationError(f"seed must fit in 64 bits (between {-(2**63)} and {2**63 - 1})", param="seed")
-    return params
+    return SamplingParams(**kw)  # validates types and ranges, naming the field
 
 
 def _is_token_id(x: object) -> bool:

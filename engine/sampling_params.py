@@ -60,7 +60,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValidationError(f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}", param="top_k")
-        _check_int("seed", self.seed, -(2**63), 2**63 - 1, allow_none=True)
+        _check_int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValidationError(f"seed must fit in 64 bits (between {-(2**63)} and {2**63 - 1})", param="seed")
         _check_int("max_tokens", self.max_tokens, 1)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)

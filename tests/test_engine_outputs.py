@@ -23,7 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=512)
+    return LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=512, profile="analytic")
 
 
 def greedy(max_tokens=12, **kw):
@@ -174,7 +174,7 @@ def test_sampling_params_validation_names_the_field(kwargs, param):
 
 
 def test_request_that_can_never_fit_is_refused(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=4)
+    llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=4, profile="analytic")
     with pytest.raises(ValidationError, match="needs 5 KV blocks.*only 4"):
         llm.generate([[2, 3, 4, 5]], SamplingParams(max_tokens=16))
 

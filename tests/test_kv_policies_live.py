@@ -26,14 +26,15 @@ def greedy(n: int = 24) -> SamplingParams:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=1024, kv_policy="recompute",
-              scheduling_policy="fcfs")
+              scheduling_policy="fcfs", profile="analytic")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
 def run_small(tiny_model_dir, policy: str, kv_policy: str, host_blocks: int = 256, copy_delay: float = 0.0):
     # 24 device blocks of 4 tokens: six jobs of up to ~45 tokens cannot all stay resident.
     llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=24, scheduling_policy=policy,
-              kv_policy=kv_policy, num_host_blocks_override=host_blocks, max_num_seqs=3)
+              kv_policy=kv_policy, num_host_blocks_override=host_blocks, max_num_seqs=3,
+              profile="analytic")
     if copy_delay:
         llm.engine.executor.swapper.copy_delay_s = copy_delay
     return llm

@@ -1,0 +1,131 @@
+"""Which job profile the engine schedules by, and where profiles live.
+
+load_cost_model() picks, in this order:
+1. `EngineConfig.profile == "analytic"`: the roofline estimate of
+   engine/analytic_profile.py (tests and quick starts; never measures);
+2. `EngineConfig.profile = PATH` (--profile): that file; a missing or
+   malformed file is a ValueError that names it and says what to do;
+3. a profile in the profile folder whose key matches this engine's (model
+   name, dtype, tensor/pipeline parallel sizes, hardware). The folder is
+   `profiles/` at the repository root, or $FASTSERVE_PROFILE_DIR when set;
+   scripts/profile_model.py writes there by default (profiles/README.md);
+4. otherwise a short profile measured now, on the engine's own executor
+   (engine/job_profiler.STARTUP_GRID), announced by one log line.
+
+Profiles follow the schema "fastserve.profile/1" (scheduler/cost_model.py);
+lookups between grid points interpolate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from engine.analytic_profile import analytic_profile
+from engine.config import EngineConfig
+from engine.executor.base import Executor
+from engine.job_profiler import KEY_FIELDS, STARTUP_GRID, profile_executor, profile_key
+from engine.model.config import OPTConfig
+from scheduler.cost_model import PROFILE_SCHEMA, ProfiledCostModel
+
+log = logging.getLogger(__name__)
+
+ANALYTIC = "analytic"
+DEFAULT_PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
+PROFILE_DIR_ENV = "FASTSERVE_PROFILE_DIR"
+
+
+def profile_dir() -> Path:
+    """Where profiles are looked up: $FASTSERVE_PROFILE_DIR, else profiles/ at the repo root."""
+    return Path(os.environ.get(PROFILE_DIR_ENV) or DEFAULT_PROFILE_DIR)
+
+
+def profile_filename(key: dict) -> str:
+    """A readable file name for a key: tiny-opt__float32__tp1-pp1__cpu-amd-epyc.json."""
+    hardware = re.sub(r"[^a-z0-9]+", "-", str(key["hardware"]).lower()).strip("-")
+    return (f"{key['model']}__{key['dtype']}__tp{key['tensor_parallel_size']}-pp{key['pipeline_parallel_size']}"
+            f"__{hardware}.json")
+
+
+def key_matches(have: dict, want: dict) -> bool:
+    return all(have.get(f) == want.get(f) for f in KEY_FIELDS)
+
+
+def find_profile(key: dict, folder: Path) -> Path | None:
+    """The first *.json in folder (by name) whose schema and key match; None if none does.
+    Files that are not profiles, or are unreadable, are skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    for path in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            log.debug("skipping %s: not a readable JSON profile (%s)", path, e)
+            continue
+        if (isinstance(data, dict) and data.get("schema") == PROFILE_SCHEMA and isinstance(data.get("key"), dict)
+                and key_matches(data["key"], key)):
+            return path
+    return None
+
+
+def engine_profile_key(config: EngineConfig, model_config: OPTConfig, executor: Executor) -> dict:
+    device = getattr(executor, "device", torch.device("cpu"))
+    dtype = getattr(executor, "dtype", torch.float32)
+    return profile_key(model_config.name, dtype, device, config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
+def load_cost_model(config: EngineConfig, model_config: OPTConfig,
+                    executor: Executor) -> tuple[ProfiledCostModel, str]:
+    """The engine's cost model and a line saying where it came from (see the module docstring)."""
+    key = engine_profile_key(config, model_config, executor)
+    if config.profile == ANALYTIC:
+        dtype = getattr(executor, "dtype", torch.float32)
+        cost = analytic_profile(model_config, key["hardware"].split(":")[0], dtype.itemsize, key["dtype"])
+        return cost, "analytic estimate (engine/analytic_profile.py)"
+    if config.profile:
+        cost = _read(Path(config.profile), "--profile")
+        if hasattr(executor, "device") and not key_matches(cost.key, key):  # a real executor, not a simulation
+            log.warning("profile %s was measured for %s; this engine is %s", config.profile, cost.key, key)
+        return cost, f"profile {config.profile}"
+    folder = profile_dir()
+    found = find_profile(key, folder)
+    if found is not None:
+        return _read(found, f"the profile folder {folder}"), f"profile {found}"
+    start = time.perf_counter()
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    cost = profile_executor(executor, model_config.vocab_size, key, STARTUP_GRID.clipped(max_len))
+    log.warning(
+        "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s); "
+        "for a fuller one run scripts/profile_model.py --model DIR", key["model"], key["dtype"],
+        key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,
+        time.perf_counter() - start,
+    )
+    return cost, "start-up profile (short grid)"
+
+
+def _read(path: Path, origin: str) -> ProfiledCostModel:
+    """The profile at path, or a ValueError that says what is wrong with it and what to do."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("it does not hold a JSON object")
+        return ProfiledCostModel.from_dict(data)
+    except FileNotFoundError:
+        problem = "it does not exist"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = f"it is not valid JSON ({e})"
+    except OSError as e:
+        problem = f"it cannot be read ({e})"
+    except ValueError as e:
+        problem = str(e)
+    raise ValueError(
+        f"{origin}: cannot use job profile {path}: {problem}. Write one with scripts/profile_model.py, "
+        f"or pass --profile {ANALYTIC} for an estimate from the model's shape"
+    )
