@@ -34,13 +34,14 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[SequenceWork], eos_token_id: int | None
     ) -> list[SequenceResult]:  # logits [S, V] float32
         logits = logits.float().cpu()
-        logprobs = torch.log_softmax(logits, dim=-1)  # [S, V], raw model distribution
         masked = self._mask_min_tokens(logits, seqs, eos_token_id)
         tokens = self._sample(masked, seqs)
-        results = []
-        for i, (t, s) in enumerate(zip(tokens, seqs)):
-            k = s.params.logprobs
-            results.append(SequenceResult(t, _top_logprobs(logprobs[i], t, k) if k is not None else None))
+        results = [SequenceResult(t) for t in tokens]
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if wanted:
+            logprobs = torch.log_softmax(logits[wanted], dim=-1)  # [W, V], the raw model distribution
+            for row, i in enumerate(wanted):
+                results[i].logprobs = _top_logprobs(logprobs[row], tokens[i], seqs[i].params.logprobs)
         return results
 
     @staticmethod
