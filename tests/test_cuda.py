@@ -28,7 +28,8 @@ def test_cuda_float32_matches_transformers(shape, small_checkpoint):
     from transformers import OPTForCausalLM
 
     d = small_checkpoint(shape)
-    llm = LLM(model=str(d), device="cuda", dtype="float32", block_size=4, num_gpu_blocks_override=256, profile="analytic")
+    llm = LLM(model=str(d), device="cuda", dtype="float32", block_size=4, num_gpu_blocks_override=256,
+              profile="analytic")
     outs = llm.generate(PROMPTS, greedy(logprobs=1))
     hf = OPTForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     for out in outs:
@@ -42,8 +43,10 @@ def test_cuda_float32_matches_transformers(shape, small_checkpoint):
 
 
 def test_cuda_greedy_equals_cpu(tiny_model_dir):
-    cpu = LLM(model=str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=256, profile="analytic")
-    gpu = LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=256, profile="analytic")
+    cpu = LLM(model=str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=256,
+              profile="analytic")
+    gpu = LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=256,
+              profile="analytic")
     a = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, greedy())]
     b = [o.outputs[0].token_ids for o in gpu.generate(PROMPTS, greedy())]
     assert a == b

@@ -64,7 +64,7 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
     scale = D**-0.5
     out = paged_attention(torch.cat(q_all), torch.cat(k_new), torch.cat(v_new), kv, layer, meta, scale)
     t = 0
-    for (cached, new), q, k, v in zip(seqs, q_all, full_k, full_v):
+    for (_, new), q, k, v in zip(seqs, q_all, full_k, full_v):
         ref = dense_causal(q, k, v, scale)
         torch.testing.assert_close(out[t : t + new], ref, atol=1e-5, rtol=1e-5)
         t += new
