@@ -201,7 +201,8 @@ def _snapshot(aengine: AsyncEngine) -> EngineSnapshot:
     engine = aengine.engine
     kv = engine.kv
     return EngineSnapshot(aengine.num_running(), aengine.num_waiting(), kv.num_swapped(), kv.device.num_free,
-                          kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats())
+                          kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats(),
+                          kv.stats, getattr(engine.executor, "kv_block_bytes", 0))
 
 
 async def health(request: web.Request) -> web.Response:

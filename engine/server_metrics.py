@@ -51,10 +51,32 @@ class EngineSnapshot:
     host_free: int
     host_total: int
     scheduler: object | None = None  # engine.engine.SchedulerStats
+    kv_stats: object | None = None  # memory.kv_manager.KVStats
+    kv_block_bytes: int = 0
 
 
 class _EngineCollector:
     """Yields the scrape-time series from the snapshot render() was given."""
+
+    @staticmethod
+    def _kv_series(s: EngineSnapshot, labels: list[str]):
+        """KV-manager telemetry: bytes moved, drops, recomputed tokens, swap wait, ENST accuracy."""
+        kv = s.kv_stats
+        if kv is None:
+            return
+        for name, doc, value in (
+            ("kv_offloaded_bytes", "KV bytes copied device -> host.", kv.blocks_offloaded * s.kv_block_bytes),
+            ("kv_uploaded_bytes", "KV bytes copied host -> device.", kv.blocks_uploaded * s.kv_block_bytes),
+            ("kv_drops", "Evictions that dropped KV (to be recomputed).", kv.num_drops),
+            ("kv_recomputed_tokens", "Tokens whose KV was dropped and recomputed.", kv.num_recomputed_tokens),
+            ("kv_host_full_fallbacks", "Evictions that found the host tier full.", kv.host_full_fallbacks),
+            ("kv_swap_wait_seconds", "Seconds steps waited on KV copies.", kv.swap_wait_s),
+            ("kv_enst_samples", "Uploads whose next run was observed (ENST accuracy).", kv.enst_count),
+            ("kv_enst_abs_error_seconds", "Sum of |ENST - actual wait| over those uploads.", kv.enst_abs_error_s),
+        ):
+            c = CounterMetricFamily(f"fastserve:{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
 
     def __init__(self, model_name: str) -> None:
         self.model = model_name
@@ -81,6 +103,7 @@ class _EngineCollector:
         yield gauge("fastserve:kv_total_blocks", "All device KV blocks.", s.kv_total)
         yield gauge("fastserve:kv_host_free_blocks", "Free host KV blocks.", s.host_free)
         yield gauge("fastserve:kv_host_total_blocks", "All host KV blocks.", s.host_total)
+        yield from self._kv_series(s, labels)
         st = s.scheduler
         if st is None:
             return

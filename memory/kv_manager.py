@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from memory.block_allocator import BlockAllocator
@@ -72,7 +73,10 @@ class KVStats:
     blocks_uploaded: int = 0
     swap_wait_s: float = 0.0  # seconds steps spent blocked on copies (reactive paths)
     host_full_fallbacks: int = 0  # evictions that wanted the host but found it full
-    enst_samples: list[tuple[float, float]] = field(default_factory=list)  # (predicted, actual) next-run wait
+    # ENST accuracy: for each upload, predicted vs actual wait until the job next ran (engine clock).
+    enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
+    enst_count: int = 0
+    enst_abs_error_s: float = 0.0  # sum of |predicted - actual|
 
 
 class KVManager:
@@ -179,7 +183,10 @@ class KVManager:
         """ENST accuracy: when an uploaded job next runs, record predicted vs actual wait."""
         kv = self._jobs.get(job.job_id)
         if kv is not None and kv.predicted_wait is not None:
-            self.stats.enst_samples.append((kv.predicted_wait, now - kv.upload_time))
+            actual = now - kv.upload_time
+            self.stats.enst_samples.append((kv.predicted_wait, actual))
+            self.stats.enst_count += 1
+            self.stats.enst_abs_error_s += abs(kv.predicted_wait - actual)
             kv.predicted_wait = None
 
     # -- capacity ---------------------------------------------------------------------------------

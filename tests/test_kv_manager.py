@@ -87,7 +87,8 @@ def test_upload_makes_a_job_ready_only_when_complete():
     kv.poll()
     assert a.ready and kv.residency("j0") is Residency.DEVICE and kv.host.num_used == 0
     kv.note_scheduled(a, now=3.0)
-    assert kv.stats.enst_samples == [(0.0, 2.0)]
+    assert list(kv.stats.enst_samples) == [(0.0, 2.0)]
+    assert kv.stats.enst_count == 1 and kv.stats.enst_abs_error_s == 2.0
 
 
 def test_reactive_uploads_on_demand_and_counts_swap_wait():

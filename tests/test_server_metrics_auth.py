@@ -64,7 +64,25 @@ def test_metrics_parse_and_counters_move_as_requests_finish(server):
     assert value(after, "fastserve:kv_host_free_blocks") == value(after, "fastserve:kv_host_total_blocks") == 256
     assert moved("vllm:num_preemptions_total") == 0
     assert ("fastserve:scheduler_promotions_total", (("model_name", body["model"]),)) in after
+    for name in ("kv_offloaded_bytes", "kv_uploaded_bytes", "kv_drops", "kv_recomputed_tokens", "kv_swap_wait_seconds",
+                 "kv_enst_samples", "kv_enst_abs_error_seconds"):
+        assert (f"fastserve:{name}_total", (("model_name", body["model"]),)) in after, name
     assert all(("model_name", "") not in labels for _, labels in after)
+
+
+def test_kv_telemetry_series_carry_the_kv_managers_counts():
+    from engine.server_metrics import EngineSnapshot, _EngineCollector
+    from memory.kv_manager import KVStats
+
+    stats = KVStats(num_drops=3, num_recomputed_tokens=40, blocks_offloaded=5, blocks_uploaded=2, swap_wait_s=0.5,
+                    enst_count=2, enst_abs_error_s=0.25)
+    collector = _EngineCollector("m")
+    collector.snapshot = EngineSnapshot(0, 0, 1, 10, 10, 4, 8, None, stats, kv_block_bytes=1000)
+    got = {m.name: m.samples[0].value for m in collector.collect() if m.name.startswith("fastserve:kv_")
+           and m.type == "counter"}
+    assert got["fastserve:kv_offloaded_bytes"] == 5000 and got["fastserve:kv_uploaded_bytes"] == 2000
+    assert got["fastserve:kv_drops"] == 3 and got["fastserve:kv_recomputed_tokens"] == 40
+    assert got["fastserve:kv_enst_samples"] == 2 and got["fastserve:kv_enst_abs_error_seconds"] == 0.25
 
 
 def test_gauges_show_a_running_request(server):
