@@ -114,9 +114,15 @@ class ProfiledCostModel:
 
     def iteration_cost(self, jobs: Sequence[Job]) -> float:
         """Decode jobs share one step; each first iteration adds its prefill time."""
-        return self.batch_cost(
-            [j.num_new_tokens for j in jobs if j.is_prefill], [j.context_len for j in jobs if not j.is_prefill]
-        )
+        prefill: list[int] = []
+        decode: list[int] = []
+        for j in jobs:  # one pass with plain attributes: this runs every iteration over the whole batch
+            context = j.prompt_len + j.num_generated
+            if j.num_computed == 0:
+                prefill.append(context)  # a first iteration (or a recompute) computes the whole context
+            else:
+                decode.append(context)
+        return self.batch_cost(prefill, decode)
 
     def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int]) -> float:
         """Cost of an iteration from its shape: prompts prefilled, and contexts of the decoding jobs."""

@@ -145,10 +145,14 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     self.num_promotions += 1
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        super().on_step_done(batch, now, cost)
+        # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
         last, eta = len(self.quanta) - 1, self.config.demotion_step
+        limits = [q * QUANTUM_SLACK for q in self.quanta]
         for job in batch:
-            if job.service_in_queue > self.quanta[job.queue] * QUANTUM_SLACK and self._holds(job):
+            job.service_total += cost
+            job.last_scheduled_time = now
+            service = job.service_in_queue = job.service_in_queue + cost
+            if service > limits[job.queue] and self._holds(job):
                 level = min(job.queue + eta, last)
                 if level != job.queue:
                     job.num_demotions += 1
