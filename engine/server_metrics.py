@@ -70,6 +70,8 @@ class _EngineCollector:
             ("kv_drops", "Evictions that dropped KV (to be recomputed).", kv.num_drops),
             ("kv_recomputed_tokens", "Tokens whose KV was dropped and recomputed.", kv.num_recomputed_tokens),
             ("kv_host_full_fallbacks", "Evictions that found the host tier full.", kv.host_full_fallbacks),
+            ("kv_swap_misses", "Jobs scheduled while their KV was on the host (uploaded on demand).",
+             kv.num_swap_misses),
             ("kv_swap_wait_seconds", "Seconds steps waited on KV copies.", kv.swap_wait_s),
             ("kv_enst_samples", "Uploads whose next run was observed (ENST accuracy).", kv.enst_count),
             ("kv_enst_abs_error_seconds", "Sum of |ENST - actual wait| over those uploads.", kv.enst_abs_error_s),

@@ -16,8 +16,12 @@ memory/proactive.py):
   the step waiting again (swap wait).
 - proactive: plan() keeps free device blocks above a watermark by offloading
   the idle jobs with the largest ENST ahead of need, and uploads host jobs
-  with the smallest ENST when there is room, both overlapped with compute; a
-  job on the host is not ready (not schedulable) until its upload completes.
+  with the smallest ENST when there is room, both overlapped with compute. A
+  job whose prefetch is in flight is not ready. A job still on the host when
+  the scheduler picks it is a swap miss: it is uploaded on demand and the step
+  waits for that copy (as the compute stream waits on an upload's event), so
+  a high-priority job is never stuck behind lower-priority ones that hold the
+  device; misses and their wait are counted.
 When the host tier is full, an eviction falls back to a drop (recompute).
 
 Invariants (check_invariants): every block on each tier is free or owned by
@@ -73,6 +77,7 @@ class KVStats:
     blocks_uploaded: int = 0
     swap_wait_s: float = 0.0  # seconds steps spent blocked on copies (reactive paths)
     host_full_fallbacks: int = 0  # evictions that wanted the host but found it full
+    num_swap_misses: int = 0  # jobs scheduled while their KV was still on the host (uploaded on demand)
     # ENST accuracy: for each upload, predicted vs actual wait until the job next ran (engine clock).
     enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
     enst_count: int = 0
@@ -110,7 +115,8 @@ class KVManager:
     def allocate(self, job, num_new_tokens: int) -> None:
         kv = self._entry(job)
         if kv.residency in (Residency.HOST, Residency.UPLOADING):
-            self._upload_now(kv)  # reactive: the scheduler picked a job whose KV is on the host
+            self.stats.num_swap_misses += kv.residency is Residency.HOST
+            self._upload_now(kv)  # the scheduler picked a job whose KV is on the host: the step waits
         extra = self._extra_device_blocks(job, num_new_tokens)
         if extra > 0:
             kv.device.extend(self.device.allocate(job.job_id, extra))
@@ -277,8 +283,7 @@ class KVManager:
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
-            # Reactive: a host job stays schedulable (uploaded on demand); proactive: not until uploaded.
-            kv.job.ready = self.policy is KVPolicy.REACTIVE
+            kv.job.ready = True  # schedulable: uploaded on demand if picked before a prefetch brings it back
         elif kv.residency is Residency.UPLOADING:
             self.host.free(jid, kv.host)
             kv.host = []

@@ -13,7 +13,9 @@ After the scheduler has picked the batch, every tick:
    the largest ENST among idle device-resident jobs, offload that job now; the
    upload follows on a later tick, once the copy has freed the room.
 Copies are asynchronous; a job being uploaded becomes ready when its copy
-completes (KVManager.poll), so compute never reads KV that is still moving.
+completes (KVManager.poll), so compute never reads KV that is still moving. A
+job the scheduler picks while it is still on the host is a swap miss, uploaded
+on demand (KVManager.allocate); good ENST ranking makes those rare.
 """
 
 from __future__ import annotations

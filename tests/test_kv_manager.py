@@ -78,7 +78,7 @@ def test_upload_makes_a_job_ready_only_when_complete():
     a = job(0, 8)
     grow(kv, a, 8)
     kv.evict(a)  # synchronous offload (waits)
-    assert kv.residency("j0") is Residency.HOST and not a.ready and a.num_computed == 8
+    assert kv.residency("j0") is Residency.HOST and a.ready and a.num_computed == 8  # schedulable on demand
     kv.plan([], lambda j, now: 0.0, now=1.0)  # room: upload
     assert kv.residency("j0") is Residency.UPLOADING and not a.ready
     kv.poll()
