@@ -69,6 +69,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
         self.quanta = mlfq_quanta(config, cost)
+        self._limits = [q * QUANTUM_SLACK for q in self.quanta]  # demotion thresholds
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
         self._queues: list[dict[Job, None]] = [{} for _ in self.quanta]  # FIFO by entry
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
@@ -133,31 +134,41 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
     def _before_schedule(self, now: float) -> None:
         """Promote every job that has waited longer than alpha to Q1."""
         alpha = self.config.starvation_threshold
-        heap, running = self._starving, self._running
+        heap, running, queues = self._starving, self._running, self._queues
+        q1 = queues[0]
+        promoted = 0
         while heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
             since, _, group = heapq.heappop(heap)
-            for job in group:
-                if job.last_scheduled_time != since or job in running or not self._holds(job):
-                    continue  # stale: the job ran since, or left
-                if job.queue != 0:
-                    self._move(job, 0)
-                    job.num_promotions += 1
-                    self.num_promotions += 1
+            for job in group:  # _holds and _move inlined: this loop can touch every waiting job
+                if job.last_scheduled_time != since or job in running:
+                    continue  # stale: the job ran since
+                level = job.queue
+                if level == 0 or job not in queues[level]:
+                    continue  # already in Q1, or it left
+                del queues[level][job]
+                job.queue, job.service_in_queue = 0, 0.0
+                q1[job] = None
+                job.num_promotions += 1
+                promoted += 1
+        self.num_promotions += promoted
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
-        last, eta = len(self.quanta) - 1, self.config.demotion_step
-        limits = [q * QUANTUM_SLACK for q in self.quanta]
+        last, eta, queues = len(self.quanta) - 1, self.config.demotion_step, self._queues
+        limits = self._limits
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
             service = job.service_in_queue = job.service_in_queue + cost
-            if service > limits[job.queue] and self._holds(job):
-                level = min(job.queue + eta, last)
-                if level != job.queue:
+            level = job.queue
+            if service > limits[level] and job in queues[level]:  # used up its quantum (and still held)
+                new = min(level + eta, last)
+                if new != level:
                     job.num_demotions += 1
                     self.num_demotions += 1
-                self._move(job, level)
+                del queues[level][job]  # _move, inlined
+                job.queue, job.service_in_queue = new, 0.0
+                queues[new][job] = None
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         b, off = job.queue, self._offsets
