@@ -50,14 +50,11 @@ def timed(fn, repeat: int = 1) -> float:
     return statistics.median(best)
 
 
-# -- 1. decode step vs bare matmuls -----------------------------------------------------------
-def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int) -> dict:
-    eng = llm.engine
-    vocab = eng.model_config.vocab_size
-    prompts = random_prompts(batch, [context] * batch, vocab, seed=batch)
+def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
+    """Wall seconds of each of `steps` decode iterations of these prompts, batched (after their prefill)."""
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, p in enumerate(prompts):
-        eng.add_request(f"dec-{batch}-{i}", p, params)
+        eng.add_request(f"decode-timing-{i}", p, params)
     eng.step()  # the prefill iteration
     times = []
     for _ in range(steps):
@@ -66,7 +63,14 @@ def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int) -> dic
         times.append(time.perf_counter() - t)
     while eng.has_unfinished():
         eng.step()
-    step_s = statistics.median(times)
+    return times
+
+
+# -- 1. decode step vs bare matmuls -----------------------------------------------------------
+def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    eng = llm.engine
+    prompts = random_prompts(batch, [context] * batch, eng.model_config.vocab_size, seed=batch)
+    step_s = statistics.median(decode_step_times(eng, prompts, steps))
 
     model = eng.executor.model
     like = dict(device=eng.executor.device, dtype=eng.executor.dtype)

@@ -26,7 +26,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine import LLM, SamplingParams  # noqa: E402
+import bench_engine  # noqa: E402  (scripts/ is this script's folder)
+
+from engine import LLM  # noqa: E402
 from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy  # noqa: E402
 from scheduler.policy import CostModel  # noqa: E402
 
@@ -53,18 +55,7 @@ def summary(times: list[float]) -> tuple[float, float]:
 
 def decode_step_times(llm: LLM, steps: int) -> list[float]:
     """Wall seconds of each Engine.step() of one decoding request (batch 1, ~16-token context)."""
-    eng = llm.engine
-    eng.add_request("bench", [2] + list(range(10, 25)), SamplingParams(temperature=0, max_tokens=steps + 2,
-                                                                       ignore_eos=True))
-    eng.step()  # the prefill
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - start)
-    while eng.has_unfinished():
-        eng.step()
-    return times
+    return bench_engine.decode_step_times(llm.engine, [[2] + list(range(10, 25))], steps)
 
 
 def loaded_policy(name: str, cost: CostModel, waiting: int, running: int, seed: int,

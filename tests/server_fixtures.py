@@ -26,6 +26,7 @@ QUICK_ARGS = ("--profile", "analytic", "--num-host-blocks-override", "256")
 DEFAULT_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "1024", "--stream-write-timeout", "2",
                 "--max-request-bytes", "65536")
 API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # max-num-seqs 1 + max-queued-requests 1: one request runs, one waits, the rest get 503.
 RESTRICTED_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "256", "--max-num-seqs", "1",
                    "--max-queued-requests", "1", "--api-key", API_KEY, "--allowed-origins", "http://allowed.example")

@@ -10,6 +10,7 @@ import pytest
 
 from tests.server_fixtures import (
     API_KEY,
+    AUTH,
     DEFAULT_ARGS,
     RESTRICTED_ARGS,
     get_json,
@@ -18,8 +19,6 @@ from tests.server_fixtures import (
     shared_server,
     wait_idle,
 )
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")

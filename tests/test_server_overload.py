@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from tests.server_fixtures import (
-    API_KEY,
+    AUTH,
     QUICK_ARGS,
     RESTRICTED_ARGS,
     ServerProcess,
@@ -20,8 +20,6 @@ from tests.server_fixtures import (
     sse_chunks,
     wait_idle,
 )
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
