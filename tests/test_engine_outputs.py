@@ -193,3 +193,11 @@ def test_blocks_return_after_finish_and_abort(llm):
         eng.step()
     eng.kv.check_invariants()
     assert eng.kv.device.num_free == free
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "skip-join-mlfq"])
+def test_prompt_longer_than_the_token_budget_runs_alone_rather_than_never(tiny_model_dir, policy):
+    llm = LLM(model=str(tiny_model_dir), max_num_batched_tokens=8, scheduling_policy=policy, profile="analytic")
+    long_prompt = list(range(10, 40))  # 30 tokens > the 8-token budget
+    outs = llm.generate([long_prompt, [2, 5, 6]], greedy(max_tokens=4))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
