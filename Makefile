@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-slow lint model bench experiments clean
+.PHONY: serve test test-slow lint model bench experiments bench-sim-vs-live clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py $(ARGS)
+
+## experiments: regenerate docs/experiments.md and docs/figures/ (simulated at the paper's scale + a live check)
+experiments: $(STAMP)
+	$(PY) scripts/experiments.py $(ARGS)
+
+## bench-sim-vs-live: the same trace on the live engine and in the simulator; prints the ratio
+bench-sim-vs-live: $(STAMP)
+	$(PY) scripts/bench_sim_vs_live.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache
