@@ -80,6 +80,7 @@ class Engine:
             block_size=config.block_size, num_gpu_blocks_override=config.num_gpu_blocks_override,
             gpu_memory_utilization=config.gpu_memory_utilization, seed=config.seed,
         )
+        self.clock = clock or WallClock()
         self.kv = self._make_kv_manager()
         self.cost_model = self._load_cost_model()
         self.scheduler = make_policy(
@@ -91,7 +92,6 @@ class Engine:
             ),
             self.cost_model,
         )
-        self.clock = clock or WallClock()
         self.requests: dict[str, RequestState] = {}
         self._seq_of_job: dict[str, SequenceState] = {}
         self.num_steps = 0
@@ -118,7 +118,8 @@ class Engine:
             if num_host is None:
                 num_host = int(cfg.swap_space * (1 << 30)) // ex.kv_block_bytes
             transfers = ex.attach_host_tier(num_host)
-        return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers)
+        return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers,
+                         now=self.clock.now)
 
     def _load_cost_model(self) -> ProfiledCostModel:
         """--profile analytic | PATH, else a matching file in the profile folder, else a short

@@ -93,6 +93,7 @@ class KVManager:
         policy: KVPolicy | str = KVPolicy.RECOMPUTE,
         reserved_blocks: int = 0,
         transfers: TransferBackend | None = None,
+        now=time.perf_counter,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -102,6 +103,7 @@ class KVManager:
         self.device = BlockAllocator(num_device_blocks, "device")
         self.host = BlockAllocator(num_host_blocks, "host")
         self.transfers = transfers or NoCopyBackend()
+        self._now = now  # the engine's clock: swap waits are measured on it (virtual in the simulator)
         self._jobs: dict[str, JobKV] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
         self.tick = 0
@@ -269,9 +271,9 @@ class KVManager:
         self._wait(kv)
 
     def _wait(self, kv: JobKV) -> None:
-        start = time.perf_counter()
+        start = self._now()
         kv.transfer.wait()
-        waited = time.perf_counter() - start
+        waited = self._now() - start
         self.stats.swap_wait_s += waited
         jid = kv.job.job_id
         self._job_swap_wait[jid] = self._job_swap_wait.get(jid, 0.0) + waited
