@@ -125,6 +125,15 @@ class KVManager:
         if kv.residency is Residency.NONE:
             kv.residency = Residency.DEVICE
 
+    def may_evict_for(self, job) -> bool:
+        """Proactive: a job whose KV is on the host runs when there is free room (or after its prefetch),
+        never by pushing resident jobs out; that would trade one swap for two and, under the churn of
+        starvation promotion, thrash. Reactive and recompute: yes (their definition)."""
+        if self.policy is not KVPolicy.PROACTIVE:
+            return True
+        kv = self._jobs.get(job.job_id)
+        return kv is None or kv.residency not in (Residency.HOST, Residency.OFFLOADING)
+
     def evict(self, job) -> None:
         """Free the job's device blocks now: offload (waiting for the copy) or drop."""
         kv = self._jobs.get(job.job_id)

@@ -55,6 +55,10 @@ class KVAdmission(Protocol):
         """Reserve device room for the job's next num_new_tokens (after can_fit)."""
         ...
 
+    def may_evict_for(self, job: Job) -> bool:
+        """Whether other jobs may be evicted to make room for this one (False: it waits for room)."""
+        ...
+
     def evict(self, job: Job) -> None:
         """Give back the job's device blocks. Afterwards job.num_computed says
         what survived (0: dropped, to be recomputed) and job.ready whether it

@@ -81,7 +81,7 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             if not job.ready or job in evicted:
                 continue
-            if not can_fit(job, n) and not victims.make_room(job, n, kv):
+            if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
                 continue
             allocate(job, n)
             batch.append(job)

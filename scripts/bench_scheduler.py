@@ -44,6 +44,9 @@ class AlwaysFits:
     def allocate(self, job: Job, num_new_tokens: int) -> None:
         pass
 
+    def may_evict_for(self, job: Job) -> bool:
+        return True
+
     def evict(self, job: Job) -> None:
         job.num_computed = 0
 

@@ -51,6 +51,9 @@ class FakeKV:
         assert self.can_fit(job, num_new_tokens), f"allocate without room for {job.job_id}"
         self.held[job] = self.blocks(job.num_computed + num_new_tokens)
 
+    def may_evict_for(self, job: Job) -> bool:
+        return True
+
     def evict(self, job: Job) -> None:
         assert job in self.held, f"evict of {job.job_id}, which holds no blocks"
         self.release(job)

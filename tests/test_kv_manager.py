@@ -191,3 +191,13 @@ class KVMachine(RuleBasedStateMachine):
 
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_proactive_never_evicts_resident_jobs_for_a_job_on_the_host():
+    for policy, expected in (("proactive", False), ("reactive", True)):
+        kv = KVManager(4, 4, num_host_blocks=4, policy=policy, transfers=ManualBackend())
+        a, b = job(0, 8), job(1, 8)
+        grow(kv, a, 8)
+        kv.evict(a)  # a's KV is now on the host
+        assert kv.may_evict_for(a) is expected, policy
+        assert kv.may_evict_for(b)  # a job with no KV anywhere may always make room

@@ -81,3 +81,16 @@ def test_simulation_is_deterministic_and_finishes_under_memory_pressure(sim_dirs
     kv.poll()
     kv.check_invariants()
     assert kv.device.num_free == kv.device.num_blocks
+
+
+def test_starvation_promotion_under_memory_overload_does_not_thrash(sim_dirs):
+    """120 equal jobs, room for ~30: promotions rotate jobs through Q1, but a job whose KV is on the host
+    only comes back into free room, so each job is offloaded about once, not on every promotion."""
+    model, profile = sim_dirs
+    trace = [(0.01 * i, 400, 40) for i in range(120)]
+    eng = simulated_engine(model, profile, num_device_blocks=1000, num_host_blocks=100_000,
+                           scheduling_policy="skip-join-mlfq", kv_policy="proactive", starvation_threshold=0.3)
+    res = run_trace(eng, trace, max_steps=200_000)
+    assert len(res.outputs) == 120
+    assert eng.kv.stats.num_offloads <= 3 * 120
+    assert eng.kv.stats.swap_wait_s < 0.2 * res.duration_s
