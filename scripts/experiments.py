@@ -518,9 +518,8 @@ def section_fig14(ctx: Ctx) -> str:
               f"{util['skip-join-mlfq']['offloads']} times (fcfs {util['fcfs']['offloads']}) and reported a mean "
               f"swap wait of {util['skip-join-mlfq']['mean_swap_wait_s']:.3f} s."]
     if u_sj < 0.8 * u_fc:
-        lines[-1] += (" The device idles while jobs wait for KV copies of preempted jobs, and that wait is not "
-                      "counted as swap wait: a defect of our scheduler / KV-policy interplay (reported, not fixed "
-                      "here), not the paper's result.")
+        lines[-1] += (" The device idles while jobs wait for KV copies of preempted jobs (the swap wait above): "
+                      "a cost of our scheduler / KV-policy interplay, not the paper's result.")
     lines += ["", "The paper finds skip-join best across ratios, with its lead over plain MLFQ growing with the "
               "input share (plain MLFQ demotes a long prompt only after its costly first iteration ran in the top "
               "queue). Our rates come from a rough capacity estimate, so the load differs between ratios; compare "

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from engine.model_maker import opt_config, write_opt_checkpoint
+from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint
+from scheduler.cost_model import PROFILE_SCHEMA
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -49,3 +52,26 @@ def small_checkpoint(tmp_path_factory, tiny_model_dir):
         return cache[key]
 
     return make
+
+
+# The simulator's flat test profile: every first iteration costs 1.0 s, every decode step 0.1 s.
+FLAT_PREFILL_S, FLAT_DECODE_S = 1.0, 0.1
+
+
+@pytest.fixture(scope="module")
+def flat_sim_model(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
+    """(an OPT-13B config-only directory with the tiny tokenizer, the flat profile), for the simulator."""
+    root = tmp_path_factory.mktemp("sim")
+    model = write_opt_checkpoint(root / "opt-13b-config", opt_config(**OPT_SHAPES["opt-13b"]), weight_format="none")
+    for f in tiny_model_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copyfile(f, model / f.name)
+    profile = root / "flat.json"
+    profile.write_text(json.dumps({
+        "schema": PROFILE_SCHEMA, "key": {"model": "flat"},
+        "prefill": {"prompt_lens": [1, 2048], "seconds": [FLAT_PREFILL_S, FLAT_PREFILL_S]},
+        "decode": {"batch_sizes": [1, 256], "context_lens": [1, 2048],
+                   "seconds": [[FLAT_DECODE_S, FLAT_DECODE_S], [FLAT_DECODE_S, FLAT_DECODE_S]]},
+        "transfer": {"host_to_device_bytes_per_s": 1e12, "device_to_host_bytes_per_s": 1e12},
+    }))
+    return model, profile

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,10 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_sim_vs_live import make_trace  # noqa: E402
 from experiments import KVUsageTracker, clip_trace, queueing_share, summarize, throughput_at_slo  # noqa: E402
 
-from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
 from memory.kv_manager import blocks_needed  # noqa: E402
-from scheduler.cost_model import PROFILE_SCHEMA  # noqa: E402
 
 
 def test_throughput_at_slo_finds_the_crossing_of_a_monotone_latency():
@@ -62,20 +58,8 @@ def test_make_trace_is_seeded_and_in_range():
 
 
 @pytest.fixture(scope="module")
-def sim_model(tmp_path_factory, tiny_model_dir):
-    root = tmp_path_factory.mktemp("exp")
-    model = write_opt_checkpoint(root / "opt-13b-config", opt_config(**OPT_SHAPES["opt-13b"]), weight_format="none")
-    for f in tiny_model_dir.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copyfile(f, model / f.name)
-    profile = root / "flat.json"
-    profile.write_text(json.dumps({
-        "schema": PROFILE_SCHEMA, "key": {"model": "flat"},
-        "prefill": {"prompt_lens": [1, 2048], "seconds": [1.0, 1.0]},
-        "decode": {"batch_sizes": [1, 256], "context_lens": [1, 2048], "seconds": [[0.1, 0.1], [0.1, 0.1]]},
-        "transfer": {"host_to_device_bytes_per_s": 1e12, "device_to_host_bytes_per_s": 1e12},
-    }))
-    return model, profile
+def sim_model(flat_sim_model):
+    return flat_sim_model
 
 
 def test_kv_usage_tracker_peak_of_one_job(sim_model):

@@ -3,34 +3,14 @@ clock. Deterministic, and in agreement with schedules computed by hand."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint
 from engine.simulation import run_trace, simulated_engine
-from scheduler.cost_model import PROFILE_SCHEMA
-
-PREFILL_S, DECODE_S = 1.0, 0.1
 
 
 @pytest.fixture(scope="module")
-def sim_dirs(tmp_path_factory, tiny_model_dir):
-    root = tmp_path_factory.mktemp("sim")
-    model = write_opt_checkpoint(root / "opt-13b-config", opt_config(**OPT_SHAPES["opt-13b"]), weight_format="none")
-    for f in tiny_model_dir.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copyfile(f, model / f.name)
-    profile = root / "flat.json"
-    profile.write_text(json.dumps({
-        "schema": PROFILE_SCHEMA, "key": {"model": "flat"},
-        "prefill": {"prompt_lens": [1, 2048], "seconds": [PREFILL_S, PREFILL_S]},
-        "decode": {"batch_sizes": [1, 256], "context_lens": [1, 2048],
-                   "seconds": [[DECODE_S, DECODE_S], [DECODE_S, DECODE_S]]},
-        "transfer": {"host_to_device_bytes_per_s": 1e12, "device_to_host_bytes_per_s": 1e12},
-    }))
-    return model, profile
+def sim_dirs(flat_sim_model):
+    return flat_sim_model
 
 
 def e2e(result) -> dict[str, float]:
