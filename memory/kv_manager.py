@@ -239,9 +239,8 @@ class KVManager:
 
     def _extra_device_blocks(self, job, num_new_tokens: int) -> int:
         kv = self._jobs.get(job.job_id)
+        # A job on the host holds no device blocks: bringing it back needs room for the whole context.
         have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
-        if kv is not None and kv.residency is Residency.HOST:
-            have = 0  # an upload needs device room for the whole context
         return max(0, blocks_needed(job.num_computed + num_new_tokens, self.block_size) - have)
 
     def _start_offload(self, kv: JobKV) -> bool:
