@@ -267,7 +267,8 @@ class Engine:
                 m.first_scheduled_time = now
             m.swap_wait_s += self.kv.take_swap_wait(s.job.job_id)
             self.kv.note_scheduled(s.job, now)
-        return StepPlan(decision, batch, seqs, now, cost)
+        # The step's execution starts now: copy waits inside schedule() are swap wait, not execution.
+        return StepPlan(decision, batch, seqs, self.clock.now(), cost)
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         job = seq.job
@@ -337,7 +338,9 @@ class Engine:
             ending = ("length", None)
         if ending is not None and params.detokenize:
             seq.text += seq.detokenizer.flush()
-        if not seq.check_stop_strings(old_len) and ending is not None:
+        # As vLLM: no stop string counts before min_tokens tokens exist.
+        stopped = job.num_generated >= params.min_tokens and seq.check_stop_strings(old_len)
+        if not stopped and ending is not None:
             seq.finish(*ending)
         if seq.finished:
             self._release(seq)

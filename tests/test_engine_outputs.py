@@ -92,6 +92,9 @@ def test_stop_string_cuts_text_before_it(llm):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
     assert len(cut.token_ids) <= len(full.token_ids)
+    # No stop string counts before min_tokens tokens exist (vLLM's rule).
+    late = llm.generate(PROMPTS[1], greedy(max_tokens=24, stop=[stop], min_tokens=24))[0].outputs[0]
+    assert late.finish_reason == "length" and late.text == text
 
 
 def test_stop_token_ids_and_min_tokens(llm):

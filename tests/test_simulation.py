@@ -3,6 +3,8 @@ clock. Deterministic, and in agreement with schedules computed by hand."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.simulation import run_trace, simulated_engine
@@ -55,6 +57,10 @@ def test_simulation_is_deterministic_and_finishes_under_memory_pressure(sim_dirs
 
     a, b = run(), run()
     assert e2e(a) == e2e(b)
+    for o in a.outputs:  # the breakdown adds up: copy waits are swap wait, not execution
+        m = o.metrics
+        assert m.executing_s + m.swap_wait_s <= m.e2e_s + 1e-9
+        assert m.queued_s + m.executing_s + m.swap_wait_s == pytest.approx(m.e2e_s)
     assert len(a.outputs) == 60 and all(len(o.outputs[0].token_ids) == t[2] for o, t in zip(a.outputs, trace))
     kv = a.engine.kv
     assert kv.stats.num_offloads + kv.stats.num_drops > 0
@@ -74,3 +80,30 @@ def test_starvation_promotion_under_memory_overload_does_not_thrash(sim_dirs):
     assert len(res.outputs) == 120
     assert eng.kv.stats.num_offloads <= 3 * 120
     assert eng.kv.stats.swap_wait_s < 0.2 * res.duration_s
+
+
+def test_copy_waits_count_as_swap_wait_not_execution(sim_dirs, tmp_path):
+    """Reactive swapping with slow copies: the waits land in swap_wait_s, and the breakdown adds up."""
+    model, flat = sim_dirs
+    profile = tmp_path / "slow-copies.json"
+    data = json.loads(flat.read_text())
+    data["transfer"] = {"host_to_device_bytes_per_s": 2e9, "device_to_host_bytes_per_s": 2e9}
+    profile.write_text(json.dumps(data))
+    trace = [(0.05 * i, 100 + (37 * i) % 200, 20 + (13 * i) % 40) for i in range(40)]
+    eng = simulated_engine(model, profile, num_device_blocks=60, num_host_blocks=2000, kv_policy="reactive",
+                           scheduling_policy="skip-join-mlfq", max_num_seqs=8)
+    execute, charged = eng.executor.execute, []
+
+    def recording_execute(batch):  # compute seconds x requests in the batch, step by step
+        result = execute(batch)
+        charged.append(result.execute_s * len({s.job_id.split("#")[0] for s in batch.seqs}))
+        return result
+
+    eng.executor.execute = recording_execute
+    res = run_trace(eng, trace, max_steps=100_000)
+    assert sum(o.metrics.swap_wait_s for o in res.outputs) > 0
+    assert sum(o.metrics.executing_s for o in res.outputs) == pytest.approx(sum(charged))
+    for o in res.outputs:
+        m = o.metrics
+        assert m.executing_s + m.swap_wait_s <= m.e2e_s + 1e-9
+        assert m.queued_s + m.executing_s + m.swap_wait_s == pytest.approx(m.e2e_s)
