@@ -261,11 +261,12 @@ class Engine:
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
         batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
+        step_wait = self.kv.take_swap_wait()  # the whole step waited for these copies
+        for req in {id(s.request): s.request for s in seqs}.values():
+            req.metrics.swap_wait_s += step_wait
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
         for s in seqs:
-            m = s.request.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-            m.swap_wait_s += self.kv.take_swap_wait(s.job.job_id)
             self.kv.note_scheduled(s.job, now)
         # The step's execution starts now: copy waits inside schedule() are swap wait, not execution.
         return StepPlan(decision, batch, seqs, self.clock.now(), cost)

@@ -108,7 +108,7 @@ class KVManager:
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
         self.tick = 0
         self.stats = KVStats()
-        self._job_swap_wait: dict[str, float] = {}
+        self._step_wait = 0.0  # copy waits since the last take_swap_wait(): the step being formed waits
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
@@ -161,7 +161,6 @@ class KVManager:
     def free(self, job_id: str) -> None:
         """Return every block of a finished or aborted job (after any copy in flight)."""
         kv = self._jobs.pop(job_id, None)
-        self._job_swap_wait.pop(job_id, None)
         if kv is None:
             return
         if kv.transfer is not None and not kv.transfer.done():
@@ -170,9 +169,11 @@ class KVManager:
             return
         self._release_all(kv)
 
-    def take_swap_wait(self, job_id: str) -> float:
-        """Seconds this job's steps waited on copies since the last call."""
-        return self._job_swap_wait.pop(job_id, 0.0)
+    def take_swap_wait(self) -> float:
+        """Seconds spent waiting on copies since the last call. Every wait happens while a step is being
+        scheduled, and the whole step waits, so the engine charges it to each request in that step."""
+        waited, self._step_wait = self._step_wait, 0.0
+        return waited
 
     def poll(self) -> None:
         """Complete finished copies: free the source tier's blocks, mark uploaded jobs ready."""
@@ -283,8 +284,7 @@ class KVManager:
         kv.transfer.wait()
         waited = self._now() - start
         self.stats.swap_wait_s += waited
-        jid = kv.job.job_id
-        self._job_swap_wait[jid] = self._job_swap_wait.get(jid, 0.0) + waited
+        self._step_wait += waited
         self._complete(kv)
 
     def _complete(self, kv: JobKV) -> None:
