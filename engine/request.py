@@ -34,10 +34,6 @@ class SequenceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.prompt_ids + self.output_ids
-
     def check_stop_strings(self, old_len: int) -> bool:
         """Cut the text at the first stop string that newly appeared; True if one did."""
         stops = self.request.params.stop_strings

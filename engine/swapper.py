@@ -58,7 +58,6 @@ class Swapper:
         self.host_cache = host_cache  # [NH, L, 2, bs, H, D]
         self.copy_delay_s = copy_delay_s
         self.bytes_copied = 0
-        self.copy_seconds = 0.0
         self._cuda = device_cache.is_cuda
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device_cache.device)
@@ -84,12 +83,10 @@ class Swapper:
         return _FutureHandle(self._thread.submit(self._copy_blocks, src, dst, pairs))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        start = time.perf_counter()
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
         for s, d in pairs:
             dst[d].copy_(src[s])
-        self.copy_seconds += time.perf_counter() - start
 
     def shutdown(self) -> None:
         if not self._cuda:

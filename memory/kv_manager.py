@@ -208,17 +208,6 @@ class KVManager:
             kv.predicted_wait = None
 
     # -- capacity ---------------------------------------------------------------------------------
-    def max_tokens_per_job(self) -> int:
-        return self.device.num_blocks * self.block_size
-
-    @property
-    def device_usage(self) -> float:
-        return self.device.num_used / self.device.num_blocks if self.device.num_blocks else 0.0
-
-    @property
-    def host_usage(self) -> float:
-        return self.host.num_used / self.host.num_blocks if self.host.num_blocks else 0.0
-
     def num_swapped(self) -> int:
         return sum(1 for kv in self._jobs.values() if kv.residency in (Residency.HOST, Residency.OFFLOADING))
 

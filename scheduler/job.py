@@ -54,10 +54,6 @@ class Job:
         prompt + output so far) on a first iteration, else the one new token."""
         return self.context_len - self.num_computed
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed == 0
-
     def starve_time(self, now: float) -> float:
         """Seconds since the job last ran (or arrived), on the engine clock."""
         return now - self.last_scheduled_time
