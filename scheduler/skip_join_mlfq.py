@@ -18,7 +18,9 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   job entered its queue.
 - ENST(i) = min(alpha - starve_time(i), (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1)))
   for job i in Q_b, n_a = jobs in Q_a, B = max_num_seqs; 0 for a running job.
-  It can be negative: the job is overdue for promotion.
+  It can be negative: the job is overdue for promotion. The second term is
+  the same for every job of a queue: it is computed once per queue and kept
+  until a job enters, leaves or changes queue.
 
 Data: one insertion-ordered dict per queue (FIFO with O(1) removal), so a tick
 walks jobs in priority order without sorting and ENST is O(number of queues);
@@ -72,6 +74,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._limits = [q * QUANTUM_SLACK for q in self.quanta]  # demotion thresholds
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
         self._queues: list[dict[Job, None]] = [{} for _ in self.quanta]  # FIFO by entry
+        self._queue_waits: list[float] | None = None  # T_execute by queue; None: the queues changed since
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
         self._seq = itertools.count()
         self.num_promotions = 0
@@ -90,6 +93,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         return min(level, len(self.quanta) - 1)
 
     def _move(self, job: Job, level: int) -> None:
+        self._queue_waits = None
         del self._queues[job.queue][job]
         job.queue = level
         job.service_in_queue = 0.0
@@ -104,12 +108,14 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         job.queue = self.entry_queue(job.prompt_len)
         job.service_in_queue = 0.0
         self._queues[job.queue][job] = None
+        self._queue_waits = None
         self._wait_from(job.last_scheduled_time, [job])  # its arrival
 
     def remove(self, job: Job) -> None:
         if self._holds(job):
             del self._queues[job.queue][job]
             self._running.pop(job, None)
+            self._queue_waits = None
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _priority_order(self) -> Iterable[Job]:
@@ -150,7 +156,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 q1[job] = None
                 job.num_promotions += 1
                 promoted += 1
-        self.num_promotions += promoted
+        if promoted:
+            self.num_promotions += promoted
+            self._queue_waits = None
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
@@ -169,10 +177,18 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 del queues[level][job]  # _move, inlined
                 job.queue, job.service_in_queue = new, 0.0
                 queues[new][job] = None
+                self._queue_waits = None
+
+    def _execute_waits(self) -> list[float]:
+        """T_execute for a job of each queue: (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1))."""
+        off, sizes = self._offsets, [len(q) for q in self._queues]
+        seqs = self.config.max_num_seqs
+        return [sum(sizes[a] * (off[b] - off[a]) for a in range(b)) / seqs for b in range(len(sizes))]
 
     def _wait_estimate(self, job: Job, now: float) -> float:
-        b, off = job.queue, self._offsets
-        ahead = sum(len(self._queues[a]) * (off[b] - off[a]) for a in range(b))
-        t_execute = ahead / self.config.max_num_seqs
+        waits = self._queue_waits
+        if waits is None:
+            waits = self._queue_waits = self._execute_waits()
+        t_execute = waits[job.queue]
         alpha = self.config.starvation_threshold
-        return t_execute if alpha is None else min(alpha - job.starve_time(now), t_execute)
+        return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)

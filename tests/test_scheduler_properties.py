@@ -123,3 +123,25 @@ def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
     simulate(policy, specs, kv, on_tick=on_tick)
     if held_always:
         assert longest_wait <= alpha + longest_iteration + 1e-9
+
+
+@SETTINGS
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ)))
+def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
+    """The policy keeps T_execute per queue between changes of the queues; after any mix of arrivals,
+    promotions, demotions and finishes it must equal DESIGN.md's formula computed from scratch."""
+    config, specs, kv = setup
+    policy = make_policy(config, COST)
+    assert isinstance(policy, SkipJoinMLFQPolicy)
+    alpha, seqs, quanta = config.starvation_threshold, config.max_num_seqs, policy.quanta
+
+    def check(now: float) -> None:
+        jobs = policy.jobs
+        for job in jobs:
+            b = job.queue
+            t_exec = sum(sum(quanta[a:b]) for other in jobs if (a := other.queue) < b) / seqs
+            want = t_exec if alpha is None else min(alpha - (now - job.last_scheduled_time), t_exec)
+            got = policy.estimated_wait(job, now)
+            assert got == 0.0 if job in policy._running else abs(got - want) <= 1e-9 * max(1.0, abs(want))
+
+    simulate(policy, specs, kv, on_add=lambda job: check(job.arrival_time), on_tick=lambda tick: check(tick.now))
