@@ -1,7 +1,7 @@
 """Simulate a serving run: the real engine, scheduler and KV manager on a
 virtual clock, with costs from a job profile (engine/simulation.py).
 
-    python scripts/simulate.py --model models/opt-13b-config --profile profiles/sim/opt-13b-a100.json \
+    python scripts/simulate.py --model models/opt-13b-config --profile profiles/sim/opt-13b-a100-40gb-x1.json \
         --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \
         --num-prompts 1000 --request-rate 2 --scheduling-policy skip-join-mlfq --kv-policy proactive
 
