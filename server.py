@@ -507,7 +507,9 @@ async def serve(app: web.Application, host: str, port: int, access_log: bool = F
         return 1
     port, cfg = runner.addresses[0][1], app[CONFIG]
     auth = ' -H "Authorization: Bearer $FASTSERVE_API_KEY"' if cfg.api_key else ""
-    print(f"FastServe: serving {cfg.served_model_names[0]} on http://{host}:{port} ; try: curl "
+    engine_cfg = app[ENGINE].engine.config
+    print(f"FastServe: serving {cfg.served_model_names[0]} on http://{host}:{port} (scheduling "
+          f"{engine_cfg.scheduling_policy}, kv {engine_cfg.kv_policy}) ; try: curl "
           f"http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"prompt": "Hello", "max_tokens": 16}'""", flush=True)
     stop = asyncio.Event()

@@ -1,6 +1,6 @@
 """Write the simulator's profiles for the paper's setups (profiles/sim/).
 
-    python scripts/make_sim_profiles.py
+    python scripts/make_sim_profiles.py [--out DIR]      # default: profiles/sim
 
 The FastServe paper's setups: OPT-13B on one A100, OPT-66B on four, OPT-175B
 on sixteen, host<->GPU over PCIe 4.0. We have no A100 here, so each profile is
@@ -23,6 +23,7 @@ sixteen GPUs are two nodes), and A100 80GB.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -42,11 +43,15 @@ HOST_KV = 256 * 2**30
 SETUPS = [("opt-13b", 1, 1), ("opt-66b", 4, 1), ("opt-175b", 8, 2)]  # (model, tp, pp)
 
 
-def profile_path(name: str, variant: str, gpus: int) -> Path:
-    return REPO / "profiles" / "sim" / f"{name}-a100-{variant}-x{gpus}.json"
+def profile_name(name: str, variant: str, gpus: int) -> str:
+    return f"{name}-a100-{variant}-x{gpus}.json"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "profiles" / "sim", help="where to write the profiles")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
     for variant, (hbm_bytes, memory) in A100_VARIANTS.items():
         for name, tp, pp in SETUPS:
             cfg = OPTConfig.from_dict(opt_config(**OPT_SHAPES[name]), name=name)
@@ -61,10 +66,9 @@ def main() -> int:
                                 "device_to_host_bytes_per_s": PCIE_BYTES * gpus}
             prof["capacity"] = {"device_kv_bytes": max(0.0, 0.9 * memory * gpus - weights), "host_kv_bytes": HOST_KV}
             prof["source"] = __doc__.strip().splitlines()[5:22]
-            path = profile_path(name, variant, gpus)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path = args.out / profile_name(name, variant, gpus)
             path.write_text(json.dumps(prof, indent=1) + "\n")
-            print(f"wrote {path.relative_to(REPO)}: t_init(512) {prof['prefill']['seconds'][5]:.4f} s, "
+            print(f"wrote {path}: t_init(512) {prof['prefill']['seconds'][5]:.4f} s, "
                   f"t_dec(1, 16) {prof['decode']['seconds'][0][0]:.4f} s, "
                   f"KV {prof['capacity']['device_kv_bytes'] / 2**30:.1f} GiB")
     return 0

@@ -1,0 +1,172 @@
+"""Compare scheduling policies live: for each policy, start server.py with the same flags, run
+scripts/loadgen.py --sweep against it over real HTTP, stop it. Prints each policy's latency per rate and its
+throughput at the per-token SLO, saves every loadgen result JSON plus a summary, and can draw the paper's
+Fig. 11 (per-token latency vs rate, one line per policy).
+
+    python scripts/live_sweep.py --policies fcfs,skip-join-mlfq --dataset-name lengths \\
+        --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 60 --sweep 1,2,4 \\
+        --slo-per-token 0.05 --result-dir results/live --plot fig11.png -- --num-gpu-blocks-override 990
+
+Everything after `--` goes to every server (model, KV sizes, profile...; default: the built-in tiny model).
+Each server is started with OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """server.py as a subprocess on loopback; its log in a file next to the results."""
+
+    def __init__(self, args: list[str], log_path: Path, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, str(REPO / "server.py"), "--port", str(self.port), *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def run_policy(policy: str, args: argparse.Namespace, server_args: list[str]) -> dict:
+    """One server with --scheduling-policy policy, one loadgen sweep against it; the loadgen result JSON."""
+    out = args.result_dir / f"{policy}.json"
+    server = Server(["--scheduling-policy", policy, *server_args], args.result_dir / f"server-{policy}.log",
+                    args.server_threads)
+    try:
+        server.wait_ready()
+        cmd = [sys.executable, str(REPO / "scripts" / "loadgen.py"), "--base-url", server.url,
+               "--dataset-name", args.dataset_name, "--num-prompts", str(args.num_prompts), "--sweep", args.sweep,
+               "--slo-per-token", str(args.slo_per_token), "--seed", str(args.seed), "--label", policy,
+               "--disable-tqdm", "--save-result", "--result-dir", str(args.result_dir),
+               "--result-filename", out.name]
+        if args.dataset_path:
+            cmd += ["--dataset-path", str(args.dataset_path)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        (args.result_dir / f"loadgen-{policy}.log").write_text(proc.stdout + proc.stderr)
+        if not out.exists():
+            raise RuntimeError(f"loadgen failed for {policy} (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        return json.loads(out.read_text())
+    finally:
+        server.stop()
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    """{policy: {rates, mean/p95 per-token latency per rate, failed per rate, throughput at SLO}}."""
+    out = {}
+    for policy, res in results.items():
+        runs = res["runs"]
+        out[policy] = {
+            "rates": res["rates"],
+            "mean_per_token_s": [r["per_token_latency_mean_s"] for r in runs],
+            "p95_per_token_s": [r["per_token_latency_p95_s"] for r in runs],
+            "failed": [r["failed"] for r in runs],
+            "throughput_at_slo_mean": res.get("throughput_at_slo_mean"),
+            "throughput_at_slo_p95": res.get("throughput_at_slo_p95"),
+        }
+    return out
+
+
+def format_table(summary: dict, slo: float) -> str:
+    lines = [f"{'policy':>16} {'rate':>6} {'mean s/tok':>11} {'p95 s/tok':>10} {'failed':>6}"]
+    for policy, s in summary.items():
+        for rate, mean, p95, failed in zip(s["rates"], s["mean_per_token_s"], s["p95_per_token_s"], s["failed"]):
+            lines.append(f"{policy:>16} {rate:>6g} {mean:>11.4f} {p95:>10.4f} {failed:>6}")
+        lines.append(f"{policy:>16} throughput at SLO {slo:g} s/token: mean {s['throughput_at_slo_mean']}, "
+                     f"p95 {s['throughput_at_slo_p95']} req/s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated scheduling policies")
+    ap.add_argument("--dataset-name", default="lengths")
+    ap.add_argument("--dataset-path", type=Path, default=None)
+    ap.add_argument("--num-prompts", type=int, default=60, help="requests per rate")
+    ap.add_argument("--sweep", required=True, help="comma-separated request rates, e.g. 1,2,4")
+    ap.add_argument("--slo-per-token", type=float, default=0.3, help="seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-threads", type=int, default=1, help="torch threads of each server")
+    ap.add_argument("--result-dir", type=Path, default=Path("results/live-sweep"))
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG of latency vs rate per policy")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    args = build_parser().parse_args(ours)
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        print(f"error: unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}", file=sys.stderr)
+        return 2
+    args.result_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for policy in policies:
+        t = time.perf_counter()
+        try:
+            results[policy] = run_policy(policy, args, server_args)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(f"{policy}: {time.perf_counter() - t:.0f} s", flush=True)
+    summary = summarize(results)
+    (args.result_dir / "summary.json").write_text(json.dumps(
+        {"slo_per_token_s": args.slo_per_token, "num_prompts": args.num_prompts, "dataset": args.dataset_name,
+         "dataset_path": str(args.dataset_path), "server_args": server_args, "policies": summary}, indent=1))
+    print(format_table(summary, args.slo_per_token))
+    if args.plot:
+        sys.path.insert(0, str(REPO / "scripts"))
+        from loadgen_plot import plot_results
+
+        plot_results(list(results.values()), args.plot, args.slo_per_token)
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
