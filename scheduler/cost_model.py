@@ -63,6 +63,9 @@ class ProfiledCostModel:
             len(row) != len(self.decode_context_lens) for row in self.decode_seconds
         ):
             raise ValueError("profile: decode.seconds must be a [batch_sizes x context_lens] table")
+        # Lookups repeat (the same batch sizes and lengths every tick): memoized, as the profile is immutable.
+        object.__setattr__(self, "_t_init_memo", {})
+        object.__setattr__(self, "_t_dec_memo", {})
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -106,11 +109,19 @@ class ProfiledCostModel:
 
     # -- the CostModel protocol -----------------------------------------------------------
     def t_init(self, prompt_len: int) -> float:
-        return _interp(self.prefill_lens, self.prefill_seconds, prompt_len)
+        memo = self._t_init_memo
+        t = memo.get(prompt_len)
+        if t is None:
+            t = memo[prompt_len] = _interp(self.prefill_lens, self.prefill_seconds, prompt_len)
+        return t
 
     def t_dec(self, batch_size: int, context_len: int) -> float:
-        per_batch = [_interp(self.decode_context_lens, row, context_len) for row in self.decode_seconds]
-        return _interp(self.decode_batch_sizes, per_batch, batch_size)
+        memo = self._t_dec_memo
+        t = memo.get((batch_size, context_len))
+        if t is None:
+            per_batch = [_interp(self.decode_context_lens, row, context_len) for row in self.decode_seconds]
+            t = memo[(batch_size, context_len)] = _interp(self.decode_batch_sizes, per_batch, batch_size)
+        return t
 
     def iteration_cost(self, jobs: Sequence[Job]) -> float:
         """Decode jobs share one step; each first iteration adds its prefill time."""
