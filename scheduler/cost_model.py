@@ -64,6 +64,7 @@ class ProfiledCostModel:
         ):
             raise ValueError("profile: decode.seconds must be a [batch_sizes x context_lens] table")
         # Lookups repeat (the same batch sizes and lengths every tick): memoized, as the profile is immutable.
+        # Bounded by the distinct (batch size, context) pairs: at most max_num_seqs x max_model_len entries.
         object.__setattr__(self, "_t_init_memo", {})
         object.__setattr__(self, "_t_dec_memo", {})
 
