@@ -736,8 +736,10 @@ def section_live_slo(ctx: Ctx) -> str:
             at = [s["throughput_at_slo_mean"], s["throughput_at_slo_p95"]]
             where = f"{ds} ({', '.join(f'{r:g}' for r in rates)} req/s; {n} requests)"
             table.append(f"| {where} | {policy} | " + " | ".join(cells) + " | "
-                         + " | ".join("below the sweep" if a is None else f"{a:g}" for a in at) + " |")
-    lines += [" ".join(figs), "", "Cells: mean / P95 per-token latency (ms). Throughput at the SLO in req/s.", "",
+                         + " | ".join("below the sweep" if a is None else f"{a:g}{'+' if a == rates[-1] else ''}"
+                                      for a in at) + " |")
+    lines += [" ".join(figs), "", "Cells: mean / P95 per-token latency (ms). Throughput at the SLO in req/s (`+`: the "
+              "top swept rate met it; the throughput is above).", "",
               *table, ""]
     verdicts = []
     for ds in ctx.datasets:
