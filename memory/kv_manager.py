@@ -112,10 +112,7 @@ class KVManager:
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
-        # _extra_device_blocks, inlined: the scheduler may ask this of every waiting job each tick.
-        kv = self._jobs.get(job.job_id)
-        have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
-        return -(-(job.num_computed + num_new_tokens) // self.block_size) - have <= self.device.num_free
+        return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
 
     def allocate(self, job, num_new_tokens: int) -> None:
         kv = self._entry(job)

@@ -191,4 +191,4 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             waits = self._queue_waits = self._execute_waits()
         t_execute = waits[job.queue]
         alpha = self.config.starvation_threshold
-        return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
+        return t_execute if alpha is None else min(alpha - job.starve_time(now), t_execute)
