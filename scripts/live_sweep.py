@@ -16,67 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from server_process import ServerProcess  # scripts/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """server.py as a subprocess on loopback; its log in a file next to the results."""
-
-    def __init__(self, args: list[str], log_path: Path, threads: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, str(REPO / "server.py"), "--port", str(self.port), *args]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout:.0f} s; log: {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 def run_policy(policy: str, args: argparse.Namespace, server_args: list[str]) -> dict:
     """One server with --scheduling-policy policy, one loadgen sweep against it; the loadgen result JSON."""
     out = args.result_dir / f"{policy}.json"
-    server = Server(["--scheduling-policy", policy, *server_args], args.result_dir / f"server-{policy}.log",
-                    args.server_threads)
+    threads = str(args.server_threads)
+    server = ServerProcess(["--scheduling-policy", policy, *server_args], args.result_dir, name=policy,
+                           env=os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     try:
-        server.wait_ready()
+        server.wait_ready(timeout=120)
         cmd = [sys.executable, str(REPO / "scripts" / "loadgen.py"), "--base-url", server.url,
                "--dataset-name", args.dataset_name, "--num-prompts", str(args.num_prompts), "--sweep", args.sweep,
                "--slo-per-token", str(args.slo_per_token), "--seed", str(args.seed), "--label", policy,

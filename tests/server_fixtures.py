@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -19,6 +18,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
+
+from server_process import ServerProcess  # noqa: E402
+
 # Fast start-up: small KV tiers (16k device tokens is plenty here) and the analytic job profile (no
 # start-up measurement).
 QUICK_ARGS = ("--profile", "analytic", "--num-host-blocks-override", "256")
@@ -32,50 +35,13 @@ RESTRICTED_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "256", "--max-num-s
                    "--max-queued-requests", "1", "--api-key", API_KEY, "--allowed-origins", "http://allowed.example")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python server.py --model DIR --port P ARGS`, its log in a file."""
-
-    def __init__(self, model_dir: Path, args: tuple[str, ...], log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, str(REPO / "server.py"), "--model", str(model_dir), "--port", str(self.port), *args]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except (OSError, urllib.error.URLError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"server did not become healthy in {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def start_server(model_dir: Path, args: tuple[str, ...], log_dir: Path) -> ServerProcess:
+    """A ready `server.py --model DIR ARGS`; if it does not come up, the error carries its log."""
+    srv = ServerProcess(["--model", str(model_dir), *args], log_dir)
+    try:
+        return srv.wait_ready()
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}:\n{srv.log()}") from None
 
 
 _SHARED: dict[tuple, ServerProcess] = {}
@@ -87,7 +53,7 @@ def shared_server(request: pytest.FixtureRequest, model_dir: Path, args: tuple[s
     srv = _SHARED.get(key)
     if srv is None or srv.proc.poll() is not None:
         log_dir = request.getfixturevalue("tmp_path_factory").mktemp("server-logs")
-        srv = _SHARED[key] = ServerProcess(model_dir, args, log_dir).wait_ready()
+        srv = _SHARED[key] = start_server(model_dir, args, log_dir)
         request.config.add_cleanup(srv.stop)
     return srv
 

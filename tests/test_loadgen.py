@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -30,6 +27,7 @@ from loadgen_metrics import (  # noqa: E402
     run_json,
     slo_points,
 )
+from server_process import ServerProcess  # noqa: E402
 
 
 # -- metric arithmetic on fake timings ------------------------------------------------------------------------
@@ -334,45 +332,17 @@ def test_cli_refuses_bad_flags(tmp_path):
 
 
 # -- end to end against the real server -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def real_server(tiny_model_dir, tmp_path_factory):
-    if not (REPO / "server.py").exists():
-        pytest.skip("server.py is not in the repository yet; this end-to-end test runs once it lands")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+b")
-    proc = subprocess.Popen([sys.executable, str(REPO / "server.py"), "--model", str(tiny_model_dir),
-                             "--port", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    srv = ServerProcess(["--model", str(tiny_model_dir)], tmp_path_factory.mktemp("server"))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server.py exited with {proc.returncode}:\n{log.read().decode(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server.py did not answer /health within 180 s")
-            time.sleep(0.3)
-        yield url
+        srv.wait_ready(timeout=180)  # no --profile: the start-up profile is measured
+    except RuntimeError as e:
+        pytest.fail(f"{e}:\n{srv.log()[-3000:]}")
+    try:
+        yield srv.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        srv.stop()
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:

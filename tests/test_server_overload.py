@@ -18,6 +18,7 @@ from tests.server_fixtures import (
     get_json,
     shared_server,
     sse_chunks,
+    start_server,
     wait_idle,
 )
 
@@ -66,7 +67,7 @@ def test_full_queue_is_503_with_retry_after_and_accepted_work_completes(restrict
 
 def start_drainable(model_dir, tmp_path) -> ServerProcess:
     args = (*QUICK_ARGS, "--num-gpu-blocks-override", "256", "--shutdown-timeout", "1.5")
-    return ServerProcess(model_dir, args, tmp_path).wait_ready()
+    return start_server(model_dir, args, tmp_path)
 
 
 def test_sigterm_finishes_in_flight_work_aborts_the_rest_and_exits_0(tiny_model_dir, tmp_path):

@@ -1,0 +1,68 @@
+"""server.py as a subprocess on a free loopback port, its output in a log file: started, polled until /health
+answers, stopped with SIGTERM (graceful shutdown) and SIGKILL if that takes too long.
+
+Used by scripts/live_sweep.py and by the tests that need a real server (tests/server_fixtures.py,
+tests/test_loadgen.py), so that there is one way to run one.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python server.py --port P ARGS`, logging to LOG_DIR/server-NAME.log (NAME: the port by default)."""
+
+    def __init__(self, args: Sequence[str], log_dir: Path, name: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_dir) / f"server-{name or self.port}.log"
+        cmd = [sys.executable, str(REPO / "server.py"), "--port", str(self.port), *args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else dict(env))
+
+    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
+        """Poll /health until it answers 200; a one-line RuntimeError naming the log if the server exits or
+        does not answer within `timeout` seconds (then it is stopped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:  # refused while starting; urllib's URLError and HTTPError (503) are OSErrors
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy in {timeout:g} s; log: {self.log_path}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
