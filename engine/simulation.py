@@ -18,6 +18,7 @@ anything the profile does not measure (kernel overlap, network, CPU limits).
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,34 @@ class SimulationResult:
 
     def per_token_latencies(self) -> list[float]:
         return [o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) for o in self.outputs]
+
+    def summary(self) -> dict:
+        """The paper's metrics (mean and P95 per-token latency), TTFT, e2e, the queued / executing /
+        swap-wait breakdown (means per request), preemptions, queueing share and executor utilization."""
+        outs = self.outputs
+        per_token = self.per_token_latencies()
+        mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+        e2e = sum(o.metrics.e2e_s for o in outs)
+        return {
+            "requests": len(outs),
+            "duration_s": self.duration_s,
+            "mean_per_token_s": mean(per_token),
+            "p95_per_token_s": p95(per_token),
+            "mean_ttft_s": mean([o.metrics.ttft_s for o in outs]),
+            "mean_e2e_s": mean([o.metrics.e2e_s for o in outs]),
+            "mean_queued_s": mean([o.metrics.queued_s for o in outs]),
+            "mean_executing_s": mean([o.metrics.executing_s for o in outs]),
+            "mean_swap_wait_s": mean([o.metrics.swap_wait_s for o in outs]),
+            "preemptions": sum(o.metrics.preemptions for o in outs),
+            "queueing_share": sum(o.metrics.queued_s for o in outs) / e2e if e2e else 0.0,
+            "utilization": self.busy_s / self.duration_s if self.duration_s else 0.0,
+        }
+
+
+def p95(xs: Sequence[float]) -> float:
+    """The 95th percentile as the simulator reports it: the value at index int(0.95 * (n - 1)) when sorted."""
+    xs = sorted(xs)
+    return xs[int(0.95 * (len(xs) - 1))] if xs else 0.0
 
 
 def simulated_engine(

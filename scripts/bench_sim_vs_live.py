@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from workload_arrivals import poisson_arrivals  # noqa: E402  (scripts/ is this script's folder)
 
 from engine.default_model import default_model_dir  # noqa: E402
+from engine.simulation import p95  # noqa: E402
 
 DEFAULT_MODEL = Path("models/opt-125m-random")
 TARGET = 0.15  # |sim/live - 1| the simulator should stay within
@@ -66,11 +67,6 @@ def make_trace(n: int, rate: float, prompt_range: tuple[int, int], output_range:
     rng = random.Random(seed)
     times = poisson_arrivals(n, rate, seed=seed)
     return [(t, rng.randint(*prompt_range), rng.randint(*output_range)) for t in times]
-
-
-def p95(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[int(0.95 * (len(xs) - 1))] if xs else 0.0
 
 
 def summarize(per_token: list[float]) -> dict:

@@ -125,30 +125,6 @@ class KVUsageTracker:
         return max((d + h for d, h in zip(self.device, self.host)), default=0)
 
 
-def queueing_share(outputs) -> float:
-    """Total queueing time over total end-to-end latency of finished requests."""
-    e2e = sum(o.metrics.e2e_s for o in outputs)
-    return sum(o.metrics.queued_s for o in outputs) / e2e if e2e else 0.0
-
-
-def p95(xs: Sequence[float]) -> float:
-    xs = sorted(xs)
-    return xs[int(0.95 * (len(xs) - 1))] if xs else 0.0
-
-
-def summarize(result) -> dict:
-    outs = result.outputs
-    per_token = result.per_token_latencies()
-    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
-    return {"requests": len(outs), "mean_per_token_s": mean(per_token), "p95_per_token_s": p95(per_token),
-            "mean_e2e_s": mean([o.metrics.e2e_s for o in outs]),
-            "mean_queued_s": mean([o.metrics.queued_s for o in outs]),
-            "mean_executing_s": mean([o.metrics.executing_s for o in outs]),
-            "mean_swap_wait_s": mean([o.metrics.swap_wait_s for o in outs]),
-            "queueing_share": queueing_share(outs), "duration_s": result.duration_s,
-            "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
-
-
 def clip_trace(items, limit: int) -> list[tuple[float, int, int]]:
     """WorkItems -> run_trace tuples whose prompt + output fit a context of `limit` tokens."""
     out = []
@@ -201,9 +177,8 @@ class Ctx:
             tracker = KVUsageTracker(eng) if track else None
             res = run_trace(eng, trace)
             self.sim_runs += 1
-            self.cache[key] = (summarize(res) | {"preemptions": sum(o.metrics.preemptions for o in res.outputs),
-                                                 "offloads": eng.kv.stats.num_offloads,
-                                                 "drops": eng.kv.stats.num_drops}, tracker, eng)
+            self.cache[key] = (res.summary() | {"offloads": eng.kv.stats.num_offloads,
+                                                "drops": eng.kv.stats.num_drops}, tracker, eng)
         return self.cache[key]
 
     def cmd(self, only: str) -> str:
@@ -317,17 +292,29 @@ def section_slo(ctx: Ctx) -> str:
     return "\n".join(lines)
 
 
-def kv_tokens(ctx: Ctx, scale: str) -> float:
+BLOCK = 16  # tokens per KV block in every simulated run
+
+
+def kv_capacity(ctx: Ctx, scale: str) -> tuple[float, int]:
+    """(device KV bytes of the scale's profile, bytes of one float16 KV block of its model)."""
+    import torch
+
+    from engine.kv_cache import kv_block_bytes
     from engine.model.config import OPTConfig
+    from engine.parallel import ParallelLayout
 
     model, profile = ctx.model(scale)
-    cfg = OPTConfig.from_model_dir(model)
-    per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * 2  # K and V, float16
-    return json.loads(profile.read_text())["capacity"]["device_kv_bytes"] / per_token
+    block = kv_block_bytes(OPTConfig.from_model_dir(model), ParallelLayout(), BLOCK, torch.float16)
+    return json.loads(profile.read_text())["capacity"]["device_kv_bytes"], block
+
+
+def kv_tokens(ctx: Ctx, scale: str) -> float:
+    capacity, block = kv_capacity(ctx, scale)
+    return capacity / (block / BLOCK)
 
 
 def kv_gib(ctx: Ctx, scale: str) -> float:
-    return json.loads(ctx.model(scale)[1].read_text())["capacity"]["device_kv_bytes"] / 2**30
+    return kv_capacity(ctx, scale)[0] / 2**30
 
 
 def section_slo_long(ctx: Ctx) -> list[str]:
@@ -460,18 +447,10 @@ FIG8_LOAD = 2.5
 
 
 def section_fig8(ctx: Ctx) -> str:
-    from engine.kv_cache import kv_block_bytes
-    from engine.model.config import OPTConfig
-    from engine.parallel import ParallelLayout
-
     plt = _plt()
     table = slo_table(ctx)
-    model, profile = ctx.model(MAIN)
-    cfg = OPTConfig.from_model_dir(model)
-    import torch
-
-    block_gb = kv_block_bytes(cfg, ParallelLayout(), 16, torch.float16) / 1e9
-    capacity = json.loads(profile.read_text())["capacity"]["device_kv_bytes"] / 1e9
+    capacity, block = kv_capacity(ctx, MAIN)
+    block_gb, capacity = block / 1e9, capacity / 1e9
     rate = FIG8_LOAD * (table[(MAIN, "ShareGPT", "fcfs", "mean_per_token_s")].rate or 1.0)
     big = int(8 * capacity / block_gb)  # room for every job's KV: the demand, not the capped use
     trace = ctx.trace("ShareGPT", rate)
@@ -517,9 +496,8 @@ def io_rate(ctx: Ctx, prompt: int, output: int, load: float) -> float:
     jobs, limited by the device KV; one prefill per job)."""
     from scheduler.cost_model import ProfiledCostModel
 
-    _, profile = ctx.model(MAIN)
-    cost = ProfiledCostModel.from_json(profile)
-    cap_tokens = json.loads(profile.read_text())["capacity"]["device_kv_bytes"] / (2 * 40 * 5120 * 2)
+    cost = ProfiledCostModel.from_json(ctx.model(MAIN)[1])
+    cap_tokens = kv_tokens(ctx, MAIN)
     batch = max(1, min(ctx.args.max_num_seqs, int(cap_tokens / (prompt + output))))
     per_job = cost.t_init(prompt) + output * cost.t_dec(batch, prompt + output // 2) / batch
     return load / per_job
@@ -671,15 +649,8 @@ LIVE_RATES = {"ShareGPT": "1,2,4", "Alpaca": "8,16,32"}
 
 def main_kv_blocks(ctx: Ctx) -> int:
     """The MAIN scale's device KV capacity in 16-token blocks (OPT-13B on an A100 40GB: ~990)."""
-    import torch
-
-    from engine.kv_cache import kv_block_bytes
-    from engine.model.config import OPTConfig
-    from engine.parallel import ParallelLayout
-
-    model, profile = ctx.model(MAIN)
-    block = kv_block_bytes(OPTConfig.from_model_dir(model), ParallelLayout(), 16, torch.float16)
-    return int(json.loads(profile.read_text())["capacity"]["device_kv_bytes"] // block)
+    capacity, block = kv_capacity(ctx, MAIN)
+    return int(capacity // block)
 
 
 def section_live_slo(ctx: Ctx) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,25 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import DATASETS, load_workload  # noqa: E402  (scripts/ is this script's folder)
 
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
-
-
-def summarize(result) -> dict:
-    outs = result.outputs
-    per_token = sorted(result.per_token_latencies())
-    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
-    return {
-        "requests": len(outs),
-        "duration_s": result.duration_s,
-        "mean_per_token_s": mean(per_token),
-        "p95_per_token_s": per_token[int(0.95 * (len(per_token) - 1))] if per_token else 0.0,
-        "mean_ttft_s": mean([o.metrics.ttft_s for o in outs]),
-        "mean_e2e_s": mean([o.metrics.e2e_s for o in outs]),
-        "mean_queued_s": mean([o.metrics.queued_s for o in outs]),
-        "mean_executing_s": mean([o.metrics.executing_s for o in outs]),
-        "mean_swap_wait_s": mean([o.metrics.swap_wait_s for o in outs]),
-        "preemptions": sum(o.metrics.preemptions for o in outs),
-        "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
-    summary = summarize(result) | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
+    summary = result.summary() | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
                                    "rate": args.request_rate}
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_sim_vs_live import make_trace  # noqa: E402
-from experiments import KVUsageTracker, clip_trace, queueing_share, summarize, throughput_at_slo  # noqa: E402
+from experiments import KVUsageTracker, clip_trace, throughput_at_slo  # noqa: E402
 
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
 from memory.kv_manager import blocks_needed  # noqa: E402
@@ -72,7 +72,7 @@ def test_kv_usage_tracker_peak_of_one_job(sim_model):
     assert tr.peak_total >= tr.peak_device
     assert tr.device[-1] == 0  # freed at the end
     assert len(tr.times) == len(tr.device) == eng.num_steps
-    s = summarize(res)
+    s = res.summary()
     assert s["requests"] == 1 and s["mean_per_token_s"] == pytest.approx(res.outputs[0].metrics.e2e_s / 13)
 
 
@@ -86,5 +86,5 @@ def test_kv_usage_tracker_sums_concurrent_jobs_and_queueing_share(sim_model):
     assert tr.peak_device >= blocks_needed(20, 16) + blocks_needed(40, 16)
     one = run_trace(simulated_engine(model, profile, num_device_blocks=100, scheduling_policy="fcfs",
                                      max_num_seqs=1), trace)
-    assert queueing_share(one.outputs) > queueing_share(res.outputs)
-    assert 0.0 <= queueing_share(res.outputs) < 1.0
+    assert one.summary()["queueing_share"] > res.summary()["queueing_share"]
+    assert 0.0 <= res.summary()["queueing_share"] < 1.0
