@@ -17,10 +17,11 @@ class SequenceWork:
     start_pos: int  # position of token_ids[0] in the sequence (= tokens already cached)
     block_table: list[int]  # device blocks holding positions 0 .. start_pos + len(token_ids) - 1
     params: SamplingParams
-    generator: torch.Generator | None  # per-sequence RNG when the request has a seed
+    generator: torch.Generator | None  # per-sequence RNG when the request has a seed (in-process executors)
     num_generated: int  # output tokens before this step (for min_tokens)
     want_prompt_logprobs: bool = False  # first iteration of a request that asked for them
     prompt_token_ids: list[int] = field(default_factory=list)  # for prompt logprobs only
+    seed: int | None = None  # the sequence's seed: worker processes build their own generator from it
 
 
 @dataclass

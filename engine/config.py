@@ -23,6 +23,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    nnodes: int = 1  # nodes the workers span (the controller runs on the first; see README "Many GPUs")
+    master_addr: str = "127.0.0.1"  # the torch.distributed rendezvous (and the controller's worker port)
+    master_port: int | None = None  # None: a free port; the workers' control port is master_port + 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # defaults to the model's context
@@ -50,9 +53,10 @@ class EngineConfig:
         need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
-        need(self.tensor_parallel_size * self.pipeline_parallel_size == 1,
-             "tensor/pipeline parallelism > 1 needs the multi-process executor, which is not built yet; "
-             "use --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        need(self.nnodes >= 1 and world % self.nnodes == 0,
+             f"nnodes ({self.nnodes}) must divide tensor_parallel_size x pipeline_parallel_size ({world})")
+        need(self.master_port is None or 1 <= self.master_port <= 65534, "master_port must be in [1, 65534]")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

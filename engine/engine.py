@@ -26,8 +26,8 @@ from engine.clock import WallClock
 from engine.config import EngineConfig
 from engine.default_model import default_model_dir
 from engine.errors import ValidationError
+from engine.executor import make_executor
 from engine.executor.base import Executor
-from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.profiles import load_cost_model
@@ -75,11 +75,7 @@ class Engine:
         self.model_config = OPTConfig.from_model_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.executor = executor or LocalExecutor(
-            self.model_dir, self.model_config, dtype=config.dtype, device=config.device,
-            block_size=config.block_size, num_gpu_blocks_override=config.num_gpu_blocks_override,
-            gpu_memory_utilization=config.gpu_memory_utilization, seed=config.seed,
-        )
+        self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)
         self.clock = clock or WallClock()
         self.kv = self._make_kv_manager()
         self.cost_model = self._load_cost_model()
@@ -113,7 +109,7 @@ class Engine:
         cfg, ex = self.config, self.executor
         policy = KVPolicy(cfg.kv_policy)
         num_host, transfers = 0, None
-        if policy is not KVPolicy.RECOMPUTE and hasattr(ex, "attach_host_tier"):
+        if policy is not KVPolicy.RECOMPUTE:
             num_host = cfg.num_host_blocks_override
             if num_host is None:
                 num_host = int(cfg.swap_space * (1 << 30)) // ex.kv_block_bytes
@@ -287,6 +283,7 @@ class Engine:
             num_generated=job.num_generated,
             want_prompt_logprobs=want_plp and seq.request.prompt_logprobs is None,
             prompt_token_ids=seq.request.prompt_ids if want_plp else [],
+            seed=seq.request.params.sequence_seed(seq.index),
         )
 
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
@@ -348,6 +345,7 @@ class Engine:
 
     def _release(self, seq: SequenceState) -> None:
         self.kv.free(seq.job.job_id)
+        self.executor.release([seq.job.job_id])
         self.scheduler.remove(seq.job)
         self._seq_of_job.pop(seq.job.job_id, None)
 

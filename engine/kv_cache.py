@@ -28,31 +28,22 @@ def kv_block_bytes(cfg: OPTConfig, layout: ParallelLayout, block_size: int, dtyp
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-def num_device_blocks(
-    cfg: OPTConfig,
-    layout: ParallelLayout,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    override: int | None,
-    gpu_memory_utilization: float,
-) -> int:
-    """Blocks of the device tier: the override, else what the memory budget holds.
+def blocks_that_fit(per_block_bytes: int, device: torch.device, gpu_memory_utilization: float,
+                   peak_bytes: int = 0) -> int:
+    """Phase two of KV sizing: how many blocks of this rank's size fit in its memory budget.
 
-    On CUDA the budget is gpu_memory_utilization of the device's memory minus
-    what is in use after the model was loaded and a forward pass ran (the
-    caller runs it first, as vLLM does); on CPU it is DEFAULT_CPU_KV_BYTES.
+    On CUDA the budget is gpu_memory_utilization of the device's memory minus what the process needs at its
+    peak: the weights and the activations of the warm-up forward of the largest batch (`peak_bytes`, measured
+    by ModelRunner.measure_peak_memory), plus memory outside torch's allocator (CUDA context, NCCL). On CPU it
+    is DEFAULT_CPU_KV_BYTES. The controller takes the minimum over ranks, so every rank holds the same block ids.
     """
-    if override is not None:
-        return override
-    per_block = kv_block_bytes(cfg, layout, block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * gpu_memory_utilization) - used
+        outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+        budget = int(total * gpu_memory_utilization) - peak_bytes - max(0, outside_torch)
     else:
         budget = DEFAULT_CPU_KV_BYTES
-    return max(0, budget // per_block)
+    return max(0, budget // per_block_bytes)
 
 
 def allocate_kv_cache(

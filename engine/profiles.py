@@ -25,8 +25,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 from engine.analytic_profile import analytic_profile
 from engine.config import EngineConfig
 from engine.executor.base import Executor
@@ -76,9 +74,8 @@ def find_profile(key: dict, folder: Path) -> Path | None:
 
 
 def engine_profile_key(config: EngineConfig, model_config: OPTConfig, executor: Executor) -> dict:
-    device = getattr(executor, "device", torch.device("cpu"))
-    dtype = getattr(executor, "dtype", torch.float32)
-    return profile_key(model_config.name, dtype, device, config.tensor_parallel_size, config.pipeline_parallel_size)
+    return profile_key(model_config.name, executor.dtype, executor.device, config.tensor_parallel_size,
+                       config.pipeline_parallel_size)
 
 
 def load_cost_model(config: EngineConfig, model_config: OPTConfig,
@@ -86,12 +83,11 @@ def load_cost_model(config: EngineConfig, model_config: OPTConfig,
     """The engine's cost model and a line saying where it came from (see the module docstring)."""
     key = engine_profile_key(config, model_config, executor)
     if config.profile == ANALYTIC:
-        dtype = getattr(executor, "dtype", torch.float32)
-        cost = analytic_profile(model_config, key["hardware"].split(":")[0], dtype.itemsize, key["dtype"])
+        cost = analytic_profile(model_config, key["hardware"].split(":")[0], executor.dtype.itemsize, key["dtype"])
         return cost, "analytic estimate (engine/analytic_profile.py)"
     if config.profile:
         cost = _read(Path(config.profile), "--profile")
-        if hasattr(executor, "device") and not key_matches(cost.key, key):  # a real executor, not a simulation
+        if not executor.simulated and not key_matches(cost.key, key):
             log.warning("profile %s was measured for %s; this engine is %s", config.profile, cost.key, key)
         return cost, f"profile {config.profile}"
     folder = profile_dir()

@@ -100,7 +100,8 @@ def simulated_engine(
         num_host_blocks = int(capacity.get("host_kv_bytes", 0) // block_bytes)
     transfer = TransferModel(**data.get("transfer", {}))
     clock = VirtualClock()
-    executor = SimulatedExecutor(cost, clock, num_device_blocks, block_size, block_bytes, transfer)
+    executor = SimulatedExecutor(cost, clock, num_device_blocks, block_size, block_bytes, transfer,
+                                 dtype=_torch_dtype(dtype))
     config = EngineConfig(model=str(model_dir), profile=str(profile), dtype=dtype, block_size=block_size,
                           num_gpu_blocks_override=num_device_blocks, num_host_blocks_override=num_host_blocks,
                           **engine_args)
@@ -151,9 +152,9 @@ def run_trace(
 
 def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
     now = clock.now()
-    swapper = getattr(engine.executor, "swapper", None)
-    copies = [t for t in (swapper._busy_until.values() if swapper else ()) if t > now]
-    events = copies + ([next_arrival] if next_arrival is not None else [])
+    executor: SimulatedExecutor = engine.executor
+    copy_done = executor.next_copy_completion()
+    events = [t for t in (copy_done, next_arrival) if t is not None]
     if not events:
         raise RuntimeError("simulation stalled: jobs wait, but no arrival or copy is pending")
     clock.advance(max(min(events) - now, 0.0) or 1e-9)

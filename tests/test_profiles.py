@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch, SequenceResult
 from engine.config import EngineConfig
+from engine.executor.base import Executor
 from engine.job_profiler import STARTUP_GRID, profile_key
 from engine.model.config import OPTConfig
 from engine.profiles import PROFILE_DIR_ENV, engine_profile_key, find_profile, load_cost_model, profile_filename
@@ -37,7 +39,7 @@ def pinned_with_key(key: dict) -> dict:
     return data
 
 
-class FakeExecutor:
+class FakeExecutor(Executor):
     """Answers every batch at once and keeps what it was sent: measures nothing."""
 
     def __init__(self, num_device_blocks: int = 64, block_size: int = 4) -> None:
@@ -45,9 +47,14 @@ class FakeExecutor:
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.batches: list[ModelBatch] = []
 
-    def execute(self, batch: ModelBatch) -> BatchResult:
+    def submit(self, batch: ModelBatch) -> Future[BatchResult]:
         self.batches.append(batch)
-        return BatchResult([SequenceResult(token_id=5) for _ in batch.seqs])
+        future: Future[BatchResult] = Future()
+        future.set_result(BatchResult([SequenceResult(token_id=5) for _ in batch.seqs]))
+        return future
+
+    def attach_host_tier(self, num_host_blocks: int):
+        raise NotImplementedError("no host tier")
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,58 @@
-"""Executor: runs one ModelBatch and returns the sampled tokens.
+"""Executor: the one interface the engine runs batches through.
 
-Implementations: LocalExecutor (world size 1, in this process), and later a
-multi-process TP/PP executor and a SimulatedExecutor for the simulator.
+Three implementations, each complete: LocalExecutor (world size 1, in this
+process), MultiprocExecutor (one worker process per GPU, tensor + pipeline
+parallel, engine/executor/multiproc.py) and SimulatedExecutor (a virtual clock
+advanced by profiled costs). The engine, the server and the simulator use only
+what is declared here.
+
+    future = executor.submit(batch)     # non-blocking; up to max_in_flight at once
+    result = future.result()            # BatchResult, in submission order
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+
+import torch
 
 from engine.batch import BatchResult, ModelBatch
+from memory.transfers import TransferBackend
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker of the executor died (killed, out of memory, an exception): no further step can run."""
 
 
 class Executor(ABC):
-    num_device_blocks: int
-    block_size: int
+    num_device_blocks: int  # KV blocks of the device tier (the same block ids on every rank)
+    block_size: int  # tokens per KV block
+    kv_block_bytes: int  # bytes of one block on one device (the largest rank's slice): swap space is per device
+    device: torch.device  # where the model runs ("meta" in the simulator: no model runs)
+    dtype: torch.dtype
+    simulated: bool = False  # True: costs come from a profile on a virtual clock, no model runs
+    max_in_flight: int = 1  # batches that may run at once (pipeline stages)
 
     @abstractmethod
-    def execute(self, batch: ModelBatch) -> BatchResult: ...
+    def submit(self, batch: ModelBatch) -> Future[BatchResult]:
+        """Start one step; results come back in submission order. Raises ExecutorDeadError when dead."""
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook
-        """Release workers and device memory (nothing to do in process)."""
+    def execute(self, batch: ModelBatch) -> BatchResult:
+        """Run one step and wait for it."""
+        return self.submit(batch).result()
+
+    @abstractmethod
+    def attach_host_tier(self, num_host_blocks: int) -> TransferBackend:
+        """Allocate the host tier (pinned on CUDA) and return the backend that copies blocks to and from it."""
+
+    def release(self, job_ids: list[str]) -> None:  # noqa: B027 - executors without per-job state keep nothing
+        """Forget per-job state of jobs that finished or were aborted."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the executor can no longer run steps (a dead worker), or None while it can."""
+        return None
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
+        """Release workers and device memory. Idempotent."""

@@ -1,27 +1,27 @@
 """LocalExecutor: the whole model in this process (tp = pp = 1), on CPU or one GPU.
 
-Owns the model, the device KV cache tensors and the sampler. Each execute()
-flattens the batch (every sequence's new tokens concatenated; no padding
-reaches a linear layer), builds the attention metadata from the block tables,
-runs the forward pass and samples one token per sequence.
+Owns one ModelRunner (model, device KV cache, sampler). A step runs on the
+executor's own thread, so submit() returns at once and the event loop never
+waits on compute (torch releases the GIL; on CUDA the thread waits for the
+step's results).
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from engine.batch import BatchResult, ModelBatch
 from engine.executor.base import Executor
-from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape, num_device_blocks
+from engine.kv_cache import blocks_that_fit
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
-from engine.sampler import Sampler, prompt_logprobs
-from engine.swapper import Swapper, allocate_host_cache
-from kernels.paged_attention import AttentionMetadata, Workspace
+from engine.swapper import Swapper
 
 
 def resolve_device(device: str) -> torch.device:
@@ -49,103 +49,49 @@ class LocalExecutor(Executor):
         block_size: int = 16,
         num_gpu_blocks_override: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
         seed: int = 0,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
-        self.layout = ParallelLayout()
-        self.model = load_model_stage(model_dir, model_cfg, TensorParallelGroup(self.layout), self.dtype, self.device)
-        self.num_device_blocks = num_device_blocks(
-            model_cfg, self.layout, block_size, self.dtype, self.device,
-            num_gpu_blocks_override, gpu_memory_utilization,
-        )
-        self.kv_cache = allocate_kv_cache(self.num_device_blocks, model_cfg, self.layout, block_size,
-                                          self.dtype, self.device)
-        self.sampler = Sampler(seed)
-        self.workspace = Workspace()
+        model = load_model_stage(model_dir, model_cfg, TensorParallelGroup(ParallelLayout()), self.dtype, self.device)
+        self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed)
+        self.kv_block_bytes = self.runner.kv_block_bytes
+        if num_gpu_blocks_override is None:  # two phases: peak of the largest batch, then what fits
+            peak = self.runner.measure_peak_memory(max_num_batched_tokens,
+                                                   max_model_len or model_cfg.max_position_embeddings)
+            num_gpu_blocks_override = blocks_that_fit(self.kv_block_bytes, self.device, gpu_memory_utilization, peak)
+        self.num_device_blocks = num_gpu_blocks_override
+        self.runner.allocate_kv_cache(self.num_device_blocks)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
 
     @property
-    def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.model.cfg, self.layout, self.block_size, self.dtype)
+    def model(self):
+        return self.runner.model
 
-    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
-        """Allocate the host tier (pinned on CUDA) and the Swapper that moves blocks to and from it."""
-        shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
-        host = allocate_host_cache(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
-        self.swapper = Swapper(self.kv_cache, host, copy_delay_s)
-        return self.swapper
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
 
-    def shutdown(self) -> None:
-        if getattr(self, "swapper", None) is not None:
-            self.swapper.shutdown()
+    @property
+    def swapper(self) -> Swapper | None:
+        return self.runner.swapper
 
-    def execute(self, batch: ModelBatch) -> BatchResult:
+    def attach_host_tier(self, num_host_blocks: int) -> Swapper:
+        return self.runner.attach_host_tier(num_host_blocks)
+
+    def submit(self, batch: ModelBatch) -> Future[BatchResult]:
+        return self._thread.submit(self._run, batch)
+
+    def _run(self, batch: ModelBatch) -> BatchResult:
         start = time.perf_counter()
-        ids, positions, meta, sample_rows, prompt_rows = self._prepare(batch)
-        with torch.inference_mode():
-            hidden = self.model(ids, positions, self.kv_cache, meta)  # [T, E]
-            logits = self.model.compute_logits(hidden, sample_rows)  # [S, V]
-            results = self.sampler(logits, batch.seqs, batch.eos_token_id)
-            for i, rows in prompt_rows.items():
-                seq = batch.seqs[i]
-                plogits = self.model.compute_logits(hidden, rows)  # [P, V]
-                results[i].prompt_logprobs = prompt_logprobs(plogits, seq.prompt_token_ids, seq.params.prompt_logprobs)
+        inputs = self.runner.prepare(batch)
+        hidden = self.runner.forward(inputs)
+        results = self.runner.sample(hidden, inputs, batch)
         return BatchResult(results, time.perf_counter() - start)
 
-    def _prepare(self, batch: ModelBatch):
-        """Flatten the batch: token ids [T], positions [T], attention metadata,
-        the row of each sequence's last token [S], and prompt rows for prompt logprobs."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        fresh: list[tuple[int, int]] = []
-        dec_index: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        partial = []
-        sample_rows: list[int] = []
-        prompt_rows: dict[int, torch.Tensor] = {}
-        for i, seq in enumerate(batch.seqs):
-            start = len(ids)
-            n = len(seq.token_ids)
-            context_len = seq.start_pos + n
-            pos = range(seq.start_pos, context_len)
-            ids += seq.token_ids
-            positions += pos
-            table = seq.block_table
-            slot_blocks += [table[p // bs] for p in pos]
-            slot_offsets += [p % bs for p in pos]
-            if seq.start_pos == 0:
-                fresh.append((start, start + n))
-            elif n == 1:
-                dec_index.append(start)
-                dec_tables.append(table[: -(-context_len // bs)])
-                dec_lens.append(context_len)
-            else:
-                partial.append((start, start + n, torch.tensor(table, device=self.device), context_len))
-            sample_rows.append(start + n - 1)
-            if seq.want_prompt_logprobs:
-                prompt_rows[i] = torch.arange(start, start + len(seq.prompt_token_ids), device=self.device)
-        dev = self.device
-        max_blocks = max((len(t) for t in dec_tables), default=0)
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, device=dev),
-            slot_offsets=torch.tensor(slot_offsets, device=dev),
-            fresh_spans=fresh,
-            decode_token_index=torch.tensor(dec_index, dtype=torch.long, device=dev),
-            decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in dec_tables],
-                                             dtype=torch.long, device=dev).reshape(len(dec_tables), max_blocks),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
-            partial=partial,
-            workspace=self.workspace,
-        )
-        return (
-            torch.tensor(ids, device=dev),
-            torch.tensor(positions, device=dev),
-            meta,
-            torch.tensor(sample_rows, device=dev),
-            prompt_rows,
-        )
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.runner.shutdown()

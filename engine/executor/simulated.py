@@ -11,7 +11,10 @@ the same ordinary token, so outputs run to max_tokens (use ignore_eos).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
+
+import torch
 
 from engine.batch import BatchResult, ModelBatch, SequenceResult
 from engine.clock import VirtualClock
@@ -60,6 +63,8 @@ class SimulatedSwapper:
 
 
 class SimulatedExecutor(Executor):
+    simulated = True
+
     def __init__(
         self,
         cost: ProfiledCostModel,
@@ -68,7 +73,9 @@ class SimulatedExecutor(Executor):
         block_size: int,
         kv_block_bytes: int,
         transfer: TransferModel | None = None,
+        dtype: torch.dtype = torch.float16,
     ) -> None:
+        self.device, self.dtype = torch.device("meta"), dtype  # no device: costs come from the profile
         self.cost, self.clock = cost, clock
         self.num_device_blocks, self.block_size = num_device_blocks, block_size
         self.kv_block_bytes = kv_block_bytes
@@ -76,11 +83,25 @@ class SimulatedExecutor(Executor):
         self.swapper: SimulatedSwapper | None = None
         self.busy_s = 0.0
 
-    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> SimulatedSwapper:
+    def attach_host_tier(self, num_host_blocks: int) -> SimulatedSwapper:
         self.swapper = SimulatedSwapper(self.clock, self.kv_block_bytes, self.transfer)
         return self.swapper
 
-    def execute(self, batch: ModelBatch) -> BatchResult:
+    def submit(self, batch: ModelBatch) -> Future[BatchResult]:
+        """Runs at once on the virtual clock: the returned future is already done."""
+        future: Future[BatchResult] = Future()
+        future.set_result(self._run(batch))
+        return future
+
+    def next_copy_completion(self) -> float | None:
+        """The virtual time at which the next pending copy completes, or None."""
+        if self.swapper is None:
+            return None
+        now = self.clock.now()
+        pending = [t for t in self.swapper._busy_until.values() if t > now]
+        return min(pending) if pending else None
+
+    def _run(self, batch: ModelBatch) -> BatchResult:
         prefill = [len(s.token_ids) for s in batch.seqs if s.start_pos == 0]
         decode = [s.start_pos + len(s.token_ids) for s in batch.seqs if s.start_pos > 0]
         seconds = self.cost.batch_cost(prefill, decode)

@@ -80,7 +80,7 @@ class OPTDecoderLayer(nn.Module):
 class OPTStage(nn.Module):
     def __init__(self, cfg: OPTConfig, tp: TensorParallelGroup) -> None:
         super().__init__()
-        layout = tp.layout
+        self.layout = layout = tp.layout
         self.cfg = cfg
         self.layer_range = layout.stage_layers(cfg.num_hidden_layers)
         self.is_first = layout.is_first_stage

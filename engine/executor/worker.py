@@ -1,0 +1,282 @@
+"""One worker process of MultiprocExecutor: one GPU (or one CPU process under
+gloo), one tensor-parallel shard of one pipeline stage.
+
+    python -m engine.executor.worker        # reads RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT,
+                                            # FASTSERVE_CLUSTER_KEY (hex) from the environment
+
+The controller spawns its node's workers itself; engine/executor/node.py
+starts the workers of another node. A worker connects to the controller's
+control port (MASTER_PORT + 1), receives its setup, joins the torch.distributed
+world (NCCL on CUDA, gloo on CPU) at MASTER_ADDR:MASTER_PORT, loads its shard,
+measures its peak memory with a warm-up forward, reports how many KV blocks
+fit, allocates what the controller decides, then serves steps until told to
+stop (engine/executor/messages.py).
+
+Per step: apply the swap orders on its copy streams (or copy thread), build
+the batch from the per-job state it keeps, receive the hidden states from the
+previous stage (unless first), run its layers, send the hidden states on
+(unless last); the last stage's tensor rank 0 samples and replies. A worker
+exits when the controller's connection closes, when its parent dies, or on
+any exception (after reporting it): the controller treats that as a fault.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+
+import torch
+
+from engine.batch import ModelBatch, SequenceWork
+from engine.executor import messages as m
+from engine.kv_cache import blocks_that_fit
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelLayout, TensorParallelGroup
+
+log = logging.getLogger("fastserve.worker")
+
+CLUSTER_KEY_ENV = "FASTSERVE_CLUSTER_KEY"
+
+
+@dataclass(eq=False)
+class _Job:
+    prompt_len: int
+    tokens: list[int]
+    params: object
+    generator: torch.Generator | None
+    table: list[int]
+
+
+class Worker:
+    def __init__(self, rank: int, local_rank: int, conn: Connection, setup: m.WorkerSetup) -> None:
+        self.rank, self.conn, self.setup = rank, conn, setup
+        tp, pp = setup.tp_size, setup.pp_size
+        self.layout = ParallelLayout(tp, pp, tp_rank=rank % tp, pp_rank=rank // tp)
+        if setup.device == "cuda":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[setup.dtype]
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://{setup.master_addr}:{setup.master_port}", world_size=tp * pp, rank=rank)
+        # Every rank creates every tensor-parallel group, in the same order (torch.distributed's rule).
+        groups = [torch.distributed.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else []
+        tp_group = TensorParallelGroup(self.layout, groups[self.layout.pp_rank] if groups else None)
+        cfg = OPTConfig.from_model_dir(setup.model_dir)
+        model = load_model_stage(setup.model_dir, cfg, tp_group, dtype, self.device)
+        self.runner = ModelRunner(model, self.device, dtype, setup.block_size, setup.seed)
+        self.is_sampler = self.layout.is_last_stage and self.layout.tp_rank == 0
+        self.jobs: dict[int, _Job] = {}
+        self.copies: dict[int, object] = {}  # transfer id -> handle, until done
+        self._sends: list = []  # pending isend works of hidden states to the next stage
+
+    # -- start-up --------------------------------------------------------------------------------
+    def ready_message(self) -> m.Ready:
+        s = self.setup
+        fit = 0
+        if s.measure_kv:
+            peak = self.runner.measure_peak_memory(s.max_num_batched_tokens, s.max_model_len)
+            fit = blocks_that_fit(self.runner.kv_block_bytes, self.device, s.gpu_memory_utilization, peak)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return m.Ready(self.rank, fit, self.runner.kv_block_bytes, name)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            if self.copies and not self.conn.poll(0.001):
+                self._report_copies()
+                continue
+            msg = self.conn.recv()
+            if isinstance(msg, m.StepMessage):
+                self._step(msg)
+            elif isinstance(msg, m.AllocateKV):
+                self.runner.allocate_kv_cache(msg.num_blocks)
+            elif isinstance(msg, m.AttachHost):
+                self.runner.attach_host_tier(msg.num_blocks, msg.copy_delay_s)
+            elif isinstance(msg, m.Shutdown):
+                return
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _step(self, msg: m.StepMessage) -> None:
+        for h in msg.released:
+            self.jobs.pop(h, None)
+        for nj in msg.new_jobs:
+            gen = torch.Generator().manual_seed(nj.seed) if nj.seed is not None and self.is_sampler else None
+            self.jobs[nj.handle] = _Job(nj.prompt_len, list(nj.tokens), nj.params, gen, [])
+        for order in msg.transfers:
+            self.copies[order.transfer_id] = self.runner.swapper.copy(order.direction, order.pairs)
+        if msg.step_id < 0:
+            self._report_copies()
+            return
+        start = time.perf_counter()
+        batch = self._batch(msg.jobs, msg.eos_token_id)
+        runner, layout = self.runner, self.layout
+        inputs = runner.prepare(batch)
+        hidden = None
+        if not layout.is_first_stage:
+            hidden = torch.empty(inputs.num_tokens, runner.model.cfg.hidden_size, dtype=runner.dtype,
+                                 device=self.device)
+            torch.distributed.recv(hidden, src=self.rank - layout.tp_size)
+        hidden = runner.forward(inputs, hidden)
+        if not layout.is_last_stage:
+            self._sends = [w for w in self._sends if not w.is_completed()]
+            self._sends.append(torch.distributed.isend(hidden, dst=self.rank + layout.tp_size))
+            self._keep = hidden  # alive until sent
+        if self.is_sampler:
+            results = runner.sample(hidden, inputs, batch)
+            done = self._done_copies()
+            self.conn.send(m.StepReply(self.rank, msg.step_id, results, time.perf_counter() - start, done))
+        else:
+            self._report_copies()
+
+    def _batch(self, steps: list[m.JobStep], eos_token_id: int | None) -> ModelBatch:
+        seqs = []
+        for js in steps:
+            job = self.jobs[js.handle]
+            job.tokens += js.new_tokens
+            if js.replace_table:
+                job.table = list(js.blocks)
+            else:
+                job.table += js.blocks
+            end = js.start_pos + js.num_tokens
+            seqs.append(SequenceWork(
+                job_id=str(js.handle), token_ids=job.tokens[js.start_pos:end], start_pos=js.start_pos,
+                block_table=job.table, params=job.params, generator=job.generator,
+                num_generated=end - job.prompt_len, want_prompt_logprobs=js.want_prompt_logprobs,
+                prompt_token_ids=job.tokens[: job.prompt_len] if js.want_prompt_logprobs else [],
+            ))
+        return ModelBatch(seqs, eos_token_id)
+
+    def _done_copies(self) -> list[int]:
+        done = [tid for tid, h in self.copies.items() if h.done()]
+        for tid in done:
+            del self.copies[tid]
+        return done
+
+    def _report_copies(self) -> None:
+        done = self._done_copies()
+        if done:
+            self.conn.send(m.TransfersDone(self.rank, done))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the process that spawned it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _watch_controller(conn: Connection, parent_pid: int) -> None:
+    """Exit at once when the controller's connection closes or the parent is gone, even while the main thread
+    is blocked in a collective whose peer died (it would wait for torch.distributed's long timeout)."""
+    fd = conn.fileno()
+    sock = socket.socket(fileno=os.dup(fd))
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        readable, _, _ = select.select([sock], [], [], 0.5)
+        if readable:
+            try:
+                peek = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError:
+                os._exit(3)
+            if not peek:  # EOF: the controller is gone
+                os._exit(3)
+            time.sleep(0.2)  # a message is waiting for the main thread
+
+
+def run_worker(rank: int, local_rank: int, control_addr: tuple[str, int], authkey: bytes,
+               threads: int | None = None, die_with_parent: bool = True) -> None:
+    """The worker's whole life; returns (or exits) when it ends. die_with_parent: the spawning thread lives as
+    long as its process (the kernel's parent-death signal follows the thread, not the process)."""
+    parent = os.getppid()
+    if die_with_parent:
+        _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+    conn = Client(control_addr, authkey=authkey)
+    threading.Thread(target=_watch_controller, args=(conn, parent), daemon=True, name="watch-controller").start()
+    conn.send(m.Hello(rank, os.getpid(), socket.gethostname()))
+    worker = None
+    try:
+        setup: m.WorkerSetup = conn.recv()
+        worker = Worker(rank, local_rank, conn, setup)
+        conn.send(worker.ready_message())
+        worker.serve()
+    except (EOFError, ConnectionError):
+        pass  # the controller is gone
+    except BaseException as e:
+        log.error("worker %d failed:\n%s", rank, traceback.format_exc())
+        try:
+            conn.send(m.WorkerFailed(rank, f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if worker is not None:
+            worker.runner.shutdown()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def worker_env(master_addr: str, master_port: int, world_size: int, key_hex: str, local_world: int,
+               die_with_parent: bool = True) -> dict[str, str]:
+    """The torchrun-style environment of a node's workers (RANK and LOCAL_RANK are added per worker)."""
+    env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(world_size))
+    env[CLUSTER_KEY_ENV] = key_hex
+    env["FASTSERVE_DIE_WITH_PARENT"] = "1" if die_with_parent else "0"
+    if not (env.get("CUDA_VISIBLE_DEVICES") or "").strip() and not _has_cuda():
+        env.setdefault("FASTSERVE_WORKER_THREADS", str(max(1, (os.cpu_count() or 1) // local_world)))
+    return env
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def start_worker(env: dict[str, str], rank: int, local_rank: int) -> subprocess.Popen:
+    """Start one worker process (`python -m engine.executor.worker`) with its ranks in the environment."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(env, RANK=str(rank), LOCAL_RANK=str(local_rank))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-m", "engine.executor.worker"], env=env, cwd=root)
+
+
+def main() -> None:
+    """Entry point under a torchrun-style environment: MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE and
+    FASTSERVE_CLUSTER_KEY (the controller's secret, hex)."""
+    env = os.environ
+    key = env.get(CLUSTER_KEY_ENV)
+    if not key:
+        sys.exit(f"{CLUSTER_KEY_ENV} is not set: give every node the controller's cluster key (hex)")
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    threads = int(env["FASTSERVE_WORKER_THREADS"]) if env.get("FASTSERVE_WORKER_THREADS") else None
+    run_worker(int(env["RANK"]), int(env["LOCAL_RANK"]), (addr, port + 1), bytes.fromhex(key), threads,
+               die_with_parent=env.get("FASTSERVE_DIE_WITH_PARENT", "1") == "1")
+
+
+if __name__ == "__main__":
+    main()

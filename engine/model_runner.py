@@ -1,0 +1,188 @@
+"""ModelRunner: one pipeline stage of the model on one tensor-parallel rank, with
+its slice of the device KV cache, running the forward pass of a ModelBatch.
+
+Used by LocalExecutor (tp = pp = 1, in process) and by every worker process of
+the multi-process executor (engine/executor/worker.py), so both compute a step
+the same way:
+
+    inputs = runner.prepare(batch)           # flatten: ids, positions, attention metadata
+    hidden = runner.forward(inputs, hidden)  # this stage's layers (hidden=None on the first stage)
+    results = runner.sample(hidden, inputs, batch)   # last stage only: logits -> tokens
+
+What it is not: the transport between stages or ranks (the worker's job) or
+the choice of jobs (scheduler/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import ModelBatch, SequenceResult, SequenceWork
+from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
+from engine.model.opt import OPTStage
+from engine.sampler import Sampler, prompt_logprobs
+from engine.sampling_params import SamplingParams
+from engine.swapper import Swapper, allocate_host_cache
+from kernels.paged_attention import AttentionMetadata, Workspace
+
+
+@dataclass
+class StepInputs:
+    """A ModelBatch flattened for the model (T tokens, S sequences)."""
+
+    token_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] long: the row of each sequence's last token
+    prompt_rows: dict[int, torch.Tensor]  # sequence index -> [P] rows of its prompt (prompt logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+class ModelRunner:
+    def __init__(self, model: OPTStage, device: torch.device, dtype: torch.dtype, block_size: int,
+                 seed: int = 0) -> None:
+        self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        self.layout = model.layout
+        self.kv_cache: torch.Tensor | None = None
+        self.swapper: Swapper | None = None
+        self.sampler = Sampler(seed)
+        self.workspace = Workspace()
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of this rank's slice of one KV block."""
+        return kv_block_bytes(self.model.cfg, self.layout, self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(num_blocks, self.model.cfg, self.layout, self.block_size, self.dtype,
+                                          self.device)
+
+    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
+        """The host tier (pinned on CUDA) and the Swapper that moves this rank's block slices to and from it."""
+        shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
+        host = allocate_host_cache(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
+        self.swapper = Swapper(self.kv_cache, host, copy_delay_s)
+        return self.swapper
+
+    def shutdown(self) -> None:
+        if self.swapper is not None:
+            self.swapper.shutdown()
+
+    # -- KV sizing, phase one --------------------------------------------------------------------
+    def measure_peak_memory(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """Warm-up forward of the largest batch (max_num_batched_tokens tokens in prompts of at most
+        max_model_len) on a scratch KV cache; returns the peak bytes the device's allocator held (0 on CPU,
+        where the KV budget is fixed). Runs on every rank at once: tensor-parallel peers all-reduce inside."""
+        bs, lens, left = self.block_size, [], max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, max_model_len))
+            left -= lens[-1]
+        seqs, next_block = [], 0
+        for n in lens:
+            table = list(range(next_block, next_block + -(-n // bs)))
+            next_block += len(table)
+            seqs.append(SequenceWork(job_id="warm-up", token_ids=[self.model.cfg.bos_token_id] * n, start_pos=0,
+                                     block_table=table, params=SamplingParams(temperature=0), generator=None,
+                                     num_generated=0))
+        batch = ModelBatch(seqs, eos_token_id=None)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        saved, self.kv_cache = self.kv_cache, allocate_kv_cache(next_block, self.model.cfg, self.layout, bs,
+                                                                 self.dtype, self.device)
+        try:
+            inputs = self.prepare(batch)
+            hidden = None
+            if not self.model.is_first:
+                hidden = torch.zeros(inputs.num_tokens, self.model.cfg.hidden_size, dtype=self.dtype,
+                                     device=self.device)
+            hidden = self.forward(inputs, hidden)
+            if self.model.is_last:
+                with torch.inference_mode():
+                    self.model.compute_logits(hidden, inputs.sample_rows)
+            scratch_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        finally:
+            self.kv_cache = saved
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes  # the scratch cache is not activations
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- one step ------------------------------------------------------------------------------
+    def forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers: token ids (first stage) or the previous stage's hidden [T, E] -> [T, E]."""
+        x = inputs.token_ids if self.model.is_first else hidden
+        with torch.inference_mode():
+            return self.model(x, inputs.positions, self.kv_cache, inputs.meta)
+
+    def sample(self, hidden: torch.Tensor, inputs: StepInputs, batch: ModelBatch) -> list[SequenceResult]:
+        """Last stage: logits of each sequence's last token -> one sampled token each (+ asked-for logprobs)."""
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden, inputs.sample_rows)  # [S, V]
+            results = self.sampler(logits, batch.seqs, batch.eos_token_id)
+            for i, rows in inputs.prompt_rows.items():
+                seq = batch.seqs[i]
+                plogits = self.model.compute_logits(hidden, rows)  # [P, V]
+                results[i].prompt_logprobs = prompt_logprobs(plogits, seq.prompt_token_ids,
+                                                             seq.params.prompt_logprobs)
+        return results
+
+    def prepare(self, batch: ModelBatch) -> StepInputs:
+        """Flatten the batch: every sequence's new tokens concatenated (no padding), their positions,
+        the attention metadata from the block tables, and the rows to sample from."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        fresh: list[tuple[int, int]] = []
+        dec_index: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        partial = []
+        sample_rows: list[int] = []
+        prompt_rows: dict[int, torch.Tensor] = {}
+        dev = self.device
+        for i, seq in enumerate(batch.seqs):
+            start = len(ids)
+            n = len(seq.token_ids)
+            context_len = seq.start_pos + n
+            pos = range(seq.start_pos, context_len)
+            ids += seq.token_ids
+            positions += pos
+            table = seq.block_table
+            slot_blocks += [table[p // bs] for p in pos]
+            slot_offsets += [p % bs for p in pos]
+            if seq.start_pos == 0:
+                fresh.append((start, start + n))
+            elif n == 1:
+                dec_index.append(start)
+                dec_tables.append(table[: -(-context_len // bs)])
+                dec_lens.append(context_len)
+            else:
+                partial.append((start, start + n, torch.tensor(table, device=dev), context_len))
+            sample_rows.append(start + n - 1)
+            if seq.want_prompt_logprobs:
+                prompt_rows[i] = torch.arange(start, start + len(seq.prompt_token_ids), device=dev)
+        max_blocks = max((len(t) for t in dec_tables), default=0)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            fresh_spans=fresh,
+            decode_token_index=torch.tensor(dec_index, dtype=torch.long, device=dev),
+            decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in dec_tables],
+                                             dtype=torch.long, device=dev).reshape(len(dec_tables), max_blocks),
+            decode_context_lens=torch.tensor(dec_lens, dtype=torch.long, device=dev),
+            partial=partial,
+            workspace=self.workspace,
+        )
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), prompt_rows)
