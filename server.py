@@ -202,15 +202,18 @@ def _snapshot(aengine: AsyncEngine) -> EngineSnapshot:
     kv = engine.kv
     return EngineSnapshot(aengine.num_running(), aengine.num_waiting(), kv.num_swapped(), kv.device.num_free,
                           kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats(),
-                          kv.stats, getattr(engine.executor, "kv_block_bytes", 0))
+                          kv.stats, engine.executor.kv_block_bytes)
 
 
 async def health(request: web.Request) -> web.Response:
     aengine, state = request.app[ENGINE], request.app[STATE]
     ok = aengine.is_alive and not state.draining
     s = _snapshot(aengine)
+    body = {"status": "ok" if ok else ("shutting_down" if state.draining else "engine_dead")}
+    if aengine.error is not None:
+        body["error"] = f"{aengine.error}"  # e.g. which worker rank died
     return web.json_response(
-        {"status": "ok" if ok else ("shutting_down" if state.draining else "engine_dead"), "running": s.num_running,
+        {**body, "running": s.num_running,
          "waiting": s.num_waiting, "kv_free_blocks": s.kv_free, "kv_total_blocks": s.kv_total,
          "kv_host_free_blocks": s.host_free, "kv_host_total_blocks": s.host_total}, status=200 if ok else 503)
 
@@ -407,6 +410,11 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "device": ("where the model runs", ["auto", "cpu", "cuda"]),
     "tensor_parallel_size": ("GPUs per pipeline stage (tensor parallelism)", None),
     "pipeline_parallel_size": ("pipeline stages", None),
+    "nnodes": ("nodes the tp x pp workers span; start the other nodes' workers with "
+               "`python -m engine.executor.node` (README)", None),
+    "master_addr": ("address of the workers' torch.distributed rendezvous and of this controller's worker port",
+                    None),
+    "master_port": ("rendezvous port; the workers' control port is the next one (default: a free pair)", None),
     "max_num_seqs": ("most sequences in one iteration's batch", None),
     "max_num_batched_tokens": ("most tokens in one iteration (a longer prompt runs alone)", None),
     "max_model_len": ("context length (default: the model's)", None),

@@ -6,11 +6,14 @@
     await aengine.abort("r1")
 
 The loop never blocks the event loop on compute: scheduling and bookkeeping
-run on the loop (they are cheap), the forward pass runs in a worker thread
-(torch releases the GIL; on CUDA the thread waits for the step's results).
-Requests are admitted and aborted on the loop thread while a step runs; the
-worker only touches the tensors of the plan it was given, and freed blocks
-are reused only by the next schedule, so no lock is needed.
+run on the loop (they are cheap); the executor runs each step elsewhere (its
+own thread in process, worker processes under tensor/pipeline parallelism)
+and the loop awaits its future. With pipeline parallelism up to pp steps are
+in flight at once (Engine.launch_steps). Requests are admitted and aborted on
+the loop thread while steps run; an executor only touches the tensors of the
+plans it was given, and freed blocks are reused only by later steps, which
+every device runs in order, so no lock is needed. An executor that dies (a
+worker process killed) ends every request with an error and the loop stops.
 
 A stream keeps only the newest snapshot (outputs are cumulative), so a slow
 reader never holds the engine back and never grows a buffer.
@@ -26,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from engine.errors import EngineDeadError, ValidationError
+from engine.executor.base import ExecutorDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -91,7 +94,6 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self._streams: dict[str, RequestStream] = {}
         self._wakeup = asyncio.Event()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
         self._task: asyncio.Task | None = None
         self._accepting = True
         self._closed = False
@@ -102,7 +104,10 @@ class AsyncEngine:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="fastserve-engine-loop")
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name="fastserve-engine-loop")
+            # A worker that dies while the loop is idle must still end every request within a second.
+            self.engine.executor.add_failure_listener(lambda _message: loop.call_soon_threadsafe(self._wakeup.set))
 
     @property
     def accepting(self) -> bool:
@@ -130,7 +135,6 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        self._worker.shutdown(wait=True)
         self.engine.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
@@ -178,25 +182,26 @@ class AsyncEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        engine = self.engine
         try:
             while True:
-                if not self.engine.has_unfinished():
+                if engine.executor.error is not None:
+                    raise ExecutorDeadError(engine.executor.error)
+                if not engine.has_unfinished() and not engine.in_flight:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                plan = self.engine.schedule_step()
-                if plan is None:  # nothing runnable yet (e.g. waiting for memory)
+                engine.launch_steps()  # up to pp steps in flight; the executor runs them off this thread
+                if not engine.in_flight:  # nothing runnable yet (e.g. waiting for memory or a copy)
                     await asyncio.sleep(0.001)
                     continue
                 try:
-                    result = await loop.run_in_executor(self._worker, self.engine.executor.execute, plan.batch)
-                except Exception as e:
-                    log.exception("forward step failed; failing its batch")
-                    outputs = self.engine.fail_step(plan, f"internal error in the forward pass: {type(e).__name__}")
-                else:
-                    outputs = self.engine.finish_step(plan, result)
-                self._dispatch(outputs)
+                    await asyncio.wrap_future(engine.in_flight[0][1])
+                except ExecutorDeadError:
+                    raise
+                except Exception:
+                    pass  # complete_step fails the batch and logs it
+                self._dispatch(engine.complete_step())
                 await asyncio.sleep(0)  # let HTTP handlers run between steps
         except asyncio.CancelledError:
             raise

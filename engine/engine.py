@@ -16,6 +16,8 @@ does both. AsyncEngine drives the same object from asyncio.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from engine.config import EngineConfig
 from engine.default_model import default_model_dir
 from engine.errors import ValidationError
 from engine.executor import make_executor
-from engine.executor.base import Executor
+from engine.executor.base import Executor, ExecutorDeadError
 from engine.model.config import OPTConfig
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.profiles import load_cost_model
@@ -91,6 +93,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self._seq_of_job: dict[str, SequenceState] = {}
         self.num_steps = 0
+        self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
         # False: step() returns only finished requests (offline use, simulation) instead of a
         # snapshot of every request that advanced, which costs a copy of its tokens each step.
         self.emit_running_outputs = True
@@ -237,15 +240,45 @@ class Engine:
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        plan = self.schedule_step()
-        if plan is None:
-            return []
+        """Launch steps while the executor has room (one, or up to pp with pipeline parallelism), then wait for
+        the oldest and finish it."""
+        self.launch_steps()
+        return self.complete_step() if self.in_flight else []
+
+    def launch_steps(self) -> None:
+        """Schedule and submit steps while fewer than executor.max_in_flight are running. A job in a step that
+        has not completed is not schedulable (job.in_flight), so the next step takes other pending jobs."""
+        while len(self.in_flight) < self.executor.max_in_flight:
+            plan = self.schedule_step()
+            if plan is None:
+                return
+            try:
+                future = self.executor.submit(plan.batch)
+            except ExecutorDeadError:
+                self._end_in_flight(plan)
+                raise
+            self.in_flight.append((plan, future))
+
+    def complete_step(self) -> list[RequestOutput]:
+        """Wait for the oldest step in flight and finish it. ExecutorDeadError (a worker died) propagates: no
+        step can run again; the caller ends every request."""
+        plan, future = self.in_flight.popleft()
         try:
-            result = self.executor.execute(plan.batch)
+            result = future.result()
+        except ExecutorDeadError:
+            self._end_in_flight(plan)
+            raise
         except Exception as e:  # a failed forward pass fails its batch; the engine goes on
             log.exception("forward step failed; failing the %d requests of its batch", len(plan.seqs))
+            self._end_in_flight(plan)
             return self.fail_step(plan, f"internal error in the forward pass: {type(e).__name__}")
+        self._end_in_flight(plan)
         return self.finish_step(plan, result)
+
+    @staticmethod
+    def _end_in_flight(plan: StepPlan) -> None:
+        for seq in plan.seqs:
+            seq.job.in_flight = False
 
     def schedule_step(self) -> StepPlan | None:
         now = self.clock.now()
@@ -264,6 +297,7 @@ class Engine:
                 req.metrics.first_scheduled_time = now
         for s in seqs:
             self.kv.note_scheduled(s.job, now)
+            s.job.in_flight = True
         # The step's execution starts now: copy waits inside schedule() are swap wait, not execution.
         return StepPlan(decision, batch, seqs, self.clock.now(), cost)
 

@@ -27,7 +27,7 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
     in_batch = {j.job_id for j in batch}
     watermark = len(batch) + kv.reserved_blocks
     entries = list(kv._jobs.values())
-    idle = [e for e in entries if e.residency is Residency.DEVICE and e.device
+    idle = [e for e in entries if e.residency is Residency.DEVICE and e.device and not e.job.in_flight
             and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
     enst = {e.job.job_id: estimated_wait(e.job, now) for e in entries
             if e.residency in (Residency.DEVICE, Residency.HOST)}

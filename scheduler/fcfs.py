@@ -61,7 +61,8 @@ class FCFSPolicy(SchedulingPolicy):
                 i += 1
                 continue
             while not kv.can_fit(job, n):
-                victim = self._running[-1]
+                # The newest running job that is not in flight in a pipeline stage (the job itself is ready).
+                victim = next(j for j in reversed(self._running) if not j.in_flight)
                 self._preempt(victim, kv, decision)
                 if victim is job:
                     break

@@ -29,7 +29,8 @@ class Job:
     service_in_queue: float = 0.0  # profiled seconds charged while in the current queue
     last_scheduled_time: float = field(default=-1.0)  # engine clock; arrival_time until first run
 
-    ready: bool = True  # all KV on the device, no copy pending, not in flight in a pipeline stage
+    kv_ready: bool = True  # all KV on the device and no copy pending (memory/ sets it, through `ready`)
+    in_flight: bool = False  # in a step that has not completed (the engine sets it; pipeline parallelism)
     finished: bool = False
 
     # Telemetry.
@@ -42,6 +43,15 @@ class Job:
     def __post_init__(self) -> None:
         if self.last_scheduled_time < 0:
             self.last_scheduled_time = self.arrival_time
+
+    @property
+    def ready(self) -> bool:
+        """Schedulable now: all KV on the device, no copy pending, not in flight in a pipeline stage."""
+        return self.kv_ready and not self.in_flight
+
+    @ready.setter
+    def ready(self, value: bool) -> None:  # memory/'s verb: whether the job's KV is in place
+        self.kv_ready = value
 
     @property
     def context_len(self) -> int:

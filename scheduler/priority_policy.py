@@ -92,14 +92,19 @@ class PriorityPolicy(SchedulingPolicy):
 
         decision = ScheduleDecision(batch=batch)
         preempted = decision.preempted
+        running = dict(chosen)
         for job in self._running:
-            if job not in chosen:
-                job.num_preemptions += 1
-                preempted.append(job)
+            if job in chosen:
+                continue
+            if job.in_flight:  # still running in a later pipeline stage: not preempted
+                running[job] = None
+                continue
+            job.num_preemptions += 1
+            preempted.append(job)
         if preempted:
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)
-        self._running = chosen
+        self._running = running
         for job in batch:
             if job.first_scheduled_time is None:
                 job.first_scheduled_time = now

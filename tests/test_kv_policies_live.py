@@ -70,16 +70,16 @@ def test_no_job_runs_before_its_upload_completes(tiny_model_dir, reference):
     """With every copy slowed down, each job in every batch is fully resident with no copy pending."""
     llm = run_small(tiny_model_dir, "skip-join-mlfq", "proactive", copy_delay=0.02)
     eng = llm.engine
-    execute = eng.executor.execute
+    submit = eng.executor.submit
     checked = []
 
-    def checked_execute(batch):
+    def checked_submit(batch):
         for seq in batch.seqs:
             assert eng.kv.residency(seq.job_id) is Residency.DEVICE, f"{seq.job_id} ran while its KV was moving"
             checked.append(seq.job_id)
-        return execute(batch)
+        return submit(batch)
 
-    eng.executor.execute = checked_execute
+    eng.executor.submit = checked_submit
     outs = llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert checked and eng.kv.stats.num_uploads > 0

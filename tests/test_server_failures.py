@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import Future
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -99,14 +100,16 @@ def test_a_failure_mid_stream_is_an_error_chunk_then_done(engine, monkeypatch):
 
 
 def test_a_failed_forward_step_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch):
-    original = engine.executor.execute
+    original = engine.executor.submit
 
-    def execute(batch):
+    def submit(batch):
         if any(s.params.seed == 666 for s in batch.seqs):
-            raise RuntimeError("injected forward failure")
+            failed = Future()
+            failed.set_exception(RuntimeError("injected forward failure"))
+            return failed
         return original(batch)
 
-    monkeypatch.setattr(engine.executor, "execute", execute)
+    monkeypatch.setattr(engine.executor, "submit", submit)
 
     async def scenario(client):
         doomed = await post(client, {"prompt": "Hi", "max_tokens": 4, "seed": 666})

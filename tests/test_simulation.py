@@ -92,14 +92,14 @@ def test_copy_waits_count_as_swap_wait_not_execution(sim_dirs, tmp_path):
     trace = [(0.05 * i, 100 + (37 * i) % 200, 20 + (13 * i) % 40) for i in range(40)]
     eng = simulated_engine(model, profile, num_device_blocks=60, num_host_blocks=2000, kv_policy="reactive",
                            scheduling_policy="skip-join-mlfq", max_num_seqs=8)
-    execute, charged = eng.executor.execute, []
+    submit, charged = eng.executor.submit, []
 
-    def recording_execute(batch):  # compute seconds x requests in the batch, step by step
-        result = execute(batch)
-        charged.append(result.execute_s * len({s.job_id.split("#")[0] for s in batch.seqs}))
-        return result
+    def recording_submit(batch):  # compute seconds x requests in the batch, step by step
+        future = submit(batch)  # the simulator's future is done at once
+        charged.append(future.result().execute_s * len({s.job_id.split("#")[0] for s in batch.seqs}))
+        return future
 
-    eng.executor.execute = recording_execute
+    eng.executor.submit = recording_submit
     res = run_trace(eng, trace, max_steps=100_000)
     assert sum(o.metrics.swap_wait_s for o in res.outputs) > 0
     assert sum(o.metrics.executing_s for o in res.outputs) == pytest.approx(sum(charged))

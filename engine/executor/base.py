@@ -13,6 +13,7 @@ what is declared here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -53,6 +54,10 @@ class Executor(ABC):
     def error(self) -> str | None:
         """Why the executor can no longer run steps (a dead worker), or None while it can."""
         return None
+
+    def add_failure_listener(self, listener: Callable[[str], None]) -> None:  # noqa: B027 - cannot fail alone
+        """Call listener(message), from any thread, when the executor dies (in-process executors never do
+        apart from the engine)."""
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
         """Release workers and device memory. Idempotent."""

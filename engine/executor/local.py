@@ -65,7 +65,7 @@ class LocalExecutor(Executor):
             num_gpu_blocks_override = blocks_that_fit(self.kv_block_bytes, self.device, gpu_memory_utilization, peak)
         self.num_device_blocks = num_gpu_blocks_override
         self.runner.allocate_kv_cache(self.num_device_blocks)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
+        self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
 
     @property
     def model(self):
@@ -83,6 +83,8 @@ class LocalExecutor(Executor):
         return self.runner.attach_host_tier(num_host_blocks)
 
     def submit(self, batch: ModelBatch) -> Future[BatchResult]:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
         return self._thread.submit(self._run, batch)
 
     def _run(self, batch: ModelBatch) -> BatchResult:
@@ -93,5 +95,8 @@ class LocalExecutor(Executor):
         return BatchResult(results, time.perf_counter() - start)
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        """Stop the step thread (a later submit starts a new one) and the swapper's copy thread."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
         self.runner.shutdown()
