@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.engine import Engine  # torch and the model: only once the flags are good
 
         engine = Engine(engine_cfg)
-    except (ValueError, OSError) as e:  # bad flag values, unreadable model or template files
+    except (ValueError, OSError, RuntimeError) as e:  # bad flags, unreadable files, workers that failed to start
         print(f"server.py: error: {e}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(engine, engine_cfg.max_queued_requests), server_cfg)

@@ -135,7 +135,7 @@ class AsyncEngine:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
-        self.engine.executor.shutdown()
+        self.engine.shutdown()
 
     # -- requests ---------------------------------------------------------------------------
     def num_waiting(self) -> int:

@@ -220,6 +220,10 @@ class Engine:
                 param="max_tokens",
             )
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent)."""
+        self.executor.shutdown()
+
     # -- telemetry --------------------------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
         """Counters read from the policy; changes nothing."""

@@ -11,6 +11,7 @@ engine_args are the CLI flags in snake_case (engine/config.py).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
@@ -38,6 +39,18 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self.engine.emit_running_outputs = False
         self._ids = itertools.count()
+        # Worker processes (tensor/pipeline parallelism) end with the LLM: on close(), leaving a `with` block,
+        # garbage collection, or interpreter exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

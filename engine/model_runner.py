@@ -64,6 +64,8 @@ class ModelRunner:
 
     def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
         """The host tier (pinned on CUDA) and the Swapper that moves this rank's block slices to and from it."""
+        if self.swapper is not None:  # a new engine over the same workers: a fresh host tier
+            self.swapper.shutdown()
         shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
         host = allocate_host_cache(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
         self.swapper = Swapper(self.kv_cache, host, copy_delay_s)

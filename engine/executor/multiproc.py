@@ -89,12 +89,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if port < 65535 and _port_free(host, port + 1):
+        if port < 65535 and port_free(host, port + 1):
             return port
     raise RuntimeError("no free port pair found")
 
 
-def _port_free(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -170,7 +170,7 @@ class MultiprocExecutor(Executor):
         addr = config.master_addr
         port = config.master_port if config.master_port is not None else free_port(addr)
         for p in (port, port + 1):
-            if not _port_free(addr, p):
+            if not port_free(addr, p):
                 raise ValueError(f"the rendezvous port {p} on {addr} is already in use; pass another --master-port "
                                  f"(ports {port} and {port + 1} are used)")
         key_hex = os.environ.get("FASTSERVE_CLUSTER_KEY")

@@ -207,6 +207,18 @@ def _watch_controller(conn: Connection, parent_pid: int) -> None:
             time.sleep(0.2)  # a message is waiting for the main thread
 
 
+def _connect(address: tuple[str, int], authkey: bytes, timeout_s: float = 300.0) -> Connection:
+    """Connect to the controller, retrying while it is not listening yet (another node may start first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def run_worker(rank: int, local_rank: int, control_addr: tuple[str, int], authkey: bytes,
                threads: int | None = None, die_with_parent: bool = True) -> None:
     """The worker's whole life; returns (or exits) when it ends. die_with_parent: the spawning thread lives as
@@ -217,7 +229,7 @@ def run_worker(rank: int, local_rank: int, control_addr: tuple[str, int], authke
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
     if threads:
         torch.set_num_threads(threads)
-    conn = Client(control_addr, authkey=authkey)
+    conn = _connect(control_addr, authkey)
     threading.Thread(target=_watch_controller, args=(conn, parent), daemon=True, name="watch-controller").start()
     conn.send(m.Hello(rank, os.getpid(), socket.gethostname()))
     worker = None

@@ -1,0 +1,341 @@
+"""Tensor and pipeline parallelism with real worker processes (gloo on CPU): the model against
+transformers' OPT at tp=2, pp=2 and tp=2 x pp=2; greedy and seeded outputs identical to tp=pp=1;
+offloads, uploads and recompute under TP and PP; the sharded forward of each layer against the
+unsharded one; a second "node" of workers on loopback; clear errors for layouts that cannot work."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.executor.multiproc import check_layout, port_free
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelLayout, TensorParallelGroup
+from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
+from tests.test_model_reference import check_position, hf_logprobs, run_staggered
+
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
+LAYOUT_IDS = ["tp2", "pp2", "tp2xpp2"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parallel_engine(model_dir, tp: int, pp: int, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                               profile="analytic", **kw))
+
+
+def worker_pids(engine: Engine) -> list[int]:
+    return list(engine.executor.worker_pids().values())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+# -- the model against transformers, and against tp = pp = 1 ------------------------------------------------
+@pytest.mark.parametrize("shape", [SMALL_PRE_LN, SMALL_POST_LN], ids=["pre-ln", "post-ln-project-in-out"])
+@pytest.mark.parametrize(("tp", "pp"), LAYOUTS, ids=LAYOUT_IDS)
+def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_checkpoint):
+    model_dir = small_checkpoint(shape)
+    g = torch.Generator().manual_seed(1)
+    prompt = lambda n: torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=7, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    arrivals = {
+        0: [("a", prompt(13), params), ("b", prompt(5), params)],
+        2: [("c", prompt(9), params)],  # prefill beside a and b decoding, across block boundaries (block 4)
+        3: [("d", prompt(1), params), ("e", prompt(4), params)],
+    }
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=s, ignore_eos=True) for s in (7, 8)]
+    seeded_prompts = [prompt(6), prompt(11)]
+    single = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, profile="analytic"))
+    engine = parallel_engine(model_dir, tp, pp, block_size=4, num_gpu_blocks_override=64)
+    try:
+        done = run_staggered(engine, arrivals)
+        assert sorted(done) == ["a", "b", "c", "d", "e"]
+        expected_greedy = run_staggered(single, arrivals)
+        for rid, out in done.items():
+            comp = out.outputs[0]
+            assert comp.token_ids == expected_greedy[rid].outputs[0].token_ids, f"{rid}: greedy differs from tp=pp=1"
+            full = out.prompt_token_ids + comp.token_ids
+            ref = hf_logprobs(model_dir, full)
+            p = len(out.prompt_token_ids)
+            for pos in range(1, p):
+                check_position(out.prompt_logprobs[pos], ref[pos - 1], full[pos], f"{rid} prompt pos {pos}")
+            for j, tok in enumerate(comp.token_ids):
+                check_position(comp.logprobs[j], ref[p + j - 1], tok, f"{rid} step {j}")
+        # Seeded sampling: the sampling rank keeps each sequence's generator, so text depends on the seed alone.
+        for i, (pr, sp) in enumerate(zip(seeded_prompts, seeded)):
+            engine.add_request(f"s{i}", pr, sp)
+            single.add_request(f"s{i}", pr, sp)
+        got = {o.request_id: o.outputs[0].token_ids for o in _drain(engine)}
+        want = {o.request_id: o.outputs[0].token_ids for o in _drain(single)}
+        assert got == want
+    finally:
+        pids = worker_pids(engine)
+        engine.shutdown()
+    assert wait_gone(pids) == []
+
+
+def _drain(engine: Engine):
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    return outs
+
+
+# -- offloads, uploads and recompute under TP and PP -------------------------------------------------------
+PROMPTS = [
+    "The scheduler preempts long jobs",
+    "Short",
+    "A medium length prompt about caches and queues and memory",
+    "Tokens stream to clients over server-sent events while the engine keeps running",
+    "One more",
+    "Numbers 1 2 3 4 5 6 7 8 9",
+]
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=1024, kv_policy="recompute",
+              profile="analytic")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())]
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_small_device_tier_offloads_and_recomputes_under_parallelism(tiny_model_dir, unconstrained, tp, pp):
+    """24 device blocks of 4 tokens: six jobs of up to ~45 tokens cannot all stay resident. One executor serves
+    the three KV policies in turn (each an Engine of its own over the same workers)."""
+    first = parallel_engine(tiny_model_dir, tp, pp, block_size=4, num_gpu_blocks_override=24)
+    executor = first.executor
+    try:
+        for kv_policy in ("proactive", "reactive", "recompute"):
+            config = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                  block_size=4, num_gpu_blocks_override=24, num_host_blocks_override=256,
+                                  scheduling_policy="skip-join-mlfq", kv_policy=kv_policy, max_num_seqs=3,
+                                  profile="analytic")
+            engine = Engine(config, executor=executor)
+            for i, p in enumerate(PROMPTS):
+                engine.add_request(f"{kv_policy}-{i}", p, _greedy())
+            outs = sorted(_drain(engine), key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
+            assert [o.outputs[0].token_ids for o in outs] == unconstrained, kv_policy
+            kv = engine.kv
+            if kv_policy == "recompute":
+                assert kv.stats.num_drops > 0 and kv.stats.num_offloads == 0
+            else:
+                assert kv.stats.num_offloads > 0 and kv.stats.num_uploads + kv.stats.num_swap_misses > 0, kv_policy
+            kv.poll()
+            kv.check_invariants()
+            assert kv.device.num_free == kv.device.num_blocks and kv.host.num_free == kv.host.num_blocks
+    finally:
+        pids = worker_pids(first)
+        executor.shutdown()
+    assert wait_gone(pids) == []
+
+
+def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):
+    """With pp = 2 the engine submits a second step while the first is still in a later stage; the second
+    never holds a job of the first (a job in flight is not schedulable)."""
+    engine = parallel_engine(tiny_model_dir, 1, 2, num_gpu_blocks_override=256, max_num_seqs=2)
+    try:
+        seen_in_flight = []
+        submit = engine.executor.submit
+
+        def recording_submit(batch):
+            jobs_in_flight = {s.job_id for plan, _ in engine.in_flight for s in plan.batch.seqs}
+            seen_in_flight.append(len(engine.in_flight))
+            assert not jobs_in_flight & {s.job_id for s in batch.seqs}, "a job ran in two micro-batches at once"
+            return submit(batch)
+
+        engine.executor.submit = recording_submit
+        for i in range(4):
+            engine.add_request(str(i), f"Prompt number {i}", SamplingParams(temperature=0, max_tokens=10))
+        outs = _drain(engine)
+        assert len(outs) == 4 and all(len(o.outputs[0].token_ids) == 10 for o in outs)
+        assert max(seen_in_flight) == 1, "the second micro-batch was never launched beside the first"
+    finally:
+        engine.shutdown()
+
+
+# -- the sharded forward of each layer, in process --------------------------------------------------------------
+class _ThreadAllReduce:
+    """All-reduce between threads that each play one tensor-parallel rank (sums in rank order)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.parts = size, [None] * size
+        self.barrier = threading.Barrier(size)
+
+    def group(self, layout: ParallelLayout) -> TensorParallelGroup:
+        outer = self
+
+        class Group(TensorParallelGroup):
+            def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+                outer.parts[layout.tp_rank] = x.clone()
+                outer.barrier.wait()
+                total = sum(outer.parts[1:], outer.parts[0].clone())
+                outer.barrier.wait()
+                x.copy_(total)
+                return x
+
+        return Group(layout)
+
+
+def test_qkv_split_and_sharded_layers_match_the_unsharded_model(small_checkpoint):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    cfg = OPTConfig.from_model_dir(model_dir)
+    whole = load_model_stage(model_dir, cfg, TensorParallelGroup(ParallelLayout()), "float32", "cpu")
+    tp, heads, d = 2, cfg.num_attention_heads, cfg.head_dim
+    reduce = _ThreadAllReduce(tp)
+    shards = [load_model_stage(model_dir, cfg, reduce.group(ParallelLayout(tp, 1, r, 0)), "float32", "cpu")
+              for r in range(tp)]
+    # The fused qkv of rank r holds rows [q | k | v] of its heads only.
+    w = whole.layers[0].self_attn.qkv_proj.weight.view(3, heads, d, -1)
+    for r, shard in enumerate(shards):
+        local = shard.layers[0].self_attn.qkv_proj.weight.view(3, heads // tp, d, -1)
+        assert torch.equal(local, w[:, r * heads // tp:(r + 1) * heads // tp])
+    # Each decoder layer, sharded over two ranks, computes what the unsharded layer computes.
+    from engine.batch import ModelBatch, SequenceWork
+
+    seq = SequenceWork("x", list(range(3, 12)), 0, [0, 1, 2], SamplingParams(), None, 0)
+    batch = ModelBatch([seq], None)
+    runner = ModelRunner(whole, torch.device("cpu"), torch.float32, 4)
+    runner.allocate_kv_cache(4)
+    inputs = runner.prepare(batch)
+    h = torch.randn(len(seq.token_ids), cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for i, layer in enumerate(whole.layers):
+        with torch.inference_mode():
+            want = layer(h, runner.kv_cache, i, inputs.meta)
+        got: list[torch.Tensor | None] = [None] * tp
+
+        def run(r: int, i: int, out: list) -> None:
+            sr = ModelRunner(shards[r], torch.device("cpu"), torch.float32, 4)
+            sr.allocate_kv_cache(4)
+            with torch.inference_mode():
+                out[r] = shards[r].layers[i](h, sr.kv_cache, i, sr.prepare(batch).meta)
+
+        threads = [threading.Thread(target=run, args=(r, i, got)) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for r in range(tp):
+            torch.testing.assert_close(got[r], want, atol=1e-5, rtol=1e-5, msg=f"layer {i} rank {r}")
+
+
+# -- more than one node ----------------------------------------------------------------------------------------
+def test_a_second_node_of_workers_joins_over_loopback(tiny_model_dir, tmp_path):
+    """tp 2 x pp 2 over two "nodes": the controller starts ranks 0-1, engine.executor.node starts ranks 2-3
+    from a torchrun-style environment; greedy output equals tp = pp = 1."""
+    key = os.urandom(16).hex()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, FASTSERVE_CLUSTER_KEY=key, PYTHONPATH=str(REPO))
+    os.environ["FASTSERVE_CLUSTER_KEY"] = key
+    built: list = []
+    controller = threading.Thread(target=lambda: built.append(
+        parallel_engine(tiny_model_dir, 2, 2, nnodes=2, master_port=port, num_gpu_blocks_override=128)))
+    controller.start()  # it waits for all four workers; the second node starts once it listens
+    deadline = time.monotonic() + 60
+    while port_free("127.0.0.1", port + 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node = subprocess.Popen([sys.executable, "-m", "engine.executor.node", "--nnodes", "2", "--node-rank", "1",
+                             "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                            env=env, cwd=REPO)
+    try:
+        controller.join(120)
+        engine = built[0]
+        single = Engine(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=128, profile="analytic"))
+        params = SamplingParams(temperature=0, max_tokens=12)
+        for e in (engine, single):
+            e.add_request("a", "Two nodes, one model", params)
+        assert _drain(engine)[0].outputs[0].token_ids == _drain(single)[0].outputs[0].token_ids
+        assert len(engine.executor.worker_pids()) == 2  # the other two are the node's
+        engine.shutdown()
+        assert node.wait(30) == 0, "the second node's launcher should exit cleanly after the shutdown"
+    finally:
+        del os.environ["FASTSERVE_CLUSTER_KEY"]
+        if node.poll() is None:
+            node.kill()
+
+
+# -- layouts that cannot work -----------------------------------------------------------------------------------
+def test_layouts_that_cannot_work_are_one_line_errors(small_checkpoint, monkeypatch):
+    model_dir = small_checkpoint(SMALL_PRE_LN)  # 4 heads, ffn 128, 3 layers
+    cfg = OPTConfig.from_model_dir(model_dir)
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size 3"):
+        parallel_engine(model_dir, 3, 1)
+    with pytest.raises(ValueError, match="3 layers, fewer than pipeline_parallel_size 4"):
+        parallel_engine(model_dir, 1, 4)
+    with pytest.raises(ValueError, match=r"ffn_dim \(128\) is not divisible by tensor_parallel_size 3"):
+        check_layout(OPTConfig(**{**cfg.__dict__, "num_attention_heads": 6, "hidden_size": 96}), 3, 1,
+                     torch.device("cpu"), 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"= 8 needs 8 GPUs per node, but 2 are visible"):
+        check_layout(cfg, 2, 4, torch.device("cuda"), 1)
+
+
+def test_a_rendezvous_port_in_use_is_a_clear_error(tiny_model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"rendezvous port {port} on 127.0.0.1 is already in use"):
+            parallel_engine(tiny_model_dir, 2, 1, master_port=port)
+
+
+def test_workers_end_with_the_llm_and_with_a_killed_controller(tiny_model_dir, tmp_path):
+    with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks_override=64, profile="analytic") as llm:
+        pids = list(llm.engine.executor.worker_pids().values())
+        assert all(alive(p) for p in pids)
+    assert wait_gone(pids) == []
+    # A controller killed with SIGKILL: its workers notice their parent is gone and exit.
+    script = tmp_path / "controller.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine import LLM\n"
+        f"llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size=2, num_gpu_blocks_override=64, "
+        "profile='analytic')\n"
+        "print(*llm.engine.executor.worker_pids().values(), flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        assert wait_gone(pids) == [], "workers outlived their controller"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
