@@ -14,8 +14,8 @@ one request (others are unaffected), 503 queue full or shutting down (with Retry
 dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
 Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
 RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
-vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_tokens, ignore_eos and
-stop_token_ids are accepted.
+vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids, repetition_penalty and priority are accepted (README.md's "Request fields" table).
 
 A client that disconnects has its requests aborted (a watcher polls the transports of live
 requests; a failed write does the same); a stream whose client stops reading for
@@ -247,7 +247,8 @@ async def _generate(request: web.Request, parse, prefix: str) -> web.StreamRespo
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         req = parse(body, state.protocol)
-        streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)])
+        streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)],
+                                       priority=req.priority)
     except ValidationError as e:
         raise ApiError(404 if e.code == "model_not_found" else 400, e.message, param=e.param, code=e.code) from None
     except QueueFullError as e:
