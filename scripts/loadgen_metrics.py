@@ -195,5 +195,6 @@ def run_json(rate: float, burstiness: float, m: RunMetrics, results: Sequence[Re
     d.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
              ttfts=[r.ttft for r in results], itls=[r.itl for r in results], e2els=[r.latency for r in results],
              start_times=[r.start_s for r in results], errors=[r.error for r in results],
+             generated_texts=[r.generated_text for r in results],
              server_metrics=[r.server_metrics for r in results])
     return d
