@@ -90,11 +90,12 @@ def choose_counter(tokenizer: str | None, gpt2_bpe: str | None, model: str | Non
                                                   "pass --tokenizer DIR to count with the served model's")
 
 
-def mismatch_warning(counter: TokenCounter, server_vocab: int | None) -> str | None:
+def mismatch_warning(counter: TokenCounter, server_vocab: int | None,
+                     hint: str = "pass --tokenizer with the served model's directory") -> str | None:
     if server_vocab is None:
         return None
     if counter.vocab_size > server_vocab or server_vocab - counter.vocab_size > VOCAB_PADDING:
-        return (f"warning: counting tokens with {counter.source}, vocabulary {counter.vocab_size}, but the "
-                f"server's model has {server_vocab}: token counts will differ from the server's, so a prompt "
-                "near the context may be refused; pass --tokenizer with the served model's directory")
+        return (f"warning: counting tokens with {counter.source}, a vocabulary of {counter.vocab_size}, but the "
+                f"model's is {server_vocab}: counts will differ from the model's own tokenizer's, so a prompt "
+                f"near the context may not fit; {hint}")
     return None

@@ -50,7 +50,7 @@ def test_chat_backend_sends_messages_with_text_parts_to_host_and_port(fake, shar
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert f"token counting: the tokenizer of {tiny_model_dir} (--tokenizer)" in out
-    assert "vocabulary 4096, but the server's model has 50" in err  # the fake server's vocab
+    assert "a vocabulary of 4096, but the model's is 50:" in err  # the fake server's vocab
     bodies = fake.bodies[before:]
     texts = {q for q, _ in CONVERSATIONS[:3]}
     assert len(bodies) == 3 and all("prompt" not in b and "max_tokens" not in b for b in bodies)
@@ -107,7 +107,7 @@ def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
     assert chosen.count("Hello world") > 0
     assert loadgen_tokenizer.mismatch_warning(chosen, 4096) is None
     assert loadgen_tokenizer.mismatch_warning(chosen, None) is None
-    assert "vocabulary 4096, but the server's model has 50272" in loadgen_tokenizer.mismatch_warning(chosen, 50272)
+    assert "a vocabulary of 4096, but the model's is 50272" in loadgen_tokenizer.mismatch_warning(chosen, 50272)
     if gpt2.is_dir():  # GPT-2 BPE counts as OPT does (50257 ids in a 50272-row embedding): no warning
         bpe = loadgen_tokenizer.gpt2_bpe_counter(gpt2)
         assert loadgen_tokenizer.mismatch_warning(bpe, 50272) is None
