@@ -5,8 +5,10 @@ Bad command-line flags: one line on stderr, exit code 2."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -196,7 +198,7 @@ def test_server_is_healthy_and_all_blocks_free_after_bad_input(server):
     (["--max-num-seqs", "0"], ["max_num_seqs", ">= 1"]),
     (["--port", "http"], ["--port", "invalid int"]),
     (["--scheduling-policy", "random"], ["--scheduling-policy", "fcfs"]),
-    (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
+    (["--model", "/nonexistent/model", "--port", "0"], ["/nonexistent/model"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "/nonexistent/template.jinja"]),
 ], ids=["range", "type", "choice", "missing model", "missing template"])
 def test_bad_flag_is_one_line_and_exit_code_2(args, words):
@@ -206,6 +208,20 @@ def test_bad_flag_is_one_line_and_exit_code_2(args, words):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("server.py: error:"), r.stderr
     assert "Traceback" not in r.stderr and all(w in lines[0] for w in words), lines[0]
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, str(REPO / "server.py"), "--model", str(tiny_model_dir), "--port",
+                            str(port)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"server.py: error: cannot listen on 127.0.0.1:{port}") and "--port" in lines[0]
+    assert "job profile" not in r.stderr and time.monotonic() - start < 30  # no model was loaded
 
 
 def test_help_documents_every_flag():
