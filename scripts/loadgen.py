@@ -35,8 +35,13 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import aiohttp
-import numpy as np
+try:
+    import aiohttp
+    import numpy as np
+except ImportError as e:  # the system Python: say how to run it instead of a traceback
+    raise SystemExit(f"loadgen.py: the module {e.name} is missing; run it with the project's virtualenv: "
+                     ".venv/bin/python scripts/loadgen.py ..., or `source .venv/bin/activate` first "
+                     "(`make test` or `make serve` creates it)") from None
 from loadgen_client import RequestResult, ServerInfo, send_request, server_info
 from loadgen_metrics import (
     LATENCY_METRICS,

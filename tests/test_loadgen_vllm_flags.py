@@ -17,6 +17,7 @@ from tests.test_loadgen import REPO, FakeServer
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
 
 import loadgen  # noqa: E402
+import loadgen_plot  # noqa: E402
 import loadgen_tokenizer  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -94,6 +95,19 @@ def test_failed_requests_are_named_beside_the_slo_verdict_and_vllms_fields_are_t
         assert key in result, key
     assert result["request_rate"] == 100 and result["completed"] == 2 == result["runs"][-1]["completed"]
     assert result["backend"] == "openai" and result["per_token_latency_mean_s"] > 0
+
+
+def test_plot_legends_use_each_runs_label(fake, tmp_path, monkeypatch):
+    real, seen = loadgen_plot.plot_results, []
+    monkeypatch.setattr(loadgen_plot, "plot_results", lambda *a: seen.append(real(*a)))
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text("input_tokens,output_tokens\n5,3\n")
+    common = ["--base-url", fake.url, "--dataset-name", "lengths", "--dataset-path", str(lengths), "--num-prompts",
+              "1", "--sweep", "50,100", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path)]
+    assert loadgen.main([*common, "--result-filename", "baseline-run.json"]) == 0  # no --label
+    assert loadgen.main([*common, "--result-filename", "b.json", "--label", "skip-join", "--plot",
+                         str(tmp_path / "p.png"), "--compare", str(tmp_path / "baseline-run.json")]) == 0
+    assert seen == [["skip-join", "baseline-run"]] and (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
