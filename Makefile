@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-slow lint model bench experiments bench-sim-vs-live clean
+.PHONY: serve test test-slow lint model bench compare experiments bench-sim-vs-live clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py $(ARGS)
+
+## compare: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at 1 and 2 req/s
+## (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores). Uses the
+## ShareGPT lengths when COMPARE_DATA exists, else synthetic lengths of a wide spread.
+COMPARE_DATA ?= ../shared/datasets/sharegpt_lengths.csv
+COMPARE_WORKLOAD = $(if $(wildcard $(COMPARE_DATA)),--dataset-name lengths --dataset-path $(COMPARE_DATA),\
+	--dataset-name synthetic --random-input-len 120 --random-output-len 200 --random-range-ratio 0.9)
+compare: $(STAMP) models/tiny-opt/config.json
+	$(PY) scripts/live_sweep.py --policies fcfs,skip-join-mlfq $(COMPARE_WORKLOAD) --num-prompts 30 --sweep 1,2 \
+		--slo-per-token 0.045 --result-dir results/compare $(ARGS) \
+		-- --num-gpu-blocks-override 987 --num-host-blocks-override 8192 --max-model-len 512
 
 ## experiments: regenerate docs/experiments.md and docs/figures/ (simulated at the paper's scale + a live check)
 experiments: $(STAMP)

@@ -14,8 +14,8 @@ one request (others are unaffected), 503 queue full or shutting down (with Retry
 dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
 Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
 RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
-vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_tokens, ignore_eos and
-stop_token_ids are accepted.
+vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids, repetition_penalty and priority are accepted (README.md's "Request fields" table).
 
 A client that disconnects has its requests aborted (a watcher polls the transports of live
 requests; a failed write does the same); a stream whose client stops reading for
@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import hmac
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import typing
@@ -250,7 +252,8 @@ async def _generate(request: web.Request, parse, prefix: str) -> web.StreamRespo
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         req = parse(body, state.protocol)
-        streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)])
+        streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)],
+                                       priority=req.priority)
     except ValidationError as e:
         raise ApiError(404 if e.code == "model_not_found" else 400, e.message, param=e.param, code=e.code) from None
     except QueueFullError as e:
@@ -502,18 +505,26 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                          origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template))
 
 
-async def serve(app: web.Application, host: str, port: int, access_log: bool = False) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and return 0 (1 if the address cannot be bound)."""
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now (before the model loads) so that a port in use is said at once;
+    OSError with a one-line message otherwise."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as e:
+        hint = "; pick another with --port (0: any free port)" if e.errno == errno.EADDRINUSE else ""
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+
+
+async def serve(app: web.Application, sock: socket.socket, access_log: bool = False) -> int:
+    """Serve on the bound `sock` until SIGTERM/SIGINT, then drain and return 0."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as e:
-        print(f"server.py: error: cannot listen on {host}:{port}: {e.strerror}", file=sys.stderr)
-        await runner.cleanup()
-        return 1
-    port, cfg = runner.addresses[0][1], app[CONFIG]
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
+    cfg = app[CONFIG]
     auth = ' -H "Authorization: Bearer $FASTSERVE_API_KEY"' if cfg.api_key else ""
     engine_cfg = app[ENGINE].engine.config
     print(f"FastServe: serving {cfg.served_model_names[0]} on http://{host}:{port} (scheduling "
@@ -536,14 +547,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_cfg, server_cfg = _configs(args)
-        from engine.engine import Engine  # torch and the model: only once the flags are good
+        sock = listen(args.host, args.port)
+    except (ValueError, OSError) as e:  # bad flag values, unreadable template file, address in use
+        print(f"server.py: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    try:
+        from engine.engine import Engine  # torch and the model: only once the flags and the port are good
 
         engine = Engine(engine_cfg)
-    except (ValueError, OSError, RuntimeError) as e:  # bad flags, unreadable files, workers that failed to start
+    except (ValueError, OSError, RuntimeError) as e:  # bad or unreadable model files, workers that failed to start
+        sock.close()
         print(f"server.py: error: {e}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(engine, engine_cfg.max_queued_requests), server_cfg)
-    coro = serve(app, args.host, args.port, access_log=args.log_level == "debug")
+    coro = serve(app, sock, access_log=args.log_level == "debug")
     try:
         import uvloop
     except ImportError:  # no uvloop on this platform: asyncio's own loop serves the same

@@ -20,7 +20,9 @@ class SequenceWork:
     generator: torch.Generator | None  # per-sequence RNG when the request has a seed (in-process executors)
     num_generated: int  # output tokens before this step (for min_tokens)
     want_prompt_logprobs: bool = False  # first iteration of a request that asked for them
-    prompt_token_ids: list[int] = field(default_factory=list)  # for prompt logprobs only
+    # The prompt: for prompt logprobs, and for the penalties (with output_token_ids); else empty.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # tokens sampled so far, when a penalty needs them
     seed: int | None = None  # the sequence's seed: worker processes build their own generator from it
 
 

@@ -130,20 +130,27 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
     def prepare_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, priority: int = 0,
     ) -> RequestState:
-        """Validate and tokenize; raises ValidationError and changes nothing."""
+        """Validate and tokenize; raises ValidationError and changes nothing. `priority` is vLLM's request
+        class (lower first), given to every job of the request; policies that know classes honour it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValidationError("params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
         if request_id in self.requests:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_lengths(len(prompt_ids), params)
+        bad_bias = [t for t in params.logit_bias or () if t >= self.model_config.vocab_size]
+        if bad_bias:
+            raise ValidationError(f"logit_bias names token id {bad_bias[0]}; ids must be in "
+                                  f"[0, {self.model_config.vocab_size})", param="logit_bias")
         now = self.clock.now() if arrival_time is None else arrival_time
         req = RequestState(request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time=now))
         for k in range(params.n):
-            job = Job(f"{request_id}#{k}", len(prompt_ids), params.max_tokens, now)
+            job = Job(f"{request_id}#{k}", len(prompt_ids), params.max_tokens, now, priority=priority)
             seed = params.sequence_seed(k)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
@@ -160,8 +167,8 @@ class Engine:
             self.scheduler.add(seq.job, req.metrics.arrival_time)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> RequestState:
-        req = self.prepare_request(request_id, prompt, params, arrival_time)
+                    arrival_time: float | None = None, priority: int = 0) -> RequestState:
+        req = self.prepare_request(request_id, prompt, params, arrival_time, priority)
         self.admit(req)
         return req
 
@@ -310,17 +317,19 @@ class Engine:
         prompt, pl = seq.request.prompt_ids, len(seq.request.prompt_ids)
         a, b = job.num_computed, job.context_len  # compute positions a .. b-1
         tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:] + seq.output_ids[: b - pl]
-        want_plp = seq.request.params.prompt_logprobs is not None and job.num_generated == 0
+        params = seq.request.params
+        want_plp = params.prompt_logprobs is not None and job.num_generated == 0
         return SequenceWork(
             job_id=job.job_id,
             token_ids=tokens,
             start_pos=job.num_computed,
             block_table=self.kv.block_table(job.job_id),
-            params=seq.request.params,
+            params=params,
             generator=seq.generator,
             num_generated=job.num_generated,
             want_prompt_logprobs=want_plp and seq.request.prompt_logprobs is None,
-            prompt_token_ids=seq.request.prompt_ids if want_plp else [],
+            prompt_token_ids=seq.request.prompt_ids if want_plp or params.uses_history else [],
+            output_token_ids=list(seq.output_ids) if params.uses_history else [],
             seed=seq.request.params.sequence_seed(seq.index),
         )
 

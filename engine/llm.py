@@ -57,8 +57,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(
-        self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+        self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: vLLM's, one request class per prompt (lower first; default 0 for all)."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
@@ -68,9 +70,15 @@ class LLM:
                 raise ValidationError(
                     f"got {len(param_list)} SamplingParams for {len(prompt_list)} prompts; pass one, or one per prompt"
                 )
+        if priority is None:
+            priority = [0] * len(prompt_list)
+        elif not isinstance(priority, Sequence) or isinstance(priority, str) or len(priority) != len(prompt_list):
+            raise ValidationError(f"priority must be a list of one integer per prompt ({len(prompt_list)}), "
+                                  f"got {priority!r}"[:200], param="priority")
         # Validate every request before admitting any, so a bad one changes nothing.
         states = [
-            self.engine.prepare_request(str(next(self._ids)), p, sp) for p, sp in zip(prompt_list, param_list)
+            self.engine.prepare_request(str(next(self._ids)), p, sp, priority=pr)
+            for p, sp, pr in zip(prompt_list, param_list, priority)
         ]
         for st in states:
             self.engine.admit(st)

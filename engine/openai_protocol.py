@@ -9,8 +9,14 @@ response bodies and SSE chunk bodies. What it is not: HTTP (server.py).
 
 Rules:
   * Unknown fields are refused (400 naming them); OpenAI parameters this server
-    does not implement (best_of > 1, logit_bias, penalties, suffix, tools, ...)
-    are refused when set to anything but their "off" value. Nothing is ignored.
+    does not implement (best_of > 1, suffix, tools, response_format, ...) are
+    refused when set to anything but their "off" value. Nothing is ignored.
+    README.md's "Request fields" table lists every field and its status.
+  * Chat content is a string or a list of parts; text parts are joined with
+    "\\n" (as vLLM does), any other part type is refused. The `developer` role
+    (OpenAI's newer name for `system`) reaches the template as `system`.
+  * `priority` (vLLM's request class, an integer, lower first) goes to every
+    job of the request.
   * Several prompts and n > 1 map to choices at index prompt_index * n + k.
   * Every choice carries `"metrics"`: the engine's RequestMetrics.to_dict() of
     the request that produced it (in a stream: on the chunk that finishes it).
@@ -27,17 +33,17 @@ from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "n", "stop", "seed", "ignore_eos", "stop_token_ids",
-                    "min_tokens")
-_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", *_SAMPLING_FIELDS}
+                    "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                    "min_p")
+_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", *_SAMPLING_FIELDS}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 # OpenAI parameters that are not implemented, with the values that mean "not used" (those are accepted).
 UNIMPLEMENTED: dict[str, tuple] = {
-    "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],),
+    "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (),
 }
 
@@ -62,6 +68,7 @@ class GenerationRequest:
     include_usage: bool = False
     echo: bool = False  # completions: the prompt text comes before the output
     user: str | None = None
+    priority: int = 0  # vLLM's request class: lower runs first
 
 
 # -- parsing ------------------------------------------------------------------------------------------
@@ -81,15 +88,22 @@ def parse_chat(body: object, ctx: ProtocolContext) -> GenerationRequest:
     model = _model(body, ctx)
     messages = _parse_messages(body.get("messages"))
     prompt_ids = ctx.tokenizer.encode(ctx.chat_template.render(messages))
+    if len(prompt_ids) > ctx.max_model_len:
+        raise ValidationError(f"the messages take {len(prompt_ids)} tokens (with the chat template); this "
+                              f"model's context is {ctx.max_model_len} tokens", param="messages",
+                              code="context_length_exceeded")
     want_logprobs = _opt_bool(body, "logprobs")
     top = body.get("top_logprobs")
     if top is not None and not want_logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(limit_field)
     if max_tokens is None:  # as vLLM: the rest of the context
         max_tokens = max(1, ctx.max_model_len - len(prompt_ids))
+    elif _is_token_id(max_tokens) and len(prompt_ids) + max_tokens > ctx.max_model_len:
+        raise ValidationError(f"the messages ({len(prompt_ids)} tokens) + {limit_field} ({max_tokens}) = "
+                              f"{len(prompt_ids) + max_tokens} exceeds this model's context of "
+                              f"{ctx.max_model_len} tokens", param=limit_field, code="context_length_exceeded")
     params = _sampling_params(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
     return _request("chat", model, body, [prompt_ids], params)
 
@@ -122,7 +136,13 @@ def _request(kind: str, model: str, body: dict, prompts: list[Prompt], params: S
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ValidationError(f"user must be a string, got {user!r}", param="user")
-    return GenerationRequest(kind, model, prompts, params, stream, include_usage, echo, user)
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_token_id(priority):
+        raise ValidationError(f"priority must be an integer (lower runs first), got {priority!r}"[:200],
+                              param="priority")
+    return GenerationRequest(kind, model, prompts, params, stream, include_usage, echo, user, priority)
 
 
 def _check_fields(body: object, allowed: set[str]) -> dict:
@@ -187,8 +207,10 @@ def _parse_prompts(value: object) -> list[Prompt]:
 
 
 def _parse_messages(value: object) -> list[dict[str, str]]:
+    """The messages as the template sees them: string content, `developer` as `system`."""
     if not isinstance(value, list) or not value:
         raise ValidationError('messages must be a non-empty list of {"role", "content"} objects', param="messages")
+    out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -200,10 +222,35 @@ def _parse_messages(value: object) -> list[dict[str, str]]:
         if m.get("role") not in ROLES:
             raise ValidationError(f"{where}.role must be one of {', '.join(ROLES)}; got {m.get('role')!r}",
                                   param=f"{where}.role")
-        if not isinstance(m.get("content"), str):
-            raise ValidationError(f"{where}.content must be a string (content parts are not supported); "
-                                  f"got {m.get('content')!r}"[:200], param=f"{where}.content")
-    return value
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": _content_text(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content_text(content: object, where: str) -> str:
+    """A message's text: a string, or a list of {"type": "text", "text": ...} parts joined with "\\n"."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValidationError(f'{where} must be a string or a non-empty list of {{"type": "text", "text"}} parts; '
+                              f"got {content!r}"[:200], param=where)
+    texts = []
+    for j, part in enumerate(content):
+        here = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise ValidationError(f'{here} must be an object {{"type": "text", "text": ...}}', param=here)
+        if part.get("type") != "text":
+            raise ValidationError(f"{here} has type {part.get('type')!r}; this server takes only text parts "
+                                  '({"type": "text", "text": ...})', param=f"{here}.type")
+        extra = sorted(set(part) - {"type", "text"})
+        if extra:
+            raise ValidationError(f"{here} has unsupported field(s) {', '.join(extra)}; allowed: type, text",
+                                  param=f"{here}.{extra[0]}")
+        if not isinstance(part.get("text"), str):
+            raise ValidationError(f"{here}.text must be a string, got {part.get('text')!r}"[:200],
+                                  param=f"{here}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

@@ -10,7 +10,9 @@ load_cost_model() picks, in this order:
    `profiles/` at the repository root, or $FASTSERVE_PROFILE_DIR when set;
    scripts/profile_model.py writes there by default (profiles/README.md);
 4. otherwise a short profile measured now, on the engine's own executor
-   (engine/job_profiler.STARTUP_GRID), announced by one log line.
+   (engine/job_profiler.STARTUP_GRID), announced by one log line (a warning,
+   but INFO for the built-in tiny model, which is always measured this way:
+   a stored profile's key names the CPU, so none would match another machine).
 
 Profiles follow the schema "fastserve.profile/1" (scheduler/cost_model.py);
 lookups between grid points interpolate.
@@ -97,7 +99,9 @@ def load_cost_model(config: EngineConfig, model_config: OPTConfig,
     start = time.perf_counter()
     max_len = config.max_model_len or model_config.max_position_embeddings
     cost = profile_executor(executor, model_config.vocab_size, key, STARTUP_GRID.clipped(max_len))
-    log.warning(
+    # The built-in tiny model (no --model) is measured at every start by design: said at INFO, not as a warning.
+    log.log(
+        logging.INFO if config.model is None else logging.WARNING,
         "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s); "
         "for a fuller one run scripts/profile_model.py --model DIR", key["model"], key["dtype"],
         key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,

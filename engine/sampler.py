@@ -1,7 +1,8 @@
 """Sampler: next tokens from logits, per sequence.
 
-Greedy (temperature 0 or top_k 1), or temperature then top-k then top-p, then
-a draw. A request with a seed draws from its own torch.Generator, so its
+logit_bias and the repetition/frequency/presence penalties first
+(engine/logits_processors.py), then greedy (temperature 0 or top_k 1), or
+temperature then min_p, top-k and top-p, then a draw. A request with a seed draws from its own torch.Generator, so its
 output depends on the seed alone, not on what else shares the batch; others
 draw from the engine's generator (seeded by --seed). min_tokens masks EOS and
 stop_token_ids until enough tokens exist. Logprobs are of the model's raw
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import SequenceResult, SequenceWork
+from engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
 
 
 def _top_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> dict[int, float]:
@@ -35,7 +37,8 @@ class Sampler:
     ) -> list[SequenceResult]:  # logits [S, V] float32
         logits = logits.float().cpu()
         masked = self._mask_min_tokens(logits, seqs, eos_token_id)
-        tokens = self._sample(masked, seqs)
+        adjusted = apply_penalties(apply_logit_bias(masked, seqs), seqs)
+        tokens = self._sample(adjusted, seqs)
         results = [SequenceResult(t) for t in tokens]
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wanted:
@@ -80,7 +83,8 @@ class Sampler:
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
-        """Top-k then top-p per row: [R, V] -> [R, V] with dropped tokens at -inf."""
+        """min_p, top-k then top-p per row: [R, V] -> [R, V] with dropped tokens at -inf."""
+        logits = apply_min_p(logits, [p.min_p for p in params])
         ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
         ps = [p.top_p for p in params]
         if all(k >= logits.shape[1] for k in ks) and all(p >= 1.0 for p in ps):

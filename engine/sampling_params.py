@@ -31,6 +31,30 @@ def _check_float(name: str, value) -> float:
     return float(value)
 
 
+def _parse_logit_bias(value) -> dict[int, float] | None:
+    """{token id: bias}; JSON keys are strings of ids ("50256"), as OpenAI's API sends them. Biases lie in
+    [-100, 100] (OpenAI's range). An empty map is None (off)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValidationError(f"logit_bias must be a map of token id to bias, got {value!r}"[:200], param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key) if isinstance(key, str) else key
+        except ValueError:
+            token = None
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValidationError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}",
+                                  param="logit_bias")
+        bias = _check_float("logit_bias", bias)
+        if not -100 <= bias <= 100:
+            raise ValidationError(f"logit_bias values must be between -100 and 100, got {bias} for token {token}",
+                                  param="logit_bias")
+        out[token] = bias
+    return out or None
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -47,7 +71,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # False: token ids only (no text, no stop strings) - the simulator's setting
+    # vLLM's logits adjustments (engine/logits_processors.py), all off by default.
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or output (CTRL's rule)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before everything else
+    min_p: float = 0.0  # drop tokens less probable than min_p x the most probable one
     stop_strings: list[str] = field(init=False, repr=False)
+    uses_history: bool = field(init=False, repr=False)  # a penalty needs the prompt and output tokens
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -81,6 +112,24 @@ class SamplingParams:
         for i in ids:
             _check_int("stop_token_ids", i, 0)
         self.stop_token_ids = list(ids)
+        self._check_logits_adjustments()
+
+    def _check_logits_adjustments(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValidationError(f"{name} must be between -2 and 2, got {value}", param=name)
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValidationError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}",
+                                  param="repetition_penalty")
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValidationError(f"min_p must be between 0 and 1, got {self.min_p}", param="min_p")
+        self.logit_bias = _parse_logit_bias(self.logit_bias)
+        self.uses_history = (self.presence_penalty != 0 or self.frequency_penalty != 0
+                             or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

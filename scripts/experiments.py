@@ -147,11 +147,9 @@ class Ctx:
 
     def model(self, scale: str) -> tuple[Path, Path]:
         shape, profile = SCALES[scale]
-        model = REPO / "models" / f"{shape}-config"
-        if not (model / "config.json").is_file():
-            subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--shape", shape,
-                            "--out", str(model)], check=True, cwd=REPO)
-        return model, REPO / profile
+        from make_tiny_model import config_only_model  # torch: only when a simulation runs
+
+        return config_only_model(shape), REPO / profile
 
     def trace(self, dataset: str, rate: float, n: int | None = None) -> list[tuple[float, int, int]]:
         """Poisson at `rate`: at least the dataset's request count, and enough to span --span seconds (capped

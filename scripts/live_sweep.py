@@ -7,8 +7,11 @@ Fig. 11 (per-token latency vs rate, one line per policy).
         --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 60 --sweep 1,2,4 \\
         --slo-per-token 0.05 --result-dir results/live --plot fig11.png -- --num-gpu-blocks-override 990
 
-Everything after `--` goes to every server (model, KV sizes, profile...; default: the built-in tiny model).
+Everything after `--` goes to every server (model, KV sizes, profile...; default: the built-in tiny model);
+flags this script does not know go to every loadgen.py run (e.g. --random-range-ratio 0.9 for synthetic).
 Each server is started with OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
+With two or more policies, a last table puts their latencies side by side, with the first policy's mean over
+each other's (`make compare`: FCFS over skip-join MLFQ on the built-in tiny model).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 
 
-def run_policy(policy: str, args: argparse.Namespace, server_args: list[str]) -> dict:
+def run_policy(policy: str, args: argparse.Namespace, server_args: list[str], loadgen_args: list[str]) -> dict:
     """One server with --scheduling-policy policy, one loadgen sweep against it; the loadgen result JSON."""
     out = args.result_dir / f"{policy}.json"
     threads = str(args.server_threads)
@@ -42,6 +45,7 @@ def run_policy(policy: str, args: argparse.Namespace, server_args: list[str]) ->
                "--result-filename", out.name]
         if args.dataset_path:
             cmd += ["--dataset-path", str(args.dataset_path)]
+        cmd += loadgen_args
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         (args.result_dir / f"loadgen-{policy}.log").write_text(proc.stdout + proc.stderr)
         if not out.exists():
@@ -77,6 +81,28 @@ def format_table(summary: dict, slo: float) -> str:
     return "\n".join(lines)
 
 
+def format_side_by_side(summary: dict) -> str:
+    """Per rate: each policy's mean / P95 per-token latency in ms, then the first policy's mean over each other's."""
+    policies = list(summary)
+    first = policies[0]
+    head = f"{'rate':>6}" + "".join(f" {p + ' ms':>22}" for p in policies)
+    head += "".join(f" {first + ' / ' + p:>28}" for p in policies[1:])
+    lines = ["per-token latency, mean / P95 (ms)", head]
+    for i, rate in enumerate(summary[first]["rates"]):
+        cells = [f"{rate:>6g}"]
+        for p in policies:
+            s = summary[p]
+            cell = f"{1e3 * s['mean_per_token_s'][i]:.1f} / {1e3 * s['p95_per_token_s'][i]:.1f}"
+            cell += f" ({s['failed'][i]} failed)" if s["failed"][i] else ""
+            cells.append(f" {cell:>22}")
+        for p in policies[1:]:
+            other = summary[p]["mean_per_token_s"][i]
+            ratio = summary[first]["mean_per_token_s"][i] / other if other else float("nan")
+            cells.append(f" {ratio:>27.2f}x")
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated scheduling policies")
@@ -96,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    args = build_parser().parse_args(ours)
+    args, loadgen_args = build_parser().parse_known_args(ours)
     policies = [p for p in args.policies.split(",") if p]
     unknown = set(policies) - set(POLICIES)
     if unknown:
@@ -107,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for policy in policies:
         t = time.perf_counter()
         try:
-            results[policy] = run_policy(policy, args, server_args)
+            results[policy] = run_policy(policy, args, server_args, loadgen_args)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -117,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         {"slo_per_token_s": args.slo_per_token, "num_prompts": args.num_prompts, "dataset": args.dataset_name,
          "dataset_path": str(args.dataset_path), "server_args": server_args, "policies": summary}, indent=1))
     print(format_table(summary, args.slo_per_token))
+    if len(summary) > 1:
+        print(format_side_by_side(summary))
     if args.plot:
         sys.path.insert(0, str(REPO / "scripts"))
         from loadgen_plot import plot_results

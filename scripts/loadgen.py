@@ -1,19 +1,24 @@
 """Load generator: replays a workload against any OpenAI-compatible server (ours or vLLM), streaming, and
 reports vLLM benchmark_serving's metrics plus the paper's (per-token latency, throughput at SLO, breakdown).
 
-    python scripts/loadgen.py --base-url http://127.0.0.1:8000 --dataset-name lengths \\
-        --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 200 --request-rate 2
+    python scripts/loadgen.py --base-url http://127.0.0.1:8000 --dataset-name sharegpt \\
+        --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json --num-prompts 20 --request-rate 4
+    python scripts/loadgen.py --backend openai-chat --port 8000 --dataset-name sharegpt --dataset-path ...
     python scripts/loadgen.py ... --sweep 1,2,4,8 --label skip-join --save-result --plot fig11.png
 
-Flags follow benchmark_serving's names (--base-url, --endpoint, --model, --dataset-name, --dataset-path,
---num-prompts, --request-rate, --burstiness, --seed, --ignore-eos, --goodput, --save-result, --result-dir,
---result-filename, --percentile-metrics, --metric-percentiles, --max-concurrency, --disable-tqdm); ours are
---slo-per-token, --sweep, --text-prompts, --plot, --compare, --label, --tokenizer/--gpt2-bpe (token counting
-for text datasets), --vocab-size, --max-model-len, --trace-speedup, --request-timeout, the synthetic lengths.
-Prompts are token ids by default (random ids in [4, vocab) from --seed, exactly the dataset's prompt length,
-max_tokens = its output length, ignore_eos), so any tokenizer sees the same work; --text-prompts sends the
-dataset's text instead. Trace datasets (azure-*) keep their own arrival times unless --request-rate or --sweep
-is given. Items that cannot fit the context (--max-model-len, else what /v1/models says) are dropped.
+Flags follow benchmark_serving's names (--backend openai|openai-chat|vllm, --base-url or --host/--port,
+--endpoint, --model, --served-model-name, --tokenizer, --dataset-name, --dataset-path, --num-prompts,
+--request-rate, --burstiness, --seed, --ignore-eos, --goodput, --save-result, --result-dir, --result-filename,
+--percentile-metrics, --metric-percentiles, --max-concurrency, --disable-tqdm); ours are --slo-per-token,
+--sweep, --token-id-prompts, --plot, --compare, --label, --gpt2-bpe, --vocab-size, --max-model-len,
+--trace-speedup, --request-timeout, the synthetic lengths.
+Prompts: datasets with text (sharegpt, alpaca) send their text, as vLLM does (--token-id-prompts sends random
+ids of the same counted length instead); the others (lengths, azure-*, synthetic) have no text and send random
+token ids in [4, vocab) from --seed, exactly the dataset's prompt length, with ignore_eos. The chat backend
+(openai-chat) sends `messages` with the text as a content part, as vLLM's does; it needs text. Text is counted
+with the served model's tokenizer when it can be found (loadgen_tokenizer.py says which one it chose).
+Trace datasets (azure-*) keep their own arrival times unless --request-rate or --sweep is given. Items that
+cannot fit the context (--max-model-len, else what /v1/models says) are dropped.
 Each request has a timeout, so a run always ends. Exit status: 0, 1 on an error (unreachable server, bad
 dataset), 2 on bad flags, 3 when some requests failed. What this is not: a server, or a simulator (scripts/ has one).
 """
@@ -30,9 +35,14 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import aiohttp
-import numpy as np
-from loadgen_client import RequestResult, send_request, server_info
+try:
+    import aiohttp
+    import numpy as np
+except ImportError as e:  # the system Python: say how to run it instead of a traceback
+    raise SystemExit(f"loadgen.py: the module {e.name} is missing; run it with the project's virtualenv: "
+                     ".venv/bin/python scripts/loadgen.py ..., or `source .venv/bin/activate` first "
+                     "(`make test` or `make serve` creates it)") from None
+from loadgen_client import RequestResult, ServerInfo, send_request, server_info
 from loadgen_metrics import (
     LATENCY_METRICS,
     compute_metrics,
@@ -43,25 +53,28 @@ from loadgen_metrics import (
     run_json,
     slo_points,
 )
+from loadgen_tokenizer import TokenCounter, choose_counter, mismatch_warning
 from tqdm import tqdm
-from workload import (
-    DATASETS,
-    TRACE_DATASETS,
-    LengthFilter,
-    WorkItem,
-    gpt2_bpe_token_counter,
-    load_workload,
-    model_token_counter,
-)
+from workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, load_workload
+
+BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+TEXT_DATASETS = ("sharegpt", "alpaca")
+CHAT_TEMPLATE_MARGIN = 16  # tokens a server's chat template may add around a message
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
-    add("--endpoint", default="/v1/completions", help="completions route (default: %(default)s)")
-    add("--model", help="model name to send (default: the first that /v1/models lists)")
+    add("--backend", choices=sorted(BACKENDS), default="openai",
+        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions with messages (default: openai)")
+    add("--base-url", help="server root (default: http://HOST:PORT)")
+    add("--host", default="127.0.0.1", help="server host when no --base-url (default: %(default)s)")
+    add("--port", type=int, default=8000, help="server port when no --base-url (default: %(default)s)")
+    add("--endpoint", help="route (default: the backend's, /v1/completions or /v1/chat/completions)")
+    add("--model", help="model name to send, and its tokenizer when it is a local directory "
+        "(default: the first that /v1/models lists)")
+    add("--served-model-name", help="model name to send when it differs from --model")
     add("--dataset-name", choices=DATASETS, default="sharegpt", help="default: %(default)s")
     add("--dataset-path", help="the dataset file (not needed for synthetic)")
     add("--num-prompts", type=int, default=100, help="requests per run (default: %(default)s)")
@@ -69,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests/s, 'inf' sends all at once (default: inf; trace datasets: the trace's own times)")
     add("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson (default: 1)")
     add("--seed", type=int, default=0, help="seeds sampling, arrivals and prompt ids (default: 0)")
-    add("--ignore-eos", action="store_true", help="with --text-prompts: generate all max_tokens")
+    add("--ignore-eos", action="store_true", help="text prompts: generate all max_tokens (token-id prompts always do)")
     add("--goodput", nargs="+", help='SLOs in ms, vLLM format: "ttft:500 tpot:50 e2el:2000"')
     add("--save-result", action="store_true", help="write the result JSON")
     add("--result-dir", default=".", help="where --save-result writes (default: .)")
@@ -81,11 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--disable-tqdm", action="store_true", help="no progress bar")
     add("--slo-per-token", type=float, default=0.3, help="per-token latency SLO, seconds (default: 0.3)")
     add("--sweep", help="comma-separated request rates to run in turn, e.g. 1,2,4,8; reports throughput at SLO")
-    add("--text-prompts", action="store_true", help="send the dataset's prompt text instead of token ids")
+    add("--token-id-prompts", action="store_true",
+        help="sharegpt, alpaca: send random token ids of the counted length instead of the text")
+    add("--text-prompts", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
     add("--plot", help="write a PNG: per-token latency vs rate (Fig. 11) and the breakdown (Fig. 15b)")
     add("--compare", nargs="+", default=[], help="result JSON files of other runs to draw in --plot")
     add("--label", default="", help="name of this run/policy in the report, JSON and plot")
-    add("--tokenizer", help="model dir whose tokenizer counts text tokens (sharegpt, alpaca)")
+    add("--tokenizer", help="model dir whose tokenizer counts text tokens (sharegpt, alpaca) (default: --model's, "
+        "else the served model's when it is a local dir, else the built-in tiny model's)")
     add("--gpt2-bpe", help="dir with GPT-2 encoder.json + vocab.bpe to count text tokens (if no --tokenizer)")
     add("--vocab-size", type=int, help="token-id prompts draw from [4, this) (default: the server's, else 4000)")
     add("--max-model-len", type=int, help="drop items longer than this (default: what /v1/models says)")
@@ -98,39 +114,66 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class FlagError(SystemExit):
+    """A bad flag value: `loadgen.py: error: MESSAGE` on stderr, exit status 2 (as argparse's own errors)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def _floats(text: str, flag: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+        raise FlagError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
 
 
 def _validate(args: argparse.Namespace) -> None:
     if args.dataset_name != "synthetic" and not args.dataset_path:
-        raise SystemExit(f"--dataset-name {args.dataset_name} needs --dataset-path")
-    if args.text_prompts and args.dataset_name not in ("sharegpt", "alpaca"):
-        raise SystemExit("--text-prompts needs a dataset with text (sharegpt, alpaca)")
+        raise FlagError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    has_text = args.dataset_name in TEXT_DATASETS
+    if args.text_prompts and not has_text:
+        raise FlagError("--text-prompts needs a dataset with text (sharegpt, alpaca)")
+    if args.text_prompts and args.token_id_prompts:
+        raise FlagError("--text-prompts and --token-id-prompts exclude each other")
+    args.text_prompts = has_text and not args.token_id_prompts
+    if args.backend == "openai-chat" and not args.text_prompts:
+        raise FlagError(f"--backend openai-chat sends text: use a dataset with text ({', '.join(TEXT_DATASETS)}) "
+                         "without --token-id-prompts")
+    if not 0 < args.port < 65536:
+        raise FlagError(f"--port must be in 1..65535, got {args.port}")
+    args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    args.endpoint = args.endpoint or BACKENDS[args.backend]
     if args.num_prompts < 1 or args.request_timeout <= 0:
-        raise SystemExit("--num-prompts must be >= 1 and --request-timeout > 0")
+        raise FlagError("--num-prompts must be >= 1 and --request-timeout > 0")
     bad = set(args.percentile_metrics.split(",")) - set(LATENCY_METRICS)
     if bad:
-        raise SystemExit(f"--percentile-metrics: unknown {', '.join(sorted(bad))}; choose from ttft,tpot,itl,e2el")
+        raise FlagError(f"--percentile-metrics: unknown {', '.join(sorted(bad))}; choose from ttft,tpot,itl,e2el")
     if any(not 0 < p < 100 for p in _floats(args.metric_percentiles, "--metric-percentiles")):
-        raise SystemExit("--metric-percentiles must lie strictly between 0 and 100")
+        raise FlagError("--metric-percentiles must lie strictly between 0 and 100")
 
 
-def token_counter(args: argparse.Namespace):
-    if args.dataset_name not in ("sharegpt", "alpaca"):
+def token_counter(args: argparse.Namespace, info: ServerInfo | None) -> TokenCounter | None:
+    """The text datasets' token counter (loadgen_tokenizer.py's choice, printed with a warning when it cannot be
+    the server's); None for datasets that give counts."""
+    if args.dataset_name not in TEXT_DATASETS:
         return None
-    if args.tokenizer:
-        return model_token_counter(args.tokenizer)
-    if args.gpt2_bpe:
-        return gpt2_bpe_token_counter(args.gpt2_bpe)
-    raise SystemExit(f"--dataset-name {args.dataset_name} counts tokens: pass --tokenizer MODEL_DIR or --gpt2-bpe DIR")
+    counter = choose_counter(args.tokenizer, args.gpt2_bpe, args.model, info.model if info else None)
+    print(f"token counting: {counter.source}")
+    warning = mismatch_warning(counter, info.vocab_size if info else None)
+    if warning:
+        print(warning, file=sys.stderr)
+    return counter
 
 
 def workload_for(args: argparse.Namespace, rate: float | None, max_len: int | None) -> list[WorkItem]:
-    limit = max_len - 1 if max_len and args.text_prompts else max_len  # the server adds BOS to text
+    limit = max_len
+    if max_len and args.text_prompts:  # the server adds BOS to text, and a chat template its own words
+        limit = max_len - 1 - (CHAT_TEMPLATE_MARGIN if args.backend == "openai-chat" else 0)
     if args.dataset_name == "sharegpt":  # vLLM's filter, within the context
         lf = LengthFilter(max_total_len=min(2048, limit)) if limit else LengthFilter()
     else:  # no empty prompts or outputs, and nothing that cannot fit
@@ -143,14 +186,20 @@ def workload_for(args: argparse.Namespace, rate: float | None, max_len: int | No
 
 
 def payloads(args: argparse.Namespace, items: list[WorkItem], model: str, vocab: int) -> list[dict]:
-    """One streaming completions body per item."""
+    """One streaming body per item: completions (prompt, max_tokens) or, for openai-chat, chat (messages with a
+    text content part, max_completion_tokens), as vLLM's request functions send them."""
     rng = np.random.default_rng(args.seed)
     out = []
     for it in items:
         prompt = it.prompt_text if args.text_prompts else rng.integers(4, vocab, size=it.prompt_len).tolist()
-        out.append({"model": model, "prompt": prompt, "max_tokens": it.output_len, "temperature": 0.0,
-                    "ignore_eos": bool(args.ignore_eos or not args.text_prompts), "stream": True,
-                    "stream_options": {"include_usage": True}})
+        body: dict = {"model": model, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                      "ignore_eos": bool(args.ignore_eos or not args.text_prompts)}
+        if args.backend == "openai-chat":
+            body.update(messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+                        max_completion_tokens=it.output_len)
+        else:
+            body.update(prompt=prompt, max_tokens=it.output_len)
+        out.append(body)
     return out
 
 
@@ -192,9 +241,12 @@ async def benchmark(args: argparse.Namespace) -> dict:
     shown = [m for m in LATENCY_METRICS if m in args.percentile_metrics.split(",")]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-        told = args.model and args.vocab_size and args.max_model_len
+        name = args.served_model_name or args.model
+        told = name and args.vocab_size and args.max_model_len
         info = None if told else await server_info(session, args.base_url)
-        model = args.model or info.model
+        model = name or info.model
+        counter = token_counter(args, info)
+        args.count_tokens = counter.count if counter else None
         vocab = args.vocab_size or (info and info.vocab_size) or 4000
         max_len = args.max_model_len or (info and info.max_model_len)
         if args.sweep:
@@ -203,8 +255,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
             default = None if args.dataset_name in TRACE_DATASETS else math.inf
             rates = [args.request_rate if args.request_rate is not None else default]
         if any(r is not None and not r > 0 for r in rates):
-            raise SystemExit("request rates must be > 0 (or inf)")
-        url = args.base_url.rstrip("/") + args.endpoint
+            raise FlagError("request rates must be > 0 (or inf)")
+        url = args.base_url + args.endpoint
         runs, rows = [], []
         for rate in rates:
             items = workload_for(args, rate, max_len)
@@ -221,19 +273,25 @@ async def benchmark(args: argparse.Namespace) -> dict:
             run["trace_speedup"] = args.trace_speedup if rate is None else None
             runs.append((offered, m, run))
             rows.append((label, m))
-    result = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "label": args.label,
-              "model_id": model, "base_url": args.base_url, "dataset_name": args.dataset_name,
-              "num_prompts": args.num_prompts, "seed": args.seed, "text_prompts": args.text_prompts,
-              "goodput_config": goodput, "slo_per_token_s": args.slo_per_token,
+    # vLLM's top-level fields (mean_ttft_ms, request_throughput, input_lens, ...) are the last run's (the only
+    # one without --sweep); `runs` holds every run's, each with our per-token and breakdown fields beside them.
+    result = {**runs[-1][2], "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend,
+              "label": args.label, "model_id": model, "tokenizer_id": counter.source if counter else None,
+              "base_url": args.base_url, "endpoint": args.endpoint, "dataset_name": args.dataset_name,
+              "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency, "seed": args.seed,
+              "text_prompts": args.text_prompts, "goodput_config": goodput, "slo_per_token_s": args.slo_per_token,
               "rates": [r for r, _, _ in runs], "runs": [run for _, _, run in runs]}
     if len(runs) > 1:
         print(format_sweep(rows, args.slo_per_token))
         pairs = [(r, m) for r, m, _ in runs]
+        failed = [f"{m.failed} at {r:g} req/s" for r, m in pairs if m.failed]
+        note = (f" (failed requests: {', '.join(failed)}; a rate with failed requests never counts as meeting "
+                "the SLO, whatever its latency)") if failed else ""
         for which in ("mean", "p95"):
             best = rate_at_slo(slo_points(pairs, which), args.slo_per_token)
             result[f"throughput_at_slo_{which}"] = best
             print(f"Throughput at SLO ({which} per-token latency <= {args.slo_per_token:g} s): "
-                  + (f"{best:g} req/s" if best is not None else "none of the swept rates"))
+                  + (f"{best:g} req/s" if best is not None else "none of the swept rates") + note)
     return result
 
 
@@ -258,15 +316,17 @@ def result_path(args: argparse.Namespace, result: dict) -> Path:
         return Path(args.result_dir) / args.result_filename
     rates = "-".join(f"{r:g}" for r in result["rates"])  # "inf" for inf
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(result["model_id"]).name)
-    return Path(args.result_dir) / f"{args.label or 'openai'}-{rates}qps-{model}-{result['date']}.json"
+    return Path(args.result_dir) / f"{args.label or args.backend}-{rates}qps-{model}-{result['date']}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _validate(args)
-    args.count_tokens = token_counter(args)
     try:
+        _validate(args)
         result = asyncio.run(benchmark(args))
+    except FlagError as e:
+        print(f"loadgen.py: error: {e}", file=sys.stderr)
+        raise
     except (RuntimeError, ValueError) as e:  # unreachable server, bad dataset, bad --goodput
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -278,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from loadgen_plot import plot_results
 
-        others = [json.loads(Path(f).read_text()) for f in args.compare]
+        others = []
+        for f in args.compare:  # a run without a label is named after its file in the legend
+            other = json.loads(Path(f).read_text())
+            other["label"] = other.get("label") or Path(f).stem
+            others.append(other)
         plot_results([result, *others], args.plot, args.slo_per_token)
         print(f"plot saved to {args.plot}")
     failed = sum(run["failed"] for run in result["runs"])

@@ -6,8 +6,8 @@ What this is: pure functions of RequestResults (loadgen_client.py) and a run's d
     the requested percentiles (numpy's linear interpolation), in ms; request / output / total token
     throughput; goodput = requests meeting every --goodput SLO (ttft, tpot, e2el in ms; a one-token
     request's tpot counts as 0) per second.
-  * The paper's (DESIGN.md, Metrics): per-token latency of a request = e2e / output tokens, mean and P95
-    over requests, in seconds; the mean queued / executing / swap-wait seconds per request, from the
+  * The paper's (the team's design notes, Metrics): per-token latency of a request = e2e / output tokens,
+    mean and P95 over requests, in seconds; the mean queued / executing / swap-wait seconds per request, from the
     server's per-request metrics when it sends them.
   * rate_at_slo(): the throughput at SLO of a sweep.
 What this is not: I/O, except that format_* return text and result_json() returns a JSON-ready dict.
@@ -195,5 +195,6 @@ def run_json(rate: float, burstiness: float, m: RunMetrics, results: Sequence[Re
     d.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
              ttfts=[r.ttft for r in results], itls=[r.itl for r in results], e2els=[r.latency for r in results],
              start_times=[r.start_s for r in results], errors=[r.error for r in results],
+             generated_texts=[r.generated_text for r in results],
              server_metrics=[r.server_metrics for r in results])
     return d

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 PARTS = (("queued_s", "queued", "#8da0cb"), ("executing_s", "executing", "#66c2a5"),
          ("swap_wait_s", "swap wait", "#fc8d62"))
@@ -32,14 +33,16 @@ def _points(result: dict) -> list[tuple[float, dict]]:
     return sorted(out, key=lambda p: p[0])
 
 
-def plot_results(results: Sequence[dict], png: str, slo_s: float) -> None:
+def plot_results(results: Sequence[dict], png: str, slo_s: float) -> list[str]:
+    """Draws the PNG; returns the label each result has in the legends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (lat, parts) = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [r.get("label") or r.get("model_id", "run") for r in results]
+    # The run's --label (live_sweep.py: the policy; --compare files without one: their file name).
+    labels = [r.get("label") or Path(str(r.get("model_id", "run"))).name for r in results]
     rates = sorted({rate for r in results for rate, _ in _points(r)})
     width, top = 0.8 / max(1, len(results)), 0.0
     for k, (result, label) in enumerate(zip(results, labels)):
@@ -73,3 +76,4 @@ def plot_results(results: Sequence[dict], png: str, slo_s: float) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+    return labels

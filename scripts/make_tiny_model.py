@@ -27,6 +27,30 @@ from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint  # n
 
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config_only_model(shape: str) -> Path:
+    """models/<shape>-config (config.json + the tiny tokenizer, no weights): what the simulator and the
+    experiments need for a large OPT; written on first use."""
+    if shape not in OPT_SHAPES:
+        raise ValueError(f"unknown OPT shape {shape!r}; choose one of {', '.join(OPT_SHAPES)}")
+    out = REPO / "models" / f"{shape}-config"
+    if not (out / "config.json").is_file():
+        write_checkpoint(shape, out, with_weights=False)
+    return out
+
+
+def write_checkpoint(shape: str, out: Path, with_weights: bool, weight_format: str = "safetensors",
+                     dtype: str = "float32", seed: int = 0) -> None:
+    """An OPT checkpoint of `shape` (weights or config only) carrying the tiny model's tokenizer."""
+    cfg = opt_config(**OPT_SHAPES[shape])
+    write_opt_checkpoint(out, cfg, seed=seed, weight_format=weight_format if with_weights else "none",
+                         dtype=getattr(torch, dtype))
+    tiny = default_model_dir()
+    for name in TOKENIZER_FILES:
+        if (tiny / name).exists():
+            shutil.copyfile(tiny / name, out / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote the tiny model to {out}")
         return 0
     with_weights = args.shape in WEIGHTS_BY_DEFAULT or args.weights
-    cfg = opt_config(**OPT_SHAPES[args.shape])
-    write_opt_checkpoint(out, cfg, seed=args.seed, weight_format=args.format if with_weights else "none",
-                         dtype=getattr(torch, args.dtype))
-    tiny = default_model_dir()
-    for name in TOKENIZER_FILES:
-        if (tiny / name).exists():
-            shutil.copyfile(tiny / name, out / name)
+    write_checkpoint(args.shape, out, with_weights, args.format, args.dtype, args.seed)
     what = "weights" if with_weights else "config only"
     print(f"wrote {args.shape} ({what}) to {out}")
     return 0

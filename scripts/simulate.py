@@ -1,13 +1,23 @@
 """Simulate a serving run: the real engine, scheduler and KV manager on a
 virtual clock, with costs from a job profile (engine/simulation.py).
 
-    python scripts/simulate.py --model models/opt-13b-config --profile profiles/sim/opt-13b-a100-40gb-x1.json \
-        --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \
+    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+        --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \\
         --num-prompts 1000 --request-rate 2 --scheduling-policy skip-join-mlfq --kv-policy proactive
+    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+        --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
+        --gpt2-bpe ../shared/datasets/gpt2-bpe --num-prompts 200 --request-rate 2
+
+--model is an OPT directory (config.json + tokenizer; weights unused) or an
+OPT shape name (opt-125m ... opt-175b): a shape uses models/<shape>-config,
+written on first use. Text datasets (sharegpt, alpaca) are counted with
+--tokenizer DIR, --gpt2-bpe DIR (OPT's own BPE), else the model directory's
+tokenizer (the line printed first says which). Profiles of the paper's A100
+setups are in profiles/sim/.
 
 Prints the paper's metrics (mean and P95 per-token latency), TTFT, the
 queued / executing / swap-wait breakdown, and simulation speed; --json writes
-them. Same seed, same result.
+them. Same seed, same result. A bad flag value is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -18,36 +28,82 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-from workload import DATASETS, load_workload  # noqa: E402  (scripts/ is this script's folder)
+from loadgen_tokenizer import choose_counter, mismatch_warning  # noqa: E402  (scripts/ is this script's folder)
+from workload import DATASETS, load_workload  # noqa: E402
 
-from engine.simulation import run_trace, simulated_engine  # noqa: E402
+from engine.config import KV_POLICIES  # noqa: E402
+from engine.model_maker import OPT_SHAPES  # noqa: E402
+from scheduler.policy import PolicyName  # noqa: E402
+
+POLICIES = [p.value for p in PolicyName]
+TEXT_DATASETS = ("sharegpt", "alpaca")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="an OPT directory (config.json + tokenizer; weights unused)")
-    ap.add_argument("--profile", required=True, help="job profile JSON (+ optional transfer/capacity fields)")
-    ap.add_argument("--dataset-name", default="lengths", choices=sorted(DATASETS))
-    ap.add_argument("--dataset-path", help="dataset file")
-    ap.add_argument("--num-prompts", type=int, default=1000)
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="simulate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    profiles = ", ".join(sorted(p.name for p in (REPO / "profiles" / "sim").glob("*.json")))
+    ap.add_argument("--model", required=True, help=f"an OPT directory, or a shape: {', '.join(OPT_SHAPES)}")
+    ap.add_argument("--profile", required=True, help=f"job profile JSON (+ optional transfer/capacity fields); "
+                    f"profiles/sim/ has {profiles}")
+    ap.add_argument("--dataset-name", default="lengths", choices=sorted(DATASETS), help="default: %(default)s")
+    ap.add_argument("--dataset-path", help="dataset file (not needed for synthetic)")
+    ap.add_argument("--tokenizer", help="text datasets: model dir whose tokenizer counts tokens (default: --model's)")
+    ap.add_argument("--gpt2-bpe", help="text datasets: dir with GPT-2 encoder.json + vocab.bpe to count tokens")
+    ap.add_argument("--num-prompts", type=int, default=1000, help="default: %(default)s")
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson rate (default: trace times / all at 0)")
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scheduling-policy", default="skip-join-mlfq")
-    ap.add_argument("--kv-policy", default="proactive")
+    ap.add_argument("--scheduling-policy", default="skip-join-mlfq", choices=POLICIES,
+                    help="default: %(default)s (srpt: the oracle that knows output lengths)")
+    ap.add_argument("--kv-policy", default="proactive", choices=KV_POLICIES, help="default: %(default)s")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--starvation-threshold", type=float, default=0.3)
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
     ap.add_argument("--num-host-blocks", type=int, default=None)
     ap.add_argument("--json", type=Path, help="write the summary here")
-    args = ap.parse_args(argv)
+    return ap
 
-    items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, rate=args.request_rate,
-                          burstiness=args.burstiness, seed=args.seed)
-    engine = simulated_engine(args.model, args.profile, num_device_blocks=args.num_device_blocks,
+
+def model_dir(name: str) -> Path:
+    """A directory as given, or models/<shape>-config for a shape name (written on first use)."""
+    if name in OPT_SHAPES:
+        from make_tiny_model import config_only_model
+
+        return config_only_model(name)
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name}: no config.json there; give an OPT directory or a shape name "
+                         f"({', '.join(OPT_SHAPES)})")
+    return path
+
+
+def run(args: argparse.Namespace) -> dict:
+    if not Path(args.profile).is_file():
+        raise ValueError(f"--profile {args.profile}: no such file; profiles/sim/ holds the paper's A100 setups, "
+                         "scripts/profile_model.py measures one")
+    model = model_dir(args.model)
+    count = None
+    if args.dataset_name in TEXT_DATASETS:
+        counter = choose_counter(args.tokenizer, args.gpt2_bpe, str(model), None)
+        print(f"token counting: {counter.source}")
+        vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
+        if warning := mismatch_warning(counter, vocab, "pass --gpt2-bpe DIR to count as OPT does"):
+            print(warning, file=sys.stderr)
+        count = counter.count
+    items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=count,
+                          rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
+    from engine.simulation import run_trace, simulated_engine
+
+    engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                               starvation_threshold=args.starvation_threshold)
@@ -57,8 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
-    summary = result.summary() | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
-                                   "rate": args.request_rate}
+    return result.summary() | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
+                               "rate": args.request_rate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (ValueError, OSError) as e:  # bad paths and values, malformed datasets and profiles (DatasetError)
+        print(f"simulate.py: error: {e}", file=sys.stderr)
+        return 2
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")
     if args.json:

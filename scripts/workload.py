@@ -11,8 +11,8 @@ which picks items and gives them arrival times (the arrival processes live in wo
     lengths CSV     input_tokens,output_tokens (the *_lengths.csv files), no text
     synthetic       fixed, uniform (+-range ratio) or input:output-ratio lengths, no text
 
-Token counts exclude BOS/EOS (as the *_lengths.csv files do); a caller passes `count_tokens(text) -> int`,
-or builds one with `model_token_counter(dir)` or `gpt2_bpe_token_counter(dir)`.
+Token counts exclude BOS/EOS (as the *_lengths.csv files do); a caller passes `count_tokens(text) -> int`
+(loadgen_tokenizer.py builds one from a model directory or GPT-2's BPE files).
 What this is not: an HTTP client (loadgen.py) or a tokenizer (engine/tokenizer.py). Paths always come from
 the caller; nothing here knows where datasets live. A malformed file raises `DatasetError` naming the file
 and the record index (JSON) or line number (CSV).
@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -59,33 +58,6 @@ class LengthFilter:
     def keeps(self, prompt_len: int, output_len: int) -> bool:
         return (prompt_len >= self.min_len and output_len >= self.min_len
                 and prompt_len <= self.max_prompt_len and prompt_len + output_len <= self.max_total_len)
-
-
-# -- token counting ----------------------------------------------------------------------------------------
-def model_token_counter(model_dir: str | Path) -> CountTokens:
-    """Counts tokens with the model's own tokenizer (engine.tokenizer), without BOS/EOS."""
-    repo = str(Path(__file__).resolve().parents[1])
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(model_dir)
-    return lambda text: len(tok.encode(text, add_special_tokens=False))
-
-
-def gpt2_bpe_token_counter(bpe_dir: str | Path) -> CountTokens:
-    """Counts GPT-2 byte-level BPE tokens from OpenAI's encoder.json + vocab.bpe (OPT counts the same)."""
-    import tokenizers
-    from tokenizers import models, pre_tokenizers
-
-    d = Path(bpe_dir)
-    encoder, merges = d / "encoder.json", d / "vocab.bpe"
-    for f in (encoder, merges):
-        if not f.is_file():
-            raise DatasetError(f"{f}: not found; --gpt2-bpe needs a folder with encoder.json and vocab.bpe")
-    tok = tokenizers.Tokenizer(models.BPE.from_file(str(encoder), str(merges)))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return lambda text: len(tok.encode(text).ids)
 
 
 # -- readers -------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import live_sweep  # noqa: E402
 ALPACA = REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv"
 
 
-def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model_dir, tmp_path):
+def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model_dir, tmp_path, capsys):
     import pytest
 
     if not ALPACA.exists():
@@ -24,6 +24,7 @@ def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model
     out, plot = tmp_path / "results", tmp_path / "fig11.png"
     rc = live_sweep.main(["--policies", "fcfs,skip-join-mlfq", "--dataset-path", str(ALPACA), "--num-prompts", "5",
                           "--sweep", "4,8", "--slo-per-token", "10", "--result-dir", str(out), "--plot", str(plot),
+                          "--max-concurrency", "3",  # not live_sweep's: passed on to loadgen.py
                           "--", "--model", str(tiny_model_dir), "--profile", "analytic",
                           "--num-gpu-blocks-override", "256", "--num-host-blocks-override", "256"])
     assert rc == 0
@@ -37,9 +38,22 @@ def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model
         assert s["throughput_at_slo_mean"] == 8.0  # a 10 s/token SLO: every rate meets it
         result = json.loads((out / f"{policy}.json").read_text())
         assert result["label"] == policy and all(run["completed"] == 5 for run in result["runs"])
+        assert result["max_concurrency"] == 3
         # The server really ran that policy: its log says so.
         assert f"(scheduling {policy}, kv proactive)" in (out / f"server-{policy}.log").read_text()
     assert plot.stat().st_size > 0
+    table = capsys.readouterr().out.split("per-token latency, mean / P95 (ms)\n")[1].splitlines()
+    assert table[0].split() == ["rate", "fcfs", "ms", "skip-join-mlfq", "ms", "fcfs", "/", "skip-join-mlfq"]
+    assert [row.split()[0] for row in table[1:3]] == ["4", "8"]
+
+
+def test_side_by_side_table_by_hand():
+    summary = {p: {"rates": [1.0, 2.0], "mean_per_token_s": means, "p95_per_token_s": p95s, "failed": failed}
+               for p, means, p95s, failed in (("fcfs", [0.03, 0.09], [0.05, 0.2], [0, 2]),
+                                              ("skip-join-mlfq", [0.02, 0.03], [0.04, 0.05], [0, 0]))}
+    lines = live_sweep.format_side_by_side(summary).splitlines()
+    assert lines[2].split() == ["1", "30.0", "/", "50.0", "20.0", "/", "40.0", "1.50x"]
+    assert lines[3].split() == ["2", "90.0", "/", "200.0", "(2", "failed)", "30.0", "/", "50.0", "3.00x"]
 
 
 def test_bad_policy_and_unreachable_model_are_one_line_errors(tmp_path):

@@ -212,6 +212,8 @@ class FakeServer:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/flaky", self.flaky)
         app.router.add_post("/bad", lambda r: web.json_response({"error": {"message": "no such model"}}, status=400))
         app.router.add_post("/errchunk", self.error_chunk)
         app.router.add_post("/slow", self.slow)
@@ -251,6 +253,28 @@ class FakeServer:
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
         await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
         return resp
+
+    async def chat(self, request):
+        """Chat chunks (role first, then content deltas) for a body with messages and max_completion_tokens."""
+        body = await request.json()
+        self.bodies.append(body)
+        resp = await self._open(request)
+        deltas = [{"role": "assistant", "content": ""}] + [{"content": f"w{i}"}
+                                                           for i in range(body["max_completion_tokens"])]
+        for i, delta in enumerate(deltas):
+            finish = "length" if i == len(deltas) - 1 else None
+            event = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                                     "finish_reason": finish}]}
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def flaky(self, request):
+        """Every third request fails with a 400; the others are served as /v1/completions."""
+        self.flaky_calls = getattr(self, "flaky_calls", 0) + 1
+        if self.flaky_calls % 3 == 0:
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        return await self.completions(request)
 
     async def error_chunk(self, request):
         resp = await self._open(request)

@@ -73,7 +73,9 @@ def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_check
         3: [("d", prompt(1), params), ("e", prompt(4), params)],
     }
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=s, ignore_eos=True) for s in (7, 8)]
-    seeded_prompts = [prompt(6), prompt(11)]
+    seeded.append(SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                                 frequency_penalty=0.3, ignore_eos=True))  # penalties read each job's history
+    seeded_prompts = [prompt(6), prompt(11), prompt(7)]
     single = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, profile="analytic"))
     engine = parallel_engine(model_dir, tp, pp, block_size=4, num_gpu_blocks_override=64)
     try:
@@ -90,7 +92,8 @@ def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_check
                 check_position(out.prompt_logprobs[pos], ref[pos - 1], full[pos], f"{rid} prompt pos {pos}")
             for j, tok in enumerate(comp.token_ids):
                 check_position(comp.logprobs[j], ref[p + j - 1], tok, f"{rid} step {j}")
-        # Seeded sampling: the sampling rank keeps each sequence's generator, so text depends on the seed alone.
+        # Seeded sampling: the sampling rank keeps each sequence's generator, so text depends on the seed alone;
+        # penalties: the workers keep each job's tokens.
         for i, (pr, sp) in enumerate(zip(seeded_prompts, seeded)):
             engine.add_request(f"s{i}", pr, sp)
             single.add_request(f"s{i}", pr, sp)

@@ -5,8 +5,10 @@ Bad command-line flags: one line on stderr, exit code 2."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -63,11 +65,22 @@ CASES = [
      400, "stream_options", ["include_usage"]),
     ("unknown fields", "completions", {"prompt": "Hi", "foo": 1, "bar": 2}, 400, "bar", ["bar, foo", "allowed"]),
     ("best_of", "completions", {"prompt": "Hi", "best_of": 2}, 400, "best_of", ["not supported"]),
-    ("logit_bias", "completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias", ["not supported"]),
-    ("presence_penalty", "completions", {"prompt": "Hi", "presence_penalty": 0.5}, 400, "presence_penalty",
-     ["not supported"]),
-    ("frequency_penalty", "chat/completions", {"messages": CHAT_MSG, "frequency_penalty": 1}, 400,
-     "frequency_penalty", ["not supported"]),
+    ("logit_bias over 100", "completions", {"prompt": "Hi", "logit_bias": {"5": 200}}, 400, "logit_bias",
+     ["between -100 and 100"]),
+    ("logit_bias past the vocabulary", "completions", {"prompt": "Hi", "logit_bias": {str(VOCAB): 1}}, 400,
+     "logit_bias", [str(VOCAB), f"[0, {VOCAB})"]),
+    ("logit_bias key not an id", "completions", {"prompt": "Hi", "logit_bias": {"the": 1}}, 400, "logit_bias",
+     ["token ids"]),
+    ("presence_penalty 3", "completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty",
+     ["between -2 and 2"]),
+    ("frequency_penalty a string", "chat/completions", {"messages": CHAT_MSG, "frequency_penalty": "1"}, 400,
+     "frequency_penalty", ["number"]),
+    ("repetition_penalty 0", "completions", {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty",
+     ["> 0"]),
+    ("min_p 2", "completions", {"prompt": "Hi", "min_p": 2}, 400, "min_p", ["between 0 and 1"]),
+    ("priority a string", "completions", {"prompt": "Hi", "priority": "high"}, 400, "priority", ["integer"]),
+    ("priority a float, chat", "chat/completions", {"messages": CHAT_MSG, "priority": 0.5}, 400, "priority",
+     ["integer"]),
     ("suffix", "completions", {"prompt": "Hi", "suffix": "end"}, 400, "suffix", ["not supported"]),
     ("tools", "chat/completions", {"messages": CHAT_MSG, "tools": [{"type": "function"}]}, 400, "tools",
      ["not supported"]),
@@ -83,9 +96,19 @@ CASES = [
     ("empty messages", "chat/completions", {"messages": []}, 400, "messages", ["non-empty list"]),
     ("message not an object", "chat/completions", {"messages": ["Hi"]}, 400, "messages[0]", ["object"]),
     ("bad role", "chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages[0].role",
-     ["system, user, assistant", "robot"]),
-    ("content parts", "chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
-     "messages[0].content", ["must be a string"]),
+     ["system, developer, user, assistant", "robot"]),
+    ("text part without text", "chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages[0].content[0].text", ["must be a string"]),
+    ("image part", "chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages[0].content[1].type", ["'image_url'", "only text parts"]),
+    ("empty content parts", "chat/completions", {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages[0].content", ["non-empty list"]),
+    ("chat over the context", "chat/completions", {"messages": [{"role": "user", "content": "word " * 2100}]}, 400,
+     "messages", ["tokens", str(CONTEXT)]),
+    ("chat max_completion_tokens over the context", "chat/completions",
+     {"messages": [{"role": "user", "content": "word " * 1000}], "max_completion_tokens": 1500}, 400,
+     "max_completion_tokens", ["1500", str(CONTEXT)]),
     ("extra message field", "chat/completions", {"messages": [{"role": "user", "content": "Hi", "x": 1}]}, 400,
      "messages[0].x", ["role, content"]),
     ("top_logprobs without logprobs", "chat/completions", {"messages": CHAT_MSG, "top_logprobs": 2}, 400,
@@ -175,7 +198,7 @@ def test_server_is_healthy_and_all_blocks_free_after_bad_input(server):
     (["--max-num-seqs", "0"], ["max_num_seqs", ">= 1"]),
     (["--port", "http"], ["--port", "invalid int"]),
     (["--scheduling-policy", "random"], ["--scheduling-policy", "fcfs"]),
-    (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
+    (["--model", "/nonexistent/model", "--port", "0"], ["/nonexistent/model"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "/nonexistent/template.jinja"]),
 ], ids=["range", "type", "choice", "missing model", "missing template"])
 def test_bad_flag_is_one_line_and_exit_code_2(args, words):
@@ -185,6 +208,20 @@ def test_bad_flag_is_one_line_and_exit_code_2(args, words):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("server.py: error:"), r.stderr
     assert "Traceback" not in r.stderr and all(w in lines[0] for w in words), lines[0]
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, str(REPO / "server.py"), "--model", str(tiny_model_dir), "--port",
+                            str(port)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"server.py: error: cannot listen on 127.0.0.1:{port}") and "--port" in lines[0]
+    assert "job profile" not in r.stderr and time.monotonic() - start < 30  # no model was loaded
 
 
 def test_help_documents_every_flag():

@@ -14,6 +14,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # scripts/ is not a package: its modules import each other by name
 
+import loadgen_tokenizer  # noqa: E402
 import workload  # noqa: E402
 from workload import DatasetError, LengthFilter, WorkItem  # noqa: E402
 from workload_arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals  # noqa: E402
@@ -30,7 +31,7 @@ def dataset(relpath: str) -> Path:
 
 @pytest.fixture(scope="module")
 def gpt2_count():
-    return workload.gpt2_bpe_token_counter(dataset("gpt2-bpe"))
+    return loadgen_tokenizer.gpt2_bpe_counter(dataset("gpt2-bpe")).count
 
 
 def lengths_csv(relpath: str) -> list[tuple[int, int]]:
@@ -93,7 +94,7 @@ def test_lengths_csv(name, count):
 def test_model_tokenizer_counts_without_bos(tiny_model_dir):
     from engine.tokenizer import Tokenizer
 
-    count = workload.model_token_counter(tiny_model_dir)
+    count = loadgen_tokenizer.model_dir_counter(tiny_model_dir, "test").count
     tok = Tokenizer.from_pretrained(tiny_model_dir)
     text = "Hello world, how are you today?"
     assert count(text) == len(tok.encode(text, add_special_tokens=False)) > 0

@@ -157,11 +157,13 @@ class Worker:
             else:
                 job.table += js.blocks
             end = js.start_pos + js.num_tokens
+            history = job.params.uses_history  # penalties read the prompt and the output so far
             seqs.append(SequenceWork(
                 job_id=str(js.handle), token_ids=job.tokens[js.start_pos:end], start_pos=js.start_pos,
                 block_table=job.table, params=job.params, generator=job.generator,
                 num_generated=end - job.prompt_len, want_prompt_logprobs=js.want_prompt_logprobs,
-                prompt_token_ids=job.tokens[: job.prompt_len] if js.want_prompt_logprobs else [],
+                prompt_token_ids=job.tokens[: job.prompt_len] if js.want_prompt_logprobs or history else [],
+                output_token_ids=job.tokens[job.prompt_len:end] if history else [],
             ))
         return ModelBatch(seqs, eos_token_id)
 

@@ -1,0 +1,74 @@
+"""scripts/simulate.py as a user types it: a shape name for --model (its config-only directory written on first
+use), ShareGPT counted with a named or default tokenizer, and bad values as one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
+
+import make_tiny_model  # noqa: E402
+import simulate  # noqa: E402
+
+PROFILE = str(REPO / "profiles" / "sim" / "opt-13b-a100-40gb-x1.json")
+SHAREGPT = REPO.parent / "shared" / "datasets" / "sharegpt" / "sharegpt_v3_random1000.json"
+GPT2_BPE = REPO.parent / "shared" / "datasets" / "gpt2-bpe"
+
+
+@pytest.fixture
+def models_here(tmp_path, monkeypatch) -> Path:
+    """Shape names resolve under tmp_path/models instead of the repository's models/."""
+    monkeypatch.setattr(make_tiny_model, "REPO", tmp_path)
+    return tmp_path / "models"
+
+
+def test_shape_name_and_sharegpt_with_gpt2_bpe(models_here, tmp_path, capsys):
+    if not (SHAREGPT.is_file() and GPT2_BPE.is_dir()):
+        pytest.skip("the shared ShareGPT sample or GPT-2 BPE files are not present")
+    out_json = tmp_path / "s.json"
+    rc = simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "sharegpt", "--dataset-path",
+                        str(SHAREGPT), "--gpt2-bpe", str(GPT2_BPE), "--num-prompts", "30", "--request-rate", "2",
+                        "--json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert (models_here / "opt-13b-config" / "config.json").is_file()
+    assert "token counting: GPT-2 BPE from" in out and "warning" not in err  # OPT's own counts
+    summary = json.loads(out_json.read_text())
+    assert summary["requests"] == 30 and summary["mean_per_token_s"] > 0 and summary["policy"] == "skip-join-mlfq"
+
+
+def test_sharegpt_without_a_tokenizer_counts_with_the_models_and_warns(models_here, capsys):
+    if not SHAREGPT.is_file():
+        pytest.skip("the shared ShareGPT sample is not present")
+    rc = simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "sharegpt", "--dataset-path",
+                        str(SHAREGPT), "--num-prompts", "10", "--scheduling-policy", "fcfs"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert f"the tokenizer of {models_here / 'opt-13b-config'} (--model)" in out
+    assert "pass --gpt2-bpe DIR to count as OPT does" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "opt-13b", "--profile", "missing.json"], "--profile missing.json: no such file"),
+    (["--model", "no/such/dir", "--profile", PROFILE], "--model no/such/dir: no config.json there"),
+    (["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "lengths"], "needs a path (--dataset-path)"),
+])
+def test_bad_values_are_one_line_and_exit_2(models_here, capsys, args, words):
+    assert simulate.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("simulate.py: error: ") and words in err and err.count("\n") == 1, err
+
+
+def test_bad_choices_list_the_allowed_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--scheduling-policy", "sjf"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "'sjf'" in err and "'fcfs', 'skip-join-mlfq', 'mlfq', 'fixed-priority', 'srpt'" in err
+    help_text = simulate.build_parser().format_help()
+    assert "opt-13b-a100-40gb-x1.json" in help_text and "opt-175b" in help_text
