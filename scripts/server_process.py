@@ -37,7 +37,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=None if env is None else dict(env))
 
-    def wait_ready(self, timeout: float = 60.0) -> ServerProcess:
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         """Poll /health until it answers 200; a one-line RuntimeError naming the log if the server exits or
         does not answer within `timeout` seconds (then it is stopped)."""
         deadline = time.monotonic() + timeout

@@ -13,15 +13,24 @@ import pytest
 
 from engine.chat_template import ChatTemplate
 from engine.errors import ValidationError
-from tests.server_fixtures import DEFAULT_ARGS, get_json, post_json, shared_server, sse_chunks, streamed_text, wait_idle
+from tests.server_fixtures import (
+    DEFAULT_ARGS,
+    PARALLEL_ARGS,
+    get_json,
+    post_json,
+    shared_server,
+    sse_chunks,
+    streamed_text,
+    wait_idle,
+)
 
 METRIC_KEYS = {"arrival_time", "first_scheduled_time", "first_token_time", "finished_time", "queued_s",
                "executing_s", "swap_wait_s", "preemptions", "ttft_s", "e2e_s"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[DEFAULT_ARGS, PARALLEL_ARGS], ids=["tp1", "tp2xpp2"])
 def server(request, tiny_model_dir):
-    srv = shared_server(request, tiny_model_dir, DEFAULT_ARGS)
+    srv = shared_server(request, tiny_model_dir, request.param)
     yield srv
     wait_idle(srv.url)
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.server_fixtures import (
     DEFAULT_ARGS,
+    PARALLEL_ARGS,
     finished_count,
     get_json,
     open_raw,
@@ -25,9 +26,9 @@ from tests.server_fixtures import (
 LONG = 1500  # output tokens a quitter asks for: far more than the test waits for
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[DEFAULT_ARGS, PARALLEL_ARGS], ids=["tp1", "tp2xpp2"])
 def server(request, tiny_model_dir):
-    srv = shared_server(request, tiny_model_dir, DEFAULT_ARGS)
+    srv = shared_server(request, tiny_model_dir, request.param)
     wait_idle(srv.url)
     yield srv
     wait_idle(srv.url)
