@@ -84,10 +84,16 @@ def simulated_engine(
     block_size: int = 16,
     num_device_blocks: int | None = None,
     num_host_blocks: int | None = None,
+    pipeline_parallel_size: int | None = None,
+    max_in_flight: int | None = None,
     **engine_args,
 ) -> Engine:
+    """pipeline_parallel_size: stages (default: the profile key's); max_in_flight: batches in the pipe at once
+    (default: one per stage; 1 runs one batch at a time through the stages)."""
     cfg = OPTConfig.from_model_dir(model_dir)
     data = json.loads(Path(profile).read_text())
+    if pipeline_parallel_size is None:
+        pipeline_parallel_size = int(data.get("key", {}).get("pipeline_parallel_size", 1))
     cost = ProfiledCostModel.from_dict(data)
     layout = ParallelLayout()
     block_bytes = kv_block_bytes(cfg, layout, block_size, _torch_dtype(dtype))
@@ -101,7 +107,8 @@ def simulated_engine(
     transfer = TransferModel(**data.get("transfer", {}))
     clock = VirtualClock()
     executor = SimulatedExecutor(cost, clock, num_device_blocks, block_size, block_bytes, transfer,
-                                 dtype=_torch_dtype(dtype))
+                                 dtype=_torch_dtype(dtype), pipeline_parallel_size=pipeline_parallel_size,
+                                 max_in_flight=max_in_flight)
     config = EngineConfig(model=str(model_dir), profile=str(profile), dtype=dtype, block_size=block_size,
                           num_gpu_blocks_override=num_device_blocks, num_host_blocks_override=num_host_blocks,
                           **engine_args)

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--starvation-threshold", type=float, default=0.3)
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=None,
+                    help="pipeline stages (default: the profile's key; each stage takes the profiled time)")
+    ap.add_argument("--max-in-flight", type=int, default=None,
+                    help="batches in the pipeline at once (default: one per stage; 1 = no pipelining)")
     ap.add_argument("--num-host-blocks", type=int, default=None)
     ap.add_argument("--json", type=Path, help="write the summary here")
     return ap
@@ -106,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
     engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
-                              starvation_threshold=args.starvation_threshold)
+                              starvation_threshold=args.starvation_threshold,
+                              pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight)
     limit = engine.max_model_len
     trace = [(it.arrival_s, max(1, min(it.prompt_len, limit - 1)), max(1, min(it.output_len, limit - it.prompt_len)))
              for it in items]

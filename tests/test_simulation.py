@@ -107,3 +107,17 @@ def test_copy_waits_count_as_swap_wait_not_execution(sim_dirs, tmp_path):
         m = o.metrics
         assert m.executing_s + m.swap_wait_s <= m.e2e_s + 1e-9
         assert m.queued_s + m.executing_s + m.swap_wait_s == pytest.approx(m.e2e_s)
+
+
+@pytest.mark.parametrize(("in_flight", "expected"), [(1, {"0": 2.0, "1": 4.0, "2": 6.0}),
+                                                     (2, {"0": 2.0, "1": 3.0, "2": 4.0})])
+def test_pipeline_stages_overlap_micro_batches(sim_dirs, in_flight, expected):
+    """Two stages, each taking the profiled 1.0 s per prefill; batches of one; three one-token jobs at t=0.
+    One batch at a time: each passes both stages alone (2 s apiece). Two in flight: stage 0 takes the next
+    job while stage 1 finishes the previous one, so after the first, one job completes every second."""
+    model, profile = sim_dirs
+    eng = simulated_engine(model, profile, num_device_blocks=1000, scheduling_policy="fcfs", max_num_seqs=1,
+                           pipeline_parallel_size=2, max_in_flight=in_flight)
+    res = run_trace(eng, [(0.0, 10, 1)] * 3)
+    assert e2e(res) == expected
+    assert res.busy_s == pytest.approx(3.0)  # stage 0's work: three prefills

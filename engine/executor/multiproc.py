@@ -159,6 +159,7 @@ class MultiprocExecutor(Executor):
         self._procs: dict[int, subprocess.Popen] = {}
         self._conns: dict[int, Connection] = {}
         self._closed = False
+        self.last_message_bytes = 0  # size of the last message sent (scripts/bench_parallel.py)
         self._start(config, model_dir, max_model_len)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="fastserve-workers")
         self._reader.start()
@@ -343,6 +344,7 @@ class MultiprocExecutor(Executor):
 
     def _send_locked(self, msg) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self.last_message_bytes = len(data)
         for rank, conn in self._conns.items():
             try:
                 conn.send_bytes(data)

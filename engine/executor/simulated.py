@@ -2,6 +2,15 @@
 iteration's profiled cost, so the real engine loop, scheduler and KV manager
 run at any scale on a laptop (scripts/simulate.py).
 
+Parallelism: the profile gives the cost of one iteration on the setup's GPUs
+(tensor parallelism is inside that number: scripts/make_sim_profiles.py
+scales compute and bandwidth by the GPU count). With pipeline parallelism the
+setup's GPUs form `pp` stages of tp GPUs each; a stage holds 1/pp of the
+layers on 1/pp of the GPUs, so it takes the profiled time, and a batch passes
+through all stages (latency pp x cost). Up to `max_in_flight` batches (pp by
+default; 1 = no pipelining) occupy different stages at once, so at full load
+throughput is up to pp times that of one batch at a time.
+
 Costs come from a job profile (scheduler/cost_model.py); KV transfers take
 bytes / bandwidth on one copy engine per direction, overlapped with compute:
 a copy starts when its engine is free and completes at a virtual time; waiting
@@ -62,6 +71,21 @@ class SimulatedSwapper:
         return _VirtualCopy(self.clock, end)
 
 
+class _VirtualStep(Future):
+    """A step's future on the virtual clock: its result is there at once, but reading it advances the clock
+    to the time the step's last stage finishes (as waiting for a real step would)."""
+
+    def __init__(self, clock: VirtualClock, end: float, result: BatchResult) -> None:
+        super().__init__()
+        self._clock, self.end = clock, end
+        self.set_result(result)
+
+    def result(self, timeout: float | None = None) -> BatchResult:
+        if self._clock.now() < self.end:
+            self._clock.advance(self.end - self._clock.now())
+        return super().result(timeout)
+
+
 class SimulatedExecutor(Executor):
     simulated = True
 
@@ -74,6 +98,8 @@ class SimulatedExecutor(Executor):
         kv_block_bytes: int,
         transfer: TransferModel | None = None,
         dtype: torch.dtype = torch.float16,
+        pipeline_parallel_size: int = 1,
+        max_in_flight: int | None = None,
     ) -> None:
         self.device, self.dtype = torch.device("meta"), dtype  # no device: costs come from the profile
         self.cost, self.clock = cost, clock
@@ -81,17 +107,27 @@ class SimulatedExecutor(Executor):
         self.kv_block_bytes = kv_block_bytes
         self.transfer = transfer or TransferModel()
         self.swapper: SimulatedSwapper | None = None
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # seconds the first stage computed (= the whole pipe's work / pp)
+        self.pp = pipeline_parallel_size
+        self.max_in_flight = max_in_flight or pipeline_parallel_size
+        self._stage_free = [0.0] * pipeline_parallel_size  # virtual time each stage finishes its queued work
 
     def attach_host_tier(self, num_host_blocks: int) -> SimulatedSwapper:
         self.swapper = SimulatedSwapper(self.clock, self.kv_block_bytes, self.transfer)
         return self.swapper
 
     def submit(self, batch: ModelBatch) -> Future[BatchResult]:
-        """Runs at once on the virtual clock: the returned future is already done."""
-        future: Future[BatchResult] = Future()
-        future.set_result(self._run(batch))
-        return future
+        """Book the batch on each stage in turn; reading the result advances the clock to its end."""
+        prefill = [len(s.token_ids) for s in batch.seqs if s.start_pos == 0]
+        decode = [s.start_pos + len(s.token_ids) for s in batch.seqs if s.start_pos > 0]
+        seconds = self.cost.batch_cost(prefill, decode)  # one stage's time
+        t = self.clock.now()
+        for stage in range(self.pp):
+            t = max(t, self._stage_free[stage]) + seconds
+            self._stage_free[stage] = t
+        self.busy_s += seconds
+        result = BatchResult([SequenceResult(SIMULATED_TOKEN) for _ in batch.seqs], seconds * self.pp)
+        return _VirtualStep(self.clock, t, result)
 
     def next_copy_completion(self) -> float | None:
         """The virtual time at which the next pending copy completes, or None."""
@@ -101,10 +137,3 @@ class SimulatedExecutor(Executor):
         pending = [t for t in self.swapper._busy_until.values() if t > now]
         return min(pending) if pending else None
 
-    def _run(self, batch: ModelBatch) -> BatchResult:
-        prefill = [len(s.token_ids) for s in batch.seqs if s.start_pos == 0]
-        decode = [s.start_pos + len(s.token_ids) for s in batch.seqs if s.start_pos > 0]
-        seconds = self.cost.batch_cost(prefill, decode)
-        self.clock.advance(seconds)
-        self.busy_s += seconds
-        return BatchResult([SequenceResult(SIMULATED_TOKEN) for _ in batch.seqs], seconds)
