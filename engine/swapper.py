@@ -4,10 +4,12 @@ The TransferBackend memory/ plans against (memory/transfers.py). Each call
 copies whole blocks — with the block-major layout one block is one contiguous
 piece holding every layer's K and V for block_size tokens — and returns a
 handle:
-- CUDA: the copies are queued on a dedicated copy stream after the compute
-  stream's pending work (so an offload reads what compute wrote), into pinned
-  host memory, non-blocking; the handle is a CUDA event.
-- CPU: one copy thread runs the copies in order; the handle is its future.
+- CUDA: the copies are queued on a copy stream of their direction (one for
+  device-to-host, one for host-to-device) after the compute stream's pending
+  work (so an offload reads what compute wrote), into pinned host memory,
+  non-blocking; the handle is a CUDA event.
+- CPU: a copy thread per direction runs the copies in order; the handle is its
+  future.
 Either way memory/ frees the source blocks only once the handle is done, and
 a job being uploaded becomes ready only then, so compute never races a copy.
 
@@ -59,10 +61,14 @@ class Swapper:
         self.copy_delay_s = copy_delay_s
         self.bytes_copied = 0
         self._cuda = device_cache.is_cuda
+        # One copy engine per direction, so offloads and uploads overlap each other and compute. No hazard
+        # between them: an offload's device blocks are reused, and an upload's host blocks freed, only after
+        # their copy completed; each copy reads or writes only blocks its job owns.
         if self._cuda:
-            self._stream = torch.cuda.Stream(device=device_cache.device)
+            self._streams = {d: torch.cuda.Stream(device=device_cache.device) for d in Direction}
         else:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-swap")
+            self._threads = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastserve-{d.value}")
+                             for d in Direction}
 
     @property
     def block_bytes(self) -> int:
@@ -73,14 +79,15 @@ class Swapper:
                     else (self.host_cache, self.device_cache))
         self.bytes_copied += len(pairs) * self.block_bytes
         if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))
-            with torch.cuda.stream(self._stream):
+            stream = self._streams[direction]
+            stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))  # after compute queued so far
+            with torch.cuda.stream(stream):
                 for s, d in pairs:
                     dst[d].copy_(src[s], non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self._stream)
+                event.record(stream)
             return _EventHandle(event)
-        return _FutureHandle(self._thread.submit(self._copy_blocks, src, dst, pairs))
+        return _FutureHandle(self._threads[direction].submit(self._copy_blocks, src, dst, pairs))
 
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if self.copy_delay_s:
@@ -90,4 +97,5 @@ class Swapper:
 
     def shutdown(self) -> None:
         if not self._cuda:
-            self._thread.shutdown(wait=True)
+            for thread in self._threads.values():
+                thread.shutdown(wait=True)

@@ -28,8 +28,10 @@ QUICK_ARGS = ("--profile", "analytic", "--num-host-blocks-override", "256")
 # A short stream write timeout (slow-reader test) and a small body limit (413 test).
 DEFAULT_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "1024", "--stream-write-timeout", "2",
                 "--max-request-bytes", "65536")
-# The same server as four worker processes: tensor parallel 2 x pipeline parallel 2 (gloo on CPU).
-PARALLEL_ARGS = (*DEFAULT_ARGS, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+# The same server as four worker processes: tensor parallel 2 x pipeline parallel 2 (gloo on CPU). Four
+# processes share this machine's cores, so a step takes longer: the slow-reader timeout is longer too.
+PARALLEL_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "1024", "--stream-write-timeout", "8",
+                 "--max-request-bytes", "65536", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # max-num-seqs 1 + max-queued-requests 1: one request runs, one waits, the rest get 503.

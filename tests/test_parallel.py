@@ -19,7 +19,10 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.executor.base import ExecutorDeadError
+from engine.executor.messages import JobStep, StepMessage
 from engine.executor.multiproc import check_layout, port_free
+from engine.kv_cache import DEFAULT_CPU_KV_BYTES
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
@@ -166,11 +169,16 @@ def test_small_device_tier_offloads_and_recomputes_under_parallelism(tiny_model_
     assert wait_gone(pids) == []
 
 
-def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):
+def test_pipeline_keeps_micro_batches_in_flight(small_checkpoint):
     """With pp = 2 the engine submits a second step while the first is still in a later stage; the second
-    never holds a job of the first (a job in flight is not schedulable)."""
-    engine = parallel_engine(tiny_model_dir, 1, 2, num_gpu_blocks_override=256, max_num_seqs=2)
+    never holds a job of the first (a job in flight is not schedulable). KV is sized in two phases: the
+    3 layers split 2 + 1, each stage reports what fits its budget, and both take the smaller count."""
+    engine = parallel_engine(small_checkpoint(SMALL_PRE_LN), 1, 2, max_num_seqs=2)
     try:
+        cfg = engine.model_config
+        per_layer = 2 * 16 * cfg.num_attention_heads * cfg.head_dim * 4  # K and V, block 16, float32
+        assert engine.executor.kv_block_bytes == 2 * per_layer  # the larger stage's slice
+        assert engine.executor.num_device_blocks == DEFAULT_CPU_KV_BYTES // (2 * per_layer)
         seen_in_flight = []
         submit = engine.executor.submit
 
@@ -182,7 +190,7 @@ def test_pipeline_keeps_micro_batches_in_flight(tiny_model_dir):
 
         engine.executor.submit = recording_submit
         for i in range(4):
-            engine.add_request(str(i), f"Prompt number {i}", SamplingParams(temperature=0, max_tokens=10))
+            engine.add_request(str(i), [2, 10 + i, 20 + i, 30 + i], SamplingParams(temperature=0, max_tokens=10))
         outs = _drain(engine)
         assert len(outs) == 4 and all(len(o.outputs[0].token_ids) == 10 for o in outs)
         assert max(seen_in_flight) == 1, "the second micro-batch was never launched beside the first"
@@ -317,6 +325,29 @@ def test_a_rendezvous_port_in_use_is_a_clear_error(tiny_model_dir):
             parallel_engine(tiny_model_dir, 2, 1, master_port=port)
 
 
+def test_a_worker_exception_kills_the_executor_with_its_message(tiny_model_dir):
+    engine = parallel_engine(tiny_model_dir, 2, 1, num_gpu_blocks_override=64)
+    pids = worker_pids(engine)
+    try:
+        # A step naming a job the workers never heard of: every rank raises, reports it and exits.
+        engine.executor._broadcast(StepMessage(step_id=0, jobs=[JobStep(999, 0, 1, [], True, [0])]))
+        deadline = time.monotonic() + 10
+        while engine.executor.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.executor.error is not None and "KeyError: 999" in engine.executor.error
+        with pytest.raises(ExecutorDeadError, match="rank"):
+            engine.executor.submit(_one_job_batch())
+        assert wait_gone(pids) == []
+    finally:
+        engine.shutdown()
+
+
+def _one_job_batch():
+    from engine.batch import ModelBatch, SequenceWork
+
+    return ModelBatch([SequenceWork("x", [2, 5], 0, [0], SamplingParams(), None, 0)], None)
+
+
 def test_workers_end_with_the_llm_and_with_a_killed_controller(tiny_model_dir, tmp_path):
     with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks_override=64, profile="analytic") as llm:
         pids = list(llm.engine.executor.worker_pids().values())
@@ -330,15 +361,18 @@ def test_workers_end_with_the_llm_and_with_a_killed_controller(tiny_model_dir, t
         f"llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size=2, num_gpu_blocks_override=64, "
         "profile='analytic')\n"
         "print(*llm.engine.executor.worker_pids().values(), flush=True)\n"
-        "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
-    try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(p) for p in pids)
-        proc.kill()
-        proc.wait()
-        assert wait_gone(pids) == [], "workers outlived their controller"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        "import os\n"
+        "time.sleep(0 if os.environ.get('END_AT_ONCE') else 600)\n")
+    for ending in ("SIGKILL", "exit"):  # killed, or a script that ends without closing its LLM (atexit)
+        env = dict(os.environ, PYTHONPATH=str(REPO), END_AT_ONCE="1" if ending == "exit" else "")
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        try:
+            pids = [int(p) for p in proc.stdout.readline().split()]
+            assert len(pids) == 2, ending
+            if ending == "SIGKILL":
+                proc.kill()
+            assert proc.wait(60) in (0, -9), ending
+            assert wait_gone(pids) == [], f"workers outlived their controller ({ending})"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
