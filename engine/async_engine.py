@@ -182,6 +182,10 @@ class AsyncEngine:
         try:
             while True:
                 if not self.engine.has_unfinished():
+                    if self.engine.kv.pending_transfers():  # copies of aborted jobs: their blocks free when done
+                        self.engine.kv.poll()
+                        await asyncio.sleep(0.001)
+                        continue
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue

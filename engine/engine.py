@@ -261,15 +261,12 @@ class Engine:
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
         batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
-        step_wait = self.kv.take_swap_wait()  # the whole step waited for these copies
         for req in {id(s.request): s.request for s in seqs}.values():
-            req.metrics.swap_wait_s += step_wait
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        for s in seqs:
-            self.kv.note_scheduled(s.job, now)
-        # The step's execution starts now: copy waits inside schedule() are swap wait, not execution.
-        return StepPlan(decision, batch, seqs, self.clock.now(), cost)
+        for s in seqs:  # the time a job waited on a copy after it was picked (memory/kv_manager.py)
+            s.request.metrics.swap_wait_s += self.kv.note_scheduled(s.job, now)
+        return StepPlan(decision, batch, seqs, now, cost)
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         job = seq.job

@@ -152,8 +152,8 @@ def run_trace(
 def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
     now = clock.now()
     swapper = getattr(engine.executor, "swapper", None)
-    copies = [t for t in (swapper._busy_until.values() if swapper else ()) if t > now]
-    events = copies + ([next_arrival] if next_arrival is not None else [])
+    copy_end = swapper.next_completion() if swapper is not None else None
+    events = [t for t in (copy_end, next_arrival) if t is not None]
     if not events:
         raise RuntimeError("simulation stalled: jobs wait, but no arrival or copy is pending")
     clock.advance(max(min(events) - now, 0.0) or 1e-9)

@@ -32,12 +32,10 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
     enst = {e.job.job_id: estimated_wait(e.job, now) for e in entries
             if e.residency in (Residency.DEVICE, Residency.HOST)}
     idle.sort(key=lambda e: enst[e.job.job_id], reverse=True)  # largest ENST first
-    pending_free = sum(len(e.device) for e in entries if e.residency is Residency.OFFLOADING)
 
-    # 1. Watermark.
-    while idle and kv.device.num_free + pending_free < watermark:
-        victim = idle.pop(0)
-        pending_free += _offload_or_drop(kv, victim)
+    # 1. Watermark (blocks being offloaded count as free-to-be).
+    while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
+        _offload_or_drop(kv, idle.pop(0))
 
     # 2. Upload, smallest ENST first, keeping the watermark.
     host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
@@ -50,10 +48,7 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
         kv._start_upload(e, enst[e.job.job_id], now)
 
 
-def _offload_or_drop(kv: KVManager, e: JobKV) -> int:
-    """Offload (blocks free when the copy completes) or drop (free now); returns blocks pending."""
-    n = len(e.device)
-    if kv._start_offload(e):
-        return n
-    kv._drop(e)
-    return 0
+def _offload_or_drop(kv: KVManager, e: JobKV) -> None:
+    """Offload (blocks free when the copy completes) or, host full, drop (free now)."""
+    if not kv._start_offload(e):
+        kv._drop(e)

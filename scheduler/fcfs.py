@@ -7,7 +7,12 @@ Rule (DESIGN.md, "FCFS, once"):
   not fit: no overtaking);
 - when a running job cannot grow because device KV is exhausted, the newest
   running job is preempted (memory/ drops it for recompute, or offloads it
-  under a swapping kv-policy) and goes back to the head of the waiting queue.
+  under a swapping kv-policy) and goes back to the head of the waiting queue;
+  when an offload in flight will free the room, the job waits for it instead
+  of preempting more (kv.wait_for_room), and no new job is admitted;
+- a job that is not ready (its KV moving) keeps its place and skips the tick;
+  a preempted job whose KV is on the host is admitted back in its turn, runs
+  once its upload lands, and no one overtakes it meanwhile.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class FCFSPolicy(SchedulingPolicy):
     def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
         decision = ScheduleDecision()
         tokens = 0
+        room_wait = False  # a running job waits for room an offload in flight is freeing
         # 1. Running jobs grow, oldest first; the newest gives way when KV runs out.
         i = 0
         while i < len(self._running):
@@ -57,30 +63,47 @@ class FCFSPolicy(SchedulingPolicy):
             n = job.num_new_tokens
             # The slot check matters when running jobs were skipped (not ready) and more joined.
             full = len(decision.batch) >= self.config.max_num_seqs
-            if full or not job.ready or not self._fits_token_budget(tokens, job, len(decision.batch)):
+            if full or not self._fits_token_budget(tokens, job, len(decision.batch)):
                 i += 1
                 continue
-            while not kv.can_fit(job, n):
+            if not job.ready:
+                kv.note_blocked(job)
+                i += 1
+                continue
+            fits = kv.can_fit(job, n)
+            while not fits and not kv.wait_for_room(job, n):
                 victim = self._running[-1]
                 self._preempt(victim, kv, decision)
                 if victim is job:
                     break
-            else:
-                kv.allocate(job, n)
+                fits = kv.can_fit(job, n)
+            if job not in self._running[i : i + 1]:  # it was the newest, and gave way
+                continue
+            i += 1
+            if not fits:
+                room_wait = True
+                continue
+            kv.allocate(job, n)
+            if job.ready:
                 decision.batch.append(job)
                 tokens += n
-                i += 1
-        # 2. Waiting jobs join in arrival order, unless memory just forced a preemption.
-        while not decision.preempted and self._waiting and len(decision.batch) < self.config.max_num_seqs:
+        # 2. Waiting jobs join in arrival order, unless memory just forced a preemption or a wait.
+        while (not decision.preempted and not room_wait and self._waiting
+               and len(decision.batch) < self.config.max_num_seqs):
             job = self._waiting[0]
             n = job.num_new_tokens
-            if not job.ready or not self._fits_token_budget(tokens, job, len(decision.batch)):
+            if not self._fits_token_budget(tokens, job, len(decision.batch)):
+                break
+            if not job.ready:
+                kv.note_blocked(job)
                 break
             if not kv.can_fit(job, n):
                 break
             kv.allocate(job, n)
             self._waiting.pop(0)
             self._running.append(job)
+            if not job.ready:  # its KV was on the host: it runs when the upload lands; no one overtakes
+                break
             decision.batch.append(job)
             tokens += n
         for job in decision.batch:

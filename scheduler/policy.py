@@ -6,6 +6,12 @@ A policy decides *which jobs run* each iteration. It never touches tensors or
 block ids: it asks `kv.can_fit(job, n)` / `kv.allocate(job, n)` for room and
 `kv.evict(job)` to give a job's device blocks back (memory/ chooses whether
 that is a drop for recompute or an offload), and reads `job.ready`.
+
+Nothing waits on a copy. A job whose KV is moving is not ready; a job picked
+while its KV is on the host starts its upload in allocate() and is not ready
+afterwards; a job whose room is being freed by an offload in flight waits
+(`kv.wait_for_room`). In each case the job stays where it is in the policy's
+order and is simply left out of this tick's batch.
 """
 
 from __future__ import annotations
@@ -52,7 +58,17 @@ class KVAdmission(Protocol):
         ...
 
     def allocate(self, job: Job, num_new_tokens: int) -> None:
-        """Reserve device room for the job's next num_new_tokens (after can_fit)."""
+        """Reserve device room for the job's next num_new_tokens (after can_fit). If its KV was on the
+        host this starts the upload and leaves job.ready False: the job does not run this tick."""
+        ...
+
+    def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
+        """True if the room the job lacks is being freed by copies in flight (it is promised to the job
+        this tick, and the job waits for it); False if more must be evicted (or it cannot run)."""
+        ...
+
+    def note_blocked(self, job: Job) -> None:
+        """The policy would run this job now but it is not ready (its KV may be moving: swap wait)."""
         ...
 
     def may_evict_for(self, job: Job) -> bool:
@@ -60,9 +76,9 @@ class KVAdmission(Protocol):
         ...
 
     def evict(self, job: Job) -> None:
-        """Give back the job's device blocks. Afterwards job.num_computed says
-        what survived (0: dropped, to be recomputed) and job.ready whether it
-        can run without a transfer."""
+        """Give back the job's device blocks: dropped now, or offloaded (they free when the copy
+        completes; see wait_for_room). Afterwards job.num_computed says what survived (0: dropped,
+        to be recomputed) and job.ready whether it can run without a transfer."""
         ...
 
 

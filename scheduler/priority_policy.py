@@ -10,9 +10,12 @@ output token:
   allows it (a job too large for the budget runs alone when it comes first);
 - each job must get device KV room (`kv.can_fit` then `kv.allocate`); when it
   does not fit, jobs of *lower* priority that are not in the batch and hold
-  device KV are evicted, largest estimated wait first, until it fits; a job
-  that still does not fit is skipped (and a job evicted this tick does not
-  run this tick);
+  device KV are evicted, largest estimated wait first, until it fits or the
+  room is being freed by offloads in flight (then the job waits for them,
+  `kv.wait_for_room`); a job that still does not fit is skipped (and a job
+  evicted this tick does not run this tick);
+- a job that is not ready (its KV moving), or that allocate() left not ready
+  (its upload just started), waits: it keeps its place and skips this tick;
 - jobs that ran last iteration but not in this one are the preempted ones.
 
 What it is not: a ranking of its own. Subclasses give `_priority_order()`
@@ -79,11 +82,16 @@ class PriorityPolicy(SchedulingPolicy):
             n = job.prompt_len + job.num_generated - job.num_computed
             if batch and tokens + n > budget:
                 continue
-            if not job.ready or job in evicted:
+            if job in evicted:
+                continue
+            if not job.ready:
+                kv.note_blocked(job)
                 continue
             if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
                 continue
             allocate(job, n)
+            if not job.ready:  # its KV was on the host: the upload started, it runs when it lands
+                continue
             batch.append(job)
             chosen[job] = None
             tokens += n
@@ -134,6 +142,10 @@ class _Victims:
         return sorted(held, key=lambda j: (wait(j, self._now), self._pos[j]), reverse=True)
 
     def make_room(self, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
+        """Evict until the job fits now (True) or its room is being freed by copies in flight (the job
+        waits for them: False, as when nothing more may go)."""
+        if kv.wait_for_room(job, num_new_tokens):
+            return False
         if self._order is None:
             self._order = self._build()
         rank = self._pos[job]
@@ -146,6 +158,8 @@ class _Victims:
             self.evicted.add(victim)
             if kv.can_fit(job, num_new_tokens):
                 return True
+            if kv.wait_for_room(job, num_new_tokens):
+                return False
         return False
 
 

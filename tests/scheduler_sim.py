@@ -54,6 +54,12 @@ class FakeKV:
     def may_evict_for(self, job: Job) -> bool:
         return True
 
+    def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
+        return False  # evictions free their blocks at once: no copy is ever in flight
+
+    def note_blocked(self, job: Job) -> None:
+        pass
+
     def evict(self, job: Job) -> None:
         assert job in self.held, f"evict of {job.job_id}, which holds no blocks"
         self.release(job)
