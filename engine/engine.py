@@ -88,6 +88,7 @@ class Engine:
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
+                fresh_starvation_factor=config.fresh_starvation_factor,
                 max_prompt_len=self.max_model_len,
             ),
             self.cost_model,
@@ -118,8 +119,11 @@ class Engine:
             if num_host is None:
                 num_host = int(cfg.swap_space * (1 << 30)) // ex.kv_block_bytes
             transfers = ex.attach_host_tier(num_host)
+        limit = None
+        if cfg.kv_overcommit is not None:
+            limit = min(int(cfg.kv_overcommit * ex.num_device_blocks), ex.num_device_blocks + num_host)
         return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers,
-                         now=self.clock.now)
+                         now=self.clock.now, max_started_blocks=limit)
 
     def _load_cost_model(self) -> ProfiledCostModel:
         """--profile analytic | PATH, else a matching file in the profile folder, else a short

@@ -23,6 +23,14 @@ memory/proactive.py):
   when the copy lands; misses and their wait are counted.
 When the host tier is full, an eviction falls back to a drop (recompute).
 
+Overload admission (may_start): past capacity a preemptive policy keeps
+starting new jobs ahead of old ones, so the set of started jobs, each holding
+KV, grows without bound; once it outgrows the host, evictions become drops and
+every promotion rebuilds a whole context. So a job with no KV anywhere (new,
+or dropped) starts only while the KV of every started job plus its own stays
+within `max_started_blocks` (device and host together; None = no limit, the
+paper's behaviour); beyond it, it waits where it is in the policy's order.
+
 Nothing here ever waits on a copy: the engine's event loop must not block.
 evict() starts an offload and the device blocks free when it completes (poll);
 allocate() of a job on the host starts its upload and leaves job.ready False;
@@ -109,9 +117,13 @@ class KVManager:
         reserved_blocks: int = 0,
         transfers: TransferBackend | None = None,
         now=time.perf_counter,
+        max_started_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_started_blocks is not None and max_started_blocks < 1:
+            raise ValueError(f"max_started_blocks must be >= 1 or None, got {max_started_blocks}")
+        self.max_started_blocks = max_started_blocks
         self.block_size = block_size
         self.policy = KVPolicy(policy)
         self.reserved_blocks = reserved_blocks
@@ -133,6 +145,23 @@ class KVManager:
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
         return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
+
+    def may_start(self, job, num_new_tokens: int) -> bool:
+        """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or
+        host) may always go on; one with none starts only while every started job's KV plus its own stays
+        within max_started_blocks, counted on both tiers."""
+        limit = self.max_started_blocks
+        if limit is None:
+            return True
+        kv = self._jobs.get(job.job_id)
+        if kv is not None and (kv.device or kv.host):
+            return True
+        return self.started_blocks() + blocks_needed(job.num_computed + num_new_tokens, self.block_size) <= limit
+
+    def started_blocks(self) -> int:
+        """KV blocks held by jobs on either tier, a block being copied counted once."""
+        double = sum(min(len(kv.device), len(kv.host)) for kv in self._inflight)
+        return self.device.num_used + self.host.num_used - double
 
     def allocate(self, job, num_new_tokens: int) -> None:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is

@@ -6,7 +6,9 @@ After the scheduler has picked the batch, every tick:
    burst slots kept for arriving jobs). Counting blocks already being offloaded
    as free-to-be, while below it: offload the idle device-resident job with
    the LARGEST estimated_wait (ENST), never one in the batch and never one
-   whose upload started this tick (no ping-pong). Host full: drop it instead.
+   whose upload started this tick (no ping-pong). Host full: stop; a started
+   job's KV is never thrown away only to keep a watermark (it would be
+   rebuilt; the policy's own evictions still drop when they must).
 2. Upload. Host-resident jobs in order of SMALLEST ENST: upload each while
    the device keeps the watermark after taking its blocks.
 3. Swap. If the best host job still did not fit and its ENST is smaller than
@@ -20,7 +22,7 @@ on demand (KVManager.allocate); good ENST ranking makes those rare.
 
 from __future__ import annotations
 
-from memory.kv_manager import JobKV, KVManager, Residency
+from memory.kv_manager import KVManager, Residency
 
 
 def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
@@ -35,7 +37,8 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
 
     # 1. Watermark (blocks being offloaded count as free-to-be).
     while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
-        _offload_or_drop(kv, idle.pop(0))
+        if not kv._start_offload(idle.pop(0)):
+            break  # host full
 
     # 2. Upload, smallest ENST first, keeping the watermark.
     host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
@@ -43,12 +46,6 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
         if kv.device.num_free - len(e.host) < watermark:
             # 3. Swap: make room for a host job that will run before an idle device job.
             if idle and enst[e.job.job_id] < enst[idle[0].job.job_id]:
-                _offload_or_drop(kv, idle.pop(0))
+                kv._start_offload(idle.pop(0))
             break
         kv._start_upload(e, enst[e.job.job_id], now)
-
-
-def _offload_or_drop(kv: KVManager, e: JobKV) -> None:
-    """Offload (blocks free when the copy completes) or, host full, drop (free now)."""
-    if not kv._start_offload(e):
-        kv._drop(e)

@@ -11,12 +11,19 @@ Rule (DESIGN.md, "FCFS, once"):
   when an offload in flight will free the room, the job waits for it instead
   of preempting more (kv.wait_for_room), and no new job is admitted;
 - a job that is not ready (its KV moving) keeps its place and skips the tick;
+- request classes (Job.priority, lower first): the waiting queue is ordered
+  by class, then arrival; a running job is still never preempted by policy,
+  and when memory runs out the victim is the newest job of the least urgent
+  class running (with one class: the newest, as vLLM);
   a preempted job whose KV is on the host is admitted back in its turn, runs
   once its upload lands, and no one overtakes it meanwhile.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections import Counter
 from collections.abc import Sequence
 
 from scheduler.job import Job
@@ -29,7 +36,11 @@ class FCFSPolicy(SchedulingPolicy):
     def __init__(self, config, cost) -> None:
         super().__init__(config, cost)
         self._running: list[Job] = []  # in admission order (oldest first)
-        self._waiting: list[Job] = []  # in arrival order
+        self._waiting: list[Job] = []  # by (class, arrival sequence)
+        self._seq: dict[Job, int] = {}  # job -> arrival sequence
+        self._counter = itertools.count()
+        self._classes: Counter[int] = Counter()
+        self.started_by_priority: Counter[int] = Counter()
 
     @property
     def jobs(self) -> Sequence[Job]:
@@ -43,14 +54,32 @@ class FCFSPolicy(SchedulingPolicy):
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def jobs_by_priority(self) -> dict[int, int]:
+        """Unfinished jobs per request class (Job.priority), most urgent first."""
+        return dict(sorted(self._classes.items()))
+
+    def _key(self, job: Job) -> tuple[int, int]:
+        return (job.priority, self._seq[job])
+
     def add(self, job: Job, now: float) -> None:
-        self._waiting.append(job)
+        if job in self._seq:
+            raise ValueError(f"job {job.job_id} was already added")
+        self._seq[job] = next(self._counter)
+        bisect.insort(self._waiting, job, key=self._key)
+        self._classes[job.priority] += 1
 
     def remove(self, job: Job) -> None:
+        if job not in self._seq:
+            return
         if job in self._running:
             self._running.remove(job)
-        elif job in self._waiting:
-            self._waiting.remove(job)
+        else:
+            i = bisect.bisect_left(self._waiting, self._key(job), key=self._key)
+            del self._waiting[i if self._waiting[i] is job else self._waiting.index(job)]
+        del self._seq[job]
+        self._classes[job.priority] -= 1
+        if not self._classes[job.priority]:
+            del self._classes[job.priority]
 
     def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
         decision = ScheduleDecision()
@@ -72,12 +101,12 @@ class FCFSPolicy(SchedulingPolicy):
                 continue
             fits = kv.can_fit(job, n)
             while not fits and not kv.wait_for_room(job, n):
-                victim = self._running[-1]
+                victim = self._victim(i)
                 self._preempt(victim, kv, decision)
                 if victim is job:
                     break
                 fits = kv.can_fit(job, n)
-            if job not in self._running[i : i + 1]:  # it was the newest, and gave way
+            if job not in self._running[i : i + 1]:  # it was the victim, and gave way
                 continue
             i += 1
             if not fits:
@@ -102,6 +131,8 @@ class FCFSPolicy(SchedulingPolicy):
             kv.allocate(job, n)
             self._waiting.pop(0)
             self._running.append(job)
+            if job.first_scheduled_time is None:
+                self.started_by_priority[job.priority] += 1
             if not job.ready:  # its KV was on the host: it runs when the upload lands; no one overtakes
                 break
             decision.batch.append(job)
@@ -112,17 +143,21 @@ class FCFSPolicy(SchedulingPolicy):
             job.last_scheduled_time = now
         return decision
 
+    def _victim(self, start: int) -> Job:
+        """The newest job of the least urgent class among running jobs not yet given room this tick
+        (self._running[start:], which holds the job asking)."""
+        rest = self._running[start:]
+        worst = max(job.priority for job in rest)
+        return next(job for job in reversed(rest) if job.priority == worst)
+
     def _preempt(self, victim: Job, kv: KVAdmission, decision: ScheduleDecision) -> None:
         self._running.remove(victim)
         kv.evict(victim)
         victim.num_preemptions += 1
         decision.preempted.append(victim)
-        # Back to the head of the queue, keeping arrival order among waiters; it was admitted
-        # before every waiter of the same arrival time, so it goes ahead of them.
-        pos = 0
-        while pos < len(self._waiting) and self._waiting[pos].arrival_time < victim.arrival_time:
-            pos += 1
-        self._waiting.insert(pos, victim)
+        # Back into the queue at its arrival place in its class: it was admitted before every waiter
+        # of its class that arrived after it (or with it), so it goes ahead of them.
+        bisect.insort(self._waiting, victim, key=self._key)
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         for job in batch:
@@ -133,5 +168,5 @@ class FCFSPolicy(SchedulingPolicy):
         """Queue position times the cost of one decode step (0 when running)."""
         if job in self._running:
             return 0.0
-        pos = self._waiting.index(job) if job in self._waiting else 0
+        pos = bisect.bisect_left(self._waiting, self._key(job), key=self._key) if job in self._seq else 0
         return (pos + 1) * self.cost.t_dec(max(1, len(self._running)), job.context_len)

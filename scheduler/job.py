@@ -21,6 +21,7 @@ class Job:
     arrival_time: float
     # The true output length: given only to the SRPT oracle (simulation, tests).
     true_output_len: int | None = None
+    priority: int = 0  # request class (vLLM's priority): lower runs first
 
     num_generated: int = 0  # output tokens sampled so far
     num_computed: int = 0  # tokens whose KV is in the cache (reset to 0 when KV is dropped)

@@ -75,6 +75,10 @@ class KVAdmission(Protocol):
         """Whether other jobs may be evicted to make room for this one (False: it waits for room)."""
         ...
 
+    def may_start(self, job: Job, num_new_tokens: int) -> bool:
+        """Overload admission, for a job with no KV (new, or dropped): whether it may start now."""
+        ...
+
     def evict(self, job: Job) -> None:
         """Give back the job's device blocks: dropped now, or offloaded (they free when the copy
         completes; see wait_for_room). Afterwards job.num_computed says what survived (0: dropped,
@@ -88,6 +92,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
+    # Overload: a job that never ran is promoted only once it has waited max(alpha, this x the recent
+    # wait of jobs at their first run) (an EMA); below capacity that wait is ~0, so this is alpha. None =
+    # alpha for every job (the paper's rule). See scheduler/skip_join_mlfq.py.
+    fresh_starvation_factor: float | None = 2.0
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init
@@ -99,6 +107,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.starvation_threshold is not None and not self.starvation_threshold > 0:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
+        if self.fresh_starvation_factor is not None and not self.fresh_starvation_factor > 0:
+            raise ValueError(f"fresh_starvation_factor must be > 0, got {self.fresh_starvation_factor}")
         if not self.quantum_ratio > 1:
             raise ValueError(f"quantum_ratio must be > 1, got {self.quantum_ratio}")
         if self.demotion_step < 1:

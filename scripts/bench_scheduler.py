@@ -47,6 +47,9 @@ class AlwaysFits:
     def may_evict_for(self, job: Job) -> bool:
         return True
 
+    def may_start(self, job: Job, num_new_tokens: int) -> bool:
+        return True
+
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
         return False  # evictions free their blocks at once: no copy is ever in flight
 
