@@ -29,7 +29,9 @@ KV, grows without bound; once it outgrows the host, evictions become drops and
 every promotion rebuilds a whole context. So a job with no KV anywhere (new,
 or dropped) starts only while the KV of every started job plus its own stays
 within `max_started_blocks` (device and host together; None = no limit, the
-paper's behaviour); beyond it, it waits where it is in the policy's order.
+paper's behaviour), and while the policy says it is backlogged (jobs wait
+longer than alpha to start), within the device alone; beyond it, it waits
+where it is in the policy's order.
 
 Nothing here ever waits on a copy: the engine's event loop must not block.
 evict() starts an offload and the device blocks free when it completes (poll);
@@ -134,6 +136,7 @@ class KVManager:
         self._jobs: dict[str, JobKV] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
         self._inflight: dict[JobKV, None] = {}  # entries with a transfer in flight (orphans included)
+        self._on_host: dict[JobKV, None] = {}  # entries whose KV is on the host alone (Residency.HOST)
         self._pending_free = 0  # device blocks that free when the copies in flight complete
         self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
         self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
@@ -146,13 +149,17 @@ class KVManager:
     def can_fit(self, job, num_new_tokens: int) -> bool:
         return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
 
-    def may_start(self, job, num_new_tokens: int) -> bool:
+    def may_start(self, job, num_new_tokens: int, backlogged: bool = False) -> bool:
         """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or
         host) may always go on; one with none starts only while every started job's KV plus its own stays
-        within max_started_blocks, counted on both tiers."""
+        within max_started_blocks, counted on both tiers, and while the policy is backlogged (past
+        capacity), within the device alone: then a new job waits for a job to finish rather than push
+        started ones to the host, where under the churn of promotions they would shuttle back and forth."""
         limit = self.max_started_blocks
         if limit is None:
             return True
+        if backlogged:
+            limit = min(limit, self.device.num_blocks)
         kv = self._jobs.get(job.job_id)
         if kv is not None and (kv.device or kv.host):
             return True
@@ -253,6 +260,7 @@ class KVManager:
         self._waits.pop(job_id, None)
         if kv is None:
             return
+        self._on_host.pop(kv, None)
         if kv.transfer is not None and not kv.transfer.done():
             kv.freed = True
             self._hold_pending(kv, len(kv.device))  # every device block of an orphan frees when it lands
@@ -261,6 +269,10 @@ class KVManager:
         if kv.transfer is not None:
             self._complete(kv)
         self._release_all(kv)
+
+    def host_resident(self) -> list[JobKV]:
+        """Entries whose KV is on the host alone, in no particular order (memory/proactive.py)."""
+        return list(self._on_host)
 
     def pending_transfers(self) -> int:
         """Copies in flight (the engine loop keeps polling while there are any)."""
@@ -325,6 +337,8 @@ class KVManager:
         pending = sum(kv.pending_blocks for kv in entries)
         assert pending == self._pending_free, f"entries hold {pending} pending blocks, the counter {self._pending_free}"
         assert set(self._inflight) == {kv for kv in entries if kv.transfer is not None}, "in-flight set is stale"
+        assert set(self._on_host) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
+            "host-resident set is stale"
 
     # -- moves (also used by memory/proactive.py) -------------------------------------------------
     def _entry(self, job) -> JobKV:
@@ -360,6 +374,7 @@ class KVManager:
         if n > self.device.num_free:
             return False
         kv.device = self.device.allocate(kv.job.job_id, n)
+        self._on_host.pop(kv, None)
         kv.residency = Residency.UPLOADING
         kv.transfer_tick = self.tick
         kv.predicted_wait, kv.upload_time = predicted_wait, now
@@ -391,11 +406,13 @@ class KVManager:
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
+            self._on_host[kv] = None
             kv.job.ready = True  # schedulable: uploaded on demand if picked before a prefetch brings it back
         elif kv.residency is Residency.UPLOADING and kv.cancel_upload:  # evicted while it came up
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
+            self._on_host[kv] = None
             kv.cancel_upload = False
             kv.predicted_wait = None
             kv.job.ready = True
@@ -415,6 +432,7 @@ class KVManager:
             self.host.free(jid, kv.host)
             kv.host = []
         kv.residency = Residency.NONE
+        self._on_host.pop(kv, None)
         self.stats.num_drops += 1
         self.stats.num_recomputed_tokens += kv.job.num_computed
         kv.job.num_computed = 0

@@ -22,30 +22,46 @@ on demand (KVManager.allocate); good ENST ranking makes those rare.
 
 from __future__ import annotations
 
-from memory.kv_manager import KVManager, Residency
+from memory.kv_manager import JobKV, KVManager, Residency
 
 
 def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
-    in_batch = {j.job_id for j in batch}
+    """Cost: O(1) when the watermark holds and nothing is on the host (most ticks below capacity);
+    otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job."""
     watermark = len(batch) + kv.reserved_blocks
-    entries = list(kv._jobs.values())
-    idle = [e for e in entries if e.residency is Residency.DEVICE and e.device
-            and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
-    enst = {e.job.job_id: estimated_wait(e.job, now) for e in entries
-            if e.residency in (Residency.DEVICE, Residency.HOST)}
-    idle.sort(key=lambda e: enst[e.job.job_id], reverse=True)  # largest ENST first
+    host = kv.host_resident()
+    if not host and kv.device.num_free + kv.pending_free_blocks >= watermark:
+        return
+    enst: dict[str, float] = {}
+
+    def wait(e: JobKV) -> float:
+        jid = e.job.job_id
+        if jid not in enst:
+            enst[jid] = estimated_wait(e.job, now)
+        return enst[jid]
+
+    idle: list[JobKV] | None = None
+
+    def idle_jobs() -> list[JobKV]:  # device-resident, not in the batch, largest ENST first
+        in_batch = {j.job_id for j in batch}
+        found = [e for e in kv._jobs.values() if e.residency is Residency.DEVICE and e.device
+                 and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
+        return sorted(found, key=wait, reverse=True)
 
     # 1. Watermark (blocks being offloaded count as free-to-be).
-    while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
-        if not kv._start_offload(idle.pop(0)):
-            break  # host full
+    if kv.device.num_free + kv.pending_free_blocks < watermark:
+        idle = idle_jobs()
+        while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
+            if not kv._start_offload(idle.pop(0)):
+                break  # host full
 
     # 2. Upload, smallest ENST first, keeping the watermark.
-    host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
-    for e in host:
+    for e in sorted(host, key=wait):
         if kv.device.num_free - len(e.host) < watermark:
             # 3. Swap: make room for a host job that will run before an idle device job.
-            if idle and enst[e.job.job_id] < enst[idle[0].job.job_id]:
+            if idle is None:
+                idle = idle_jobs()
+            if idle and wait(e) < wait(idle[0]):
                 kv._start_offload(idle.pop(0))
             break
-        kv._start_upload(e, enst[e.job.job_id], now)
+        kv._start_upload(e, wait(e), now)

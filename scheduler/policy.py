@@ -75,8 +75,9 @@ class KVAdmission(Protocol):
         """Whether other jobs may be evicted to make room for this one (False: it waits for room)."""
         ...
 
-    def may_start(self, job: Job, num_new_tokens: int) -> bool:
-        """Overload admission, for a job with no KV (new, or dropped): whether it may start now."""
+    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
+        """Overload admission, for a job with no KV (new, or dropped): whether it may start now (backlogged:
+        the policy's queue is past capacity, so started jobs' KV should fit the device alone)."""
         ...
 
     def evict(self, job: Job) -> None:

@@ -15,7 +15,9 @@ output token:
   `kv.wait_for_room`); a job that still does not fit is skipped (and a job
   evicted this tick does not run this tick);
 - a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
-  (overload admission: the started jobs' KV must fit both tiers);
+  (overload admission: the started jobs' KV must fit within what memory/
+  allows; while the policy is backlogged, W > alpha below, within the device
+  alone);
 - fresh jobs (never run yet) are looked at only while it can matter: once
   admission refuses one, no other fresh job starts this tick; after the token
   budget has refused max_num_seqs fresh jobs, no further fresh job is tried
@@ -48,6 +50,8 @@ from typing import ClassVar
 from scheduler.job import Job
 from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, SchedulerConfig, SchedulingPolicy
 
+START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
+
 
 class Gate:
     """Whether the walk still yields fresh jobs (closed once one is refused)."""
@@ -65,6 +69,12 @@ class PriorityPolicy(SchedulingPolicy):
         self.num_policy_preemptions = 0  # jobs that ran and then did not, over the policy's life
         self._classes: Counter[int] = Counter()  # request class -> unfinished jobs
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
+        self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
+
+    @property
+    def backlogged(self) -> bool:
+        """Past capacity: jobs wait longer than alpha (or 0.3 s without alpha) to start, on average (W)."""
+        return self.start_wait_ema > (self.config.starvation_threshold or 0.3)
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -129,7 +139,7 @@ class PriorityPolicy(SchedulingPolicy):
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate = victims.evicted, kv.can_fit, kv.allocate  # hot loop: bound once
         tokens = 0
-        gate, over_budget = Gate(), 0
+        gate, over_budget, backlogged = Gate(), 0, self.backlogged
         for job in self._walk(gate):
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
@@ -144,7 +154,7 @@ class PriorityPolicy(SchedulingPolicy):
             if not job.ready:
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0 and not kv.may_start(job, n):
+            if job.num_computed == 0 and not kv.may_start(job, n, backlogged):
                 if fresh:
                     gate.fresh = False
                 continue
@@ -172,8 +182,11 @@ class PriorityPolicy(SchedulingPolicy):
         started = [job for job in batch if job.first_scheduled_time is None]
         if started:
             self._on_started(started)
+            ema = self.start_wait_ema
             for job in started:
                 self.started_by_priority[job.priority] += 1
+                ema += START_WAIT_WEIGHT * ((now - job.arrival_time) - ema)
+            self.start_wait_ema = ema
         for job in batch:
             if job.first_scheduled_time is None:
                 job.first_scheduled_time = now

@@ -81,14 +81,14 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
     return quanta
 
 
-START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
-
 # Demotion needs service > quantum beyond float noise: six 0.1 s steps after 1.0 s are 1.6000000000000003 s,
 # which has not exceeded a 1.6 s quantum.
 QUANTUM_SLACK = 1 + 1e-9
 
 class _Band:
-    """One request class's queues: per level, started and fresh jobs, FIFO."""
+    """One request class's queues: per level, started and fresh jobs, each an insertion-ordered dict in
+    entry order. Jobs join at the tail (a new entry), except a fresh job that starts: it keeps its
+    entry, so its started dict may need re-sorting (done once per tick, before the walk)."""
 
     __slots__ = ("started", "fresh")
 
@@ -113,11 +113,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._band_keys: list[int] = []  # sorted: the walk's band order
         self._band_of: dict[Job, int] = {}  # every job the policy holds -> the band it sits in
         self._entry: dict[Job, int] = {}  # job -> sequence number of its entry into its queue (FIFO order)
+        self._unsorted: set[tuple[int, int]] = set()  # (band, level) whose started dict is out of entry order
         self._queue_waits: dict[tuple[int, int], float] | None = None  # T_execute by (band, level)
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
         self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
-        self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock)
-        self._now = 0.0
         self._seq = itertools.count()
         self.num_promotions = 0
         self.num_demotions = 0
@@ -184,6 +183,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
+        if self._unsorted:
+            self._sort_started()
         entry = self._entry
         for key in self._band_keys:
             band = self._bands[key]
@@ -219,19 +220,23 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def _on_started(self, jobs: list[Job]) -> None:
         entry = self._entry
-        ema = self.start_wait_ema
         for job in jobs:
-            ema += START_WAIT_WEIGHT * ((self._now - job.arrival_time) - ema)
-            band = self._bands[self._band_of[job]]
+            key = self._band_of[job]
+            band = self._bands[key]
             del band.fresh[job.queue][job]
             started = band.started[job.queue]
-            if started and entry[next(reversed(started))] > entry[job]:  # keep the dict in entry order
-                held = sorted([*started, job], key=entry.__getitem__)
-                started.clear()
-                started.update(dict.fromkeys(held))
-            else:
-                started[job] = None
-        self.start_wait_ema = ema
+            if started and entry[next(reversed(started))] > entry[job]:
+                self._unsorted.add((key, job.queue))  # it keeps its entry (its place): re-sort before the walk
+            started[job] = None
+
+    def _sort_started(self) -> None:
+        entry = self._entry
+        for key, level in self._unsorted:
+            started = self._bands[key].started[level]
+            held = sorted(started, key=entry.__getitem__)  # near-sorted: timsort is near-linear
+            started.clear()
+            started.update(dict.fromkeys(held))
+        self._unsorted.clear()
 
     def _wait_from(self, since: float, jobs: Sequence[Job]) -> None:
         """Start the starvation clock of jobs that last ran (or arrived) at `since`."""
@@ -253,7 +258,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         """Promote every job that has waited longer than alpha to the tail of Q1 (of the most urgent class)."""
         alpha = self.config.starvation_threshold
         heap, running, band_of = self._starving, self._running, self._band_of
-        self._now = now
         promoted = 0
         top = min(self._classes) if self._classes else 0
         fresh_heap = self._fresh_starving
@@ -268,25 +272,36 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     self._place(job, top, 0, True)
                     job.num_promotions += 1
                     promoted += 1
-        while heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
-            since, _, group = heapq.heappop(heap)
-            for job in group:
-                if job.last_scheduled_time != since or job in running:
-                    continue  # stale: the job ran since
-                key = band_of.get(job)
-                if key is None or (key == top and job.queue == 0):
-                    continue  # it left, or it is in Q1 already
-                fresh = job.first_scheduled_time is None
-                self._unplace(job)
-                self._place(job, top, 0, fresh)
-                job.num_promotions += 1
-                promoted += 1
+        if heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
+            bands, entry, seq = self._bands, self._entry, self._seq
+            q1 = self._band(top)
+            while heap and now - heap[0][0] > alpha:
+                since, _, group = heapq.heappop(heap)
+                for job in group:  # _unplace and _place inlined: this loop can touch every waiting job
+                    if job.last_scheduled_time != since or job in running:
+                        continue  # stale: the job ran since
+                    key = band_of.get(job)
+                    if key is None or (key == top and job.queue == 0):
+                        continue  # it left, or it is in Q1 already
+                    band, level = bands[key], job.queue
+                    if band.started[level].pop(job, 0) is None:
+                        q1.started[0][job] = None
+                    else:
+                        band.fresh[level].pop(job)
+                        q1.fresh[0][job] = None
+                    band_of[job], entry[job] = top, next(seq)
+                    job.queue, job.service_in_queue = 0, 0.0
+                    job.num_promotions += 1
+                    promoted += 1
         if promoted:
             self.num_promotions += promoted
+            self._queue_waits = None
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
         last, eta, limits, band_of = len(self.quanta) - 1, self.config.demotion_step, self._limits, self._band_of
+        bands, entry, seq = self._bands, self._entry, self._seq
+        moved = False
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
@@ -297,8 +312,20 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 if new != level:
                     job.num_demotions += 1
                     self.num_demotions += 1
-                self._unplace(job)  # a promoted job sinks into its own class's queues
-                self._place(job, job.priority, new, fresh=False)
+                # _unplace and _place inlined; a promoted job sinks into its own class's queues.
+                band = bands[band_of[job]]
+                key = job.priority
+                target = bands.get(key) or self._band(key)
+                if band.started[level].pop(job, 0) is None:
+                    target.started[new][job] = None
+                else:  # charged without having been scheduled (tests drive on_step_done alone)
+                    band.fresh[level].pop(job)
+                    target.fresh[new][job] = None
+                band_of[job], entry[job] = key, next(seq)
+                job.queue, job.service_in_queue = new, 0.0
+                moved = True
+        if moved:
+            self._queue_waits = None
 
     def _execute_waits(self) -> dict[tuple[int, int], float]:
         """T_execute for a job of each (band, queue); see the module docstring."""

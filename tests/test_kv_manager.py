@@ -288,3 +288,63 @@ def test_proactive_never_evicts_resident_jobs_for_a_job_on_the_host():
         kv.evict(a)  # a's KV is now on the host
         assert kv.may_evict_for(a) is expected, policy
         assert kv.may_evict_for(b)  # a job with no KV anywhere may always make room
+
+
+# -- the ENST ranking itself: each test fails if the proactive rule's order is inverted -------------------------
+def on_host(kv: KVManager, be: ManualBackend, j: Job, tokens: int) -> None:
+    grow(kv, j, tokens)
+    kv.evict(j)
+    be.complete_all()
+    kv.poll()
+    assert kv.residency(j.job_id) is Residency.HOST
+
+
+def test_watermark_offloads_the_idle_jobs_that_run_last():
+    """8 device blocks, all held: the batch job d and idle a, b, c (2 blocks each). Watermark = 1 (batch)
+    + 2 reserved = 3 free blocks, so two idle jobs go. ENST a 5 s, b 1 s, c 9 s: c then a (largest first);
+    offloading the job that runs soonest (b) would be the inverted rule."""
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", reserved_blocks=2, transfers=be)
+    a, b, c, d = (job(i, 8) for i in range(4))
+    for j in (a, b, c, d):
+        grow(kv, j, 8)
+    enst = {"j0": 5.0, "j1": 1.0, "j2": 9.0, "j3": 0.0}
+    kv.plan([d], lambda j, now: enst[j.job_id], now=0.0)
+    assert [kv.residency(j.job_id) for j in (a, b, c, d)] == [
+        Residency.OFFLOADING, Residency.DEVICE, Residency.OFFLOADING, Residency.DEVICE]
+    assert [call[0] for call in be.calls] == [Direction.OFFLOAD, Direction.OFFLOAD]
+    assert be.calls[0][1] == list(zip(kv._jobs["j2"].device, kv._jobs["j2"].host))  # c first
+
+
+def test_uploads_bring_back_the_host_jobs_that_run_soonest():
+    """x, y, z on the host (2 blocks each), 8 device blocks free, watermark 0 + 3 reserved: room for two
+    uploads (8 - 4 = 4 >= 3; a third would leave 2 < 3). ENST x 3 s, y 1 s, z 7 s: y then x (smallest first);
+    uploading the job that runs last (z) would be the inverted rule."""
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", reserved_blocks=3, transfers=be)
+    x, y, z = job(0, 8), job(1, 8), job(2, 8)
+    for j in (x, y, z):
+        on_host(kv, be, j, 8)
+    be.calls.clear()
+    enst = {"j0": 3.0, "j1": 1.0, "j2": 7.0}
+    kv.plan([], lambda j, now: enst[j.job_id], now=0.0)
+    assert [kv.residency(j.job_id) for j in (x, y, z)] == [Residency.UPLOADING, Residency.UPLOADING, Residency.HOST]
+    assert be.calls[0][1] == list(zip(kv._jobs["j1"].host, kv._jobs["j1"].device))  # y first
+    assert [s[0] for s in kv.stats.enst_samples] == [] and kv._jobs["j1"].predicted_wait == 1.0
+
+
+def test_swap_makes_room_only_for_a_host_job_that_runs_before_an_idle_one():
+    """Device full (idle p, q hold all 8 blocks); host job h. If h runs before the idle job that runs
+    last, that idle job goes to the host (h comes up on a later tick); if h runs after both, nothing moves."""
+    for h_enst, expect in ((2.0, Residency.OFFLOADING), (20.0, Residency.DEVICE)):
+        be = ManualBackend()
+        kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", transfers=be)
+        h = job(9, 8)
+        on_host(kv, be, h, 8)
+        p, q = job(0, 16), job(1, 16)
+        grow(kv, p, 16)
+        grow(kv, q, 16)
+        enst = {"j9": h_enst, "j0": 4.0, "j1": 10.0}
+        kv.plan([], lambda j, now, enst=enst: enst[j.job_id], now=0.0)
+        assert kv.residency("j1") is expect and kv.residency("j0") is Residency.DEVICE, h_enst
+        assert kv.residency("j9") is Residency.HOST
