@@ -35,7 +35,7 @@ class EngineConfig:
     seed: int = 0
     kv_policy: str = "proactive"
     starvation_threshold: float | None = 0.3  # alpha, seconds
-    fresh_starvation_factor: float | None = 2.0  # overload: see scheduler/policy.py; None = the paper's rule
+    fresh_starvation_factor: float | None = None  # overload: see scheduler/policy.py; None = the paper's rule
     quantum_ratio: float = 2.0
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;

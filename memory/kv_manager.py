@@ -63,6 +63,8 @@ from memory.block_allocator import BlockAllocator
 from memory.kv_policy import KVPolicy
 from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle
 
+THRASH_TICKS = 4  # an offload undone within this many ticks counts as thrash
+
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -89,6 +91,7 @@ class JobKV:
     upload_time: float | None = None
     freed: bool = False  # finished or aborted while a copy was in flight
     cancel_upload: bool = False  # evicted while uploading: the device blocks free when the copy lands
+    offload_tick: int | None = None  # tick of the last offload, until the job is wanted back (thrash count)
     pending_blocks: int = 0  # device blocks that free when the transfer in flight completes
 
 
@@ -102,6 +105,7 @@ class KVStats:
     blocks_uploaded: int = 0
     swap_wait_s: float = 0.0  # job-seconds picked but waiting on a copy (the module docstring's swap wait)
     host_full_fallbacks: int = 0  # evictions that wanted the host but found it full
+    num_thrash: int = 0  # offloads whose job was wanted back (upload, or picked) within THRASH_TICKS ticks
     num_swap_misses: int = 0  # jobs scheduled while their KV was still on the host (uploaded on demand)
     # ENST accuracy: for each upload, predicted vs actual wait until the job next ran (engine clock).
     enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
@@ -227,6 +231,12 @@ class KVManager:
         kv = self._jobs.get(job.job_id)
         if kv is not None and kv.residency in (Residency.HOST, Residency.OFFLOADING, Residency.UPLOADING):
             self._block(job.job_id)
+            self._wanted_back(kv)
+
+    def _wanted_back(self, kv: JobKV) -> None:
+        if kv.offload_tick is not None:
+            self.stats.num_thrash += self.tick - kv.offload_tick <= THRASH_TICKS
+            kv.offload_tick = None
 
     def _block(self, job_id: str) -> None:
         if not self._blocked:
@@ -360,6 +370,7 @@ class KVManager:
             self.stats.host_full_fallbacks += 1
             return False
         kv.host = self.host.allocate(kv.job.job_id, n)
+        kv.offload_tick = self.tick
         kv.residency = Residency.OFFLOADING
         kv.transfer_tick = self.tick
         kv.job.ready = False
@@ -375,6 +386,7 @@ class KVManager:
             return False
         kv.device = self.device.allocate(kv.job.job_id, n)
         self._on_host.pop(kv, None)
+        self._wanted_back(kv)
         kv.residency = Residency.UPLOADING
         kv.transfer_tick = self.tick
         kv.predicted_wait, kv.upload_time = predicted_wait, now

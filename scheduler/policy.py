@@ -95,8 +95,9 @@ class SchedulerConfig:
     starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
     # Overload: a job that never ran is promoted only once it has waited max(alpha, this x the recent
     # wait of jobs at their first run) (an EMA); below capacity that wait is ~0, so this is alpha. None =
-    # alpha for every job (the paper's rule). See scheduler/skip_join_mlfq.py.
-    fresh_starvation_factor: float | None = 2.0
+    # alpha for every job (the paper's rule; the default: see docs/experiments.md, "Past capacity", for
+    # what a factor trades). See scheduler/skip_join_mlfq.py.
+    fresh_starvation_factor: float | None = None
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init

@@ -14,7 +14,7 @@ Rule, on the engine's clock, with every time a *profiled* cost:
 - Starvation prevention: a job not in the batch whose starve time exceeds
   alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
   its service reset. A job already in Q1 stays where it is.
-- Overload (fresh_starvation_factor f; None = the paper's rule above): a
+- Overload (fresh_starvation_factor f; default None = the rule above): a
   job that has never run is promoted only once it has waited
   max(alpha, f x W), W the recent wait of jobs at their first run (an
   exponential average over started jobs). Below capacity W is ~0 and this
@@ -86,18 +86,20 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
 QUANTUM_SLACK = 1 + 1e-9
 
 class _Band:
-    """One request class's queues: per level, started and fresh jobs, each an insertion-ordered dict in
-    entry order. Jobs join at the tail (a new entry), except a fresh job that starts: it keeps its
-    entry, so its started dict may need re-sorting (done once per tick, before the walk)."""
+    """One request class's queues: per level, started and fresh jobs in entry order. Jobs join at the
+    tail (a new entry) of an insertion-ordered dict, except a fresh job that starts: it keeps its entry
+    (its place), so when a later entry is already started it goes to `late`, a short list sorted by
+    entry, until it next moves."""
 
-    __slots__ = ("started", "fresh")
+    __slots__ = ("started", "late", "fresh")
 
     def __init__(self, levels: int) -> None:
         self.started: list[dict[Job, None]] = [{} for _ in range(levels)]
+        self.late: list[list[Job]] = [[] for _ in range(levels)]
         self.fresh: list[dict[Job, None]] = [{} for _ in range(levels)]
 
     def sizes(self) -> list[int]:
-        return [len(s) + len(f) for s, f in zip(self.started, self.fresh)]
+        return [len(s) + len(x) + len(f) for s, x, f in zip(self.started, self.late, self.fresh)]
 
 
 class SkipJoinMLFQPolicy(PriorityPolicy):
@@ -113,7 +115,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._band_keys: list[int] = []  # sorted: the walk's band order
         self._band_of: dict[Job, int] = {}  # every job the policy holds -> the band it sits in
         self._entry: dict[Job, int] = {}  # job -> sequence number of its entry into its queue (FIFO order)
-        self._unsorted: set[tuple[int, int]] = set()  # (band, level) whose started dict is out of entry order
         self._queue_waits: dict[tuple[int, int], float] | None = None  # T_execute by (band, level)
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
         self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
@@ -155,10 +156,19 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._queue_waits = None
 
     def _unplace(self, job: Job) -> None:
-        band, level = self._bands[self._band_of[job]], job.queue
-        if band.started[level].pop(job, 0) is not None:
-            band.fresh[level].pop(job)
+        self._take(self._bands[self._band_of[job]], job)
         self._queue_waits = None
+
+    def _take(self, band: _Band, job: Job) -> bool:
+        """Remove the job from its queue in the band; True if it had started."""
+        level = job.queue
+        if band.started[level].pop(job, 0) is None:
+            return True
+        if band.fresh[level].pop(job, 0) is None:
+            return False
+        late = band.late[level]
+        del late[bisect.bisect_left(late, self._entry[job], key=self._entry.__getitem__)]
+        return True
 
     def _holds(self, job: Job) -> bool:
         return job in self._band_of
@@ -183,22 +193,22 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
-        if self._unsorted:
-            self._sort_started()
         entry = self._entry
         for key in self._band_keys:
             band = self._bands[key]
-            for started, fresh in zip(band.started, band.fresh):
+            for started, late, fresh in zip(band.started, band.late, band.fresh):
+                if late:
+                    started = heapq.merge(started, late, key=entry.__getitem__)
                 if not fresh or not gate.fresh:
                     yield from started
                     continue
-                if not started:
+                if not started and not late:
                     for job in fresh:
                         if not gate.fresh:
                             break
                         yield job
                     continue
-                s_it, f_it = iter(started), iter(fresh)  # merge the two FIFOs by entry order
+                s_it, f_it = iter(started), iter(fresh)  # merge the FIFOs by entry order
                 s, f = next(s_it, None), next(f_it, None)
                 while s is not None or f is not None:
                     if f is not None and gate.fresh and (s is None or entry[f] < entry[s]):
@@ -215,8 +225,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def _started_jobs(self) -> Iterator[Job]:
         for band in self._bands.values():
-            for started in band.started:
+            for started, late in zip(band.started, band.late):
                 yield from started
+                yield from late
 
     def _on_started(self, jobs: list[Job]) -> None:
         entry = self._entry
@@ -225,18 +236,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             band = self._bands[key]
             del band.fresh[job.queue][job]
             started = band.started[job.queue]
-            if started and entry[next(reversed(started))] > entry[job]:
-                self._unsorted.add((key, job.queue))  # it keeps its entry (its place): re-sort before the walk
-            started[job] = None
-
-    def _sort_started(self) -> None:
-        entry = self._entry
-        for key, level in self._unsorted:
-            started = self._bands[key].started[level]
-            held = sorted(started, key=entry.__getitem__)  # near-sorted: timsort is near-linear
-            started.clear()
-            started.update(dict.fromkeys(held))
-        self._unsorted.clear()
+            if started and entry[next(reversed(started))] > entry[job]:  # it keeps its place
+                bisect.insort(band.late[job.queue], job, key=entry.__getitem__)
+            else:
+                started[job] = None
 
     def _wait_from(self, since: float, jobs: Sequence[Job]) -> None:
         """Start the starvation clock of jobs that last ran (or arrived) at `since`."""
@@ -283,11 +286,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     key = band_of.get(job)
                     if key is None or (key == top and job.queue == 0):
                         continue  # it left, or it is in Q1 already
-                    band, level = bands[key], job.queue
-                    if band.started[level].pop(job, 0) is None:
+                    if self._take(bands[key], job):
                         q1.started[0][job] = None
                     else:
-                        band.fresh[level].pop(job)
                         q1.fresh[0][job] = None
                     band_of[job], entry[job] = top, next(seq)
                     job.queue, job.service_in_queue = 0, 0.0
@@ -316,10 +317,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 band = bands[band_of[job]]
                 key = job.priority
                 target = bands.get(key) or self._band(key)
-                if band.started[level].pop(job, 0) is None:
+                if self._take(band, job):
                     target.started[new][job] = None
                 else:  # charged without having been scheduled (tests drive on_step_done alone)
-                    band.fresh[level].pop(job)
                     target.fresh[new][job] = None
                 band_of[job], entry[job] = key, next(seq)
                 job.queue, job.service_in_queue = new, 0.0

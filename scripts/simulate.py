@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-overcommit", type=none_or_float, default=2.0,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
                          "(the paper)")
-    ap.add_argument("--fresh-starvation-factor", type=none_or_float, default=2.0,
+    ap.add_argument("--fresh-starvation-factor", type=none_or_float, default=None,
                     help="a job that never ran is promoted after max(alpha, this x the recent wait to a first run); "
                          "'none' = alpha (the paper)")
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
