@@ -66,6 +66,8 @@ class SchedulerStats:
     num_promotions: int  # starvation promotions to Q1 (MLFQ policies)
     num_demotions: int
     num_policy_preemptions: int  # jobs that ran one iteration and not the next (priority policies)
+    jobs_by_priority: dict[int, int]  # unfinished jobs per request class (Job.priority), most urgent first
+    started_by_priority: dict[int, int]  # jobs started (first run) per request class, over the engine's life
 
 
 class Engine:
@@ -238,6 +240,8 @@ class Engine:
             num_promotions=getattr(sched, "num_promotions", 0),
             num_demotions=getattr(sched, "num_demotions", 0),
             num_policy_preemptions=getattr(sched, "num_policy_preemptions", 0),
+            jobs_by_priority=sched.jobs_by_priority(),
+            started_by_priority=dict(sorted(sched.started_by_priority.items())),
         )
 
     # -- the step ---------------------------------------------------------------------------------

@@ -270,14 +270,15 @@ class KVManager:
         self._waits.pop(job_id, None)
         if kv is None:
             return
-        self._on_host.pop(kv, None)
         if kv.transfer is not None and not kv.transfer.done():
+            self._on_host.pop(kv, None)  # (not there: its copy is in flight)
             kv.freed = True
             self._hold_pending(kv, len(kv.device))  # every device block of an orphan frees when it lands
             self._orphans.append(kv)
             return
         if kv.transfer is not None:
             self._complete(kv)
+        self._on_host.pop(kv, None)
         self._release_all(kv)
 
     def host_resident(self) -> list[JobKV]:
