@@ -191,6 +191,10 @@ class AsyncEngine:
                 if engine.executor.error is not None:
                     raise ExecutorDeadError(engine.executor.error)
                 if not engine.has_unfinished() and not engine.in_flight:
+                    if engine.kv.pending_transfers():  # copies of aborted jobs: their blocks free when done
+                        engine.kv.poll()
+                        await asyncio.sleep(0.001)
+                        continue
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue

@@ -68,6 +68,8 @@ class SchedulerStats:
     num_promotions: int  # starvation promotions to Q1 (MLFQ policies)
     num_demotions: int
     num_policy_preemptions: int  # jobs that ran one iteration and not the next (priority policies)
+    jobs_by_priority: dict[int, int]  # unfinished jobs per request class (Job.priority), most urgent first
+    started_by_priority: dict[int, int]  # jobs started (first run) per request class, over the engine's life
 
 
 class Engine:
@@ -86,6 +88,7 @@ class Engine:
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
+                fresh_starvation_factor=config.fresh_starvation_factor,
                 max_prompt_len=self.max_model_len,
             ),
             self.cost_model,
@@ -117,8 +120,11 @@ class Engine:
             if num_host is None:
                 num_host = int(cfg.swap_space * (1 << 30)) // ex.kv_block_bytes
             transfers = ex.attach_host_tier(num_host)
+        limit = None
+        if cfg.kv_overcommit is not None:
+            limit = min(int(cfg.kv_overcommit * ex.num_device_blocks), ex.num_device_blocks + num_host)
         return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers,
-                         now=self.clock.now)
+                         now=self.clock.now, max_started_blocks=limit)
 
     def _load_cost_model(self) -> ProfiledCostModel:
         """--profile analytic | PATH, else a matching file in the profile folder, else a short
@@ -244,6 +250,8 @@ class Engine:
             num_promotions=getattr(sched, "num_promotions", 0),
             num_demotions=getattr(sched, "num_demotions", 0),
             num_policy_preemptions=getattr(sched, "num_policy_preemptions", 0),
+            jobs_by_priority=sched.jobs_by_priority(),
+            started_by_priority=dict(sorted(sched.started_by_priority.items())),
         )
 
     # -- the step ---------------------------------------------------------------------------------
@@ -301,16 +309,13 @@ class Engine:
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
         batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
-        step_wait = self.kv.take_swap_wait()  # the whole step waited for these copies
         for req in {id(s.request): s.request for s in seqs}.values():
-            req.metrics.swap_wait_s += step_wait
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-        for s in seqs:
-            self.kv.note_scheduled(s.job, now)
+        for s in seqs:  # the time a job waited on a copy after it was picked (memory/kv_manager.py)
+            s.request.metrics.swap_wait_s += self.kv.note_scheduled(s.job, now)
             s.job.in_flight = True
-        # The step's execution starts now: copy waits inside schedule() are swap wait, not execution.
-        return StepPlan(decision, batch, seqs, self.clock.now(), cost)
+        return StepPlan(decision, batch, seqs, now, cost)
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         job = seq.job

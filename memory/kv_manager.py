@@ -11,18 +11,41 @@ kv-policy (paper section 4.2; the rules live in memory/kv_policy.py and
 memory/proactive.py):
 - recompute: evicting drops the KV; the job rebuilds it (prefill over prompt +
   output so far) when next scheduled.
-- reactive: evicting offloads to host, and the step waits for the copy; a job
-  on the host stays schedulable and is uploaded when the scheduler picks it,
-  the step waiting again (swap wait).
+- reactive: evicting offloads to host only when a job the scheduler picked
+  needs the room; that job waits until the copy has freed it. A job on the
+  host stays schedulable and is uploaded when the scheduler picks it; it runs
+  once the upload lands (swap wait).
 - proactive: plan() keeps free device blocks above a watermark by offloading
   the idle jobs with the largest ENST ahead of need, and uploads host jobs
   with the smallest ENST when there is room, both overlapped with compute. A
   job whose prefetch is in flight is not ready. A job still on the host when
-  the scheduler picks it is a swap miss: it is uploaded on demand and the step
-  waits for that copy (as the compute stream waits on an upload's event), so
-  a high-priority job is never stuck behind lower-priority ones that hold the
-  device; misses and their wait are counted.
+  the scheduler picks it is a swap miss: its upload starts then and it runs
+  when the copy lands; misses and their wait are counted.
 When the host tier is full, an eviction falls back to a drop (recompute).
+
+Overload admission (may_start): past capacity a preemptive policy keeps
+starting new jobs ahead of old ones, so the set of started jobs, each holding
+KV, grows without bound; once it outgrows the host, evictions become drops and
+every promotion rebuilds a whole context. So a job with no KV anywhere (new,
+or dropped) starts only while the KV of every started job plus its own stays
+within `max_started_blocks` (device and host together; None = no limit, the
+paper's behaviour), and while the policy says it is backlogged (jobs wait
+longer than alpha to start), within the device alone; beyond it, it waits
+where it is in the policy's order.
+
+Nothing here ever waits on a copy: the engine's event loop must not block.
+evict() starts an offload and the device blocks free when it completes (poll);
+allocate() of a job on the host starts its upload and leaves job.ready False;
+the policy sees "not ready" / "no room yet" and the job simply waits. A copy
+whose handle reports done() at once (no backend, the simulator's zero-byte
+case) completes on the spot, so nothing waits a tick for nothing.
+
+Swap wait (per job, reported per request as swap_wait_s): the sum, over the
+ticks at which the policy picked the job but could not run it because of a
+copy (its KV on the host or moving, or the device room it needs still being
+freed by an offload), of the engine-clock time until the next tick: the time
+it would have been running. Ticks at which it was simply not picked are
+queueing, not swap wait.
 
 Invariants (check_invariants): every block on each tier is free or owned by
 exactly one job; device blocks of an offload are reused only after its copy
@@ -39,6 +62,8 @@ from dataclasses import dataclass, field
 from memory.block_allocator import BlockAllocator
 from memory.kv_policy import KVPolicy
 from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle
+
+THRASH_TICKS = 4  # an offload undone within this many ticks counts as thrash
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -65,6 +90,9 @@ class JobKV:
     predicted_wait: float | None = None  # ENST when an upload started, for ENST accuracy
     upload_time: float | None = None
     freed: bool = False  # finished or aborted while a copy was in flight
+    cancel_upload: bool = False  # evicted while uploading: the device blocks free when the copy lands
+    offload_tick: int | None = None  # tick of the last offload, until the job is wanted back (thrash count)
+    pending_blocks: int = 0  # device blocks that free when the transfer in flight completes
 
 
 @dataclass
@@ -75,8 +103,9 @@ class KVStats:
     num_uploads: int = 0
     blocks_offloaded: int = 0
     blocks_uploaded: int = 0
-    swap_wait_s: float = 0.0  # seconds steps spent blocked on copies (reactive paths)
+    swap_wait_s: float = 0.0  # job-seconds picked but waiting on a copy (the module docstring's swap wait)
     host_full_fallbacks: int = 0  # evictions that wanted the host but found it full
+    num_thrash: int = 0  # offloads whose job was wanted back (upload, or picked) within THRASH_TICKS ticks
     num_swap_misses: int = 0  # jobs scheduled while their KV was still on the host (uploaded on demand)
     # ENST accuracy: for each upload, predicted vs actual wait until the job next ran (engine clock).
     enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
@@ -94,9 +123,13 @@ class KVManager:
         reserved_blocks: int = 0,
         transfers: TransferBackend | None = None,
         now=time.perf_counter,
+        max_started_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_started_blocks is not None and max_started_blocks < 1:
+            raise ValueError(f"max_started_blocks must be >= 1 or None, got {max_started_blocks}")
+        self.max_started_blocks = max_started_blocks
         self.block_size = block_size
         self.policy = KVPolicy(policy)
         self.reserved_blocks = reserved_blocks
@@ -106,19 +139,51 @@ class KVManager:
         self._now = now  # the engine's clock: swap waits are measured on it (virtual in the simulator)
         self._jobs: dict[str, JobKV] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
+        self._inflight: dict[JobKV, None] = {}  # entries with a transfer in flight (orphans included)
+        self._on_host: dict[JobKV, None] = {}  # entries whose KV is on the host alone (Residency.HOST)
+        self._pending_free = 0  # device blocks that free when the copies in flight complete
+        self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
+        self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
+        self._blocked_at = 0.0  # when the first of them was (the tick's time)
+        self._waits: dict[str, float] = {}  # job id -> swap wait accrued since it last ran
         self.tick = 0
         self.stats = KVStats()
-        self._step_wait = 0.0  # copy waits since the last take_swap_wait(): the step being formed waits
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
         return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
 
+    def may_start(self, job, num_new_tokens: int, backlogged: bool = False) -> bool:
+        """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or
+        host) may always go on; one with none starts only while every started job's KV plus its own stays
+        within max_started_blocks, counted on both tiers, and while the policy is backlogged (past
+        capacity), within the device alone: then a new job waits for a job to finish rather than push
+        started ones to the host, where under the churn of promotions they would shuttle back and forth."""
+        limit = self.max_started_blocks
+        if limit is None:
+            return True
+        if backlogged:
+            limit = min(limit, self.device.num_blocks)
+        kv = self._jobs.get(job.job_id)
+        if kv is not None and (kv.device or kv.host):
+            return True
+        return self.started_blocks() + blocks_needed(job.num_computed + num_new_tokens, self.block_size) <= limit
+
+    def started_blocks(self) -> int:
+        """KV blocks held by jobs on either tier, a block being copied counted once."""
+        double = sum(min(len(kv.device), len(kv.host)) for kv in self._inflight)
+        return self.device.num_used + self.host.num_used - double
+
     def allocate(self, job, num_new_tokens: int) -> None:
+        """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
+        not ready until it lands (job.ready False): the policy leaves it out of this tick's batch."""
         kv = self._entry(job)
-        if kv.residency in (Residency.HOST, Residency.UPLOADING):
-            self.stats.num_swap_misses += kv.residency is Residency.HOST
-            self._upload_now(kv)  # the scheduler picked a job whose KV is on the host: the step waits
+        if kv.residency is Residency.HOST:
+            self.stats.num_swap_misses += 1
+            if not self._start_upload(kv, now=self._now()):
+                raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
+            if not job.ready:
+                self._block(job.job_id)
         extra = self._extra_device_blocks(job, num_new_tokens)
         if extra > 0:
             kv.device.extend(self.device.allocate(job.job_id, extra))
@@ -135,19 +200,59 @@ class KVManager:
         return kv is None or kv.residency not in (Residency.HOST, Residency.OFFLOADING)
 
     def evict(self, job) -> None:
-        """Free the job's device blocks now: offload (waiting for the copy) or drop."""
+        """Give the job's device blocks back: drop them now (recompute, or host full), or start an offload
+        whose blocks free when the copy completes (poll). Never waits. An upload in flight cannot be
+        recalled: its device blocks free when it lands, and the job stays on the host."""
         kv = self._jobs.get(job.job_id)
-        if kv is None or not kv.device:
-            return
-        if kv.residency is Residency.OFFLOADING:
-            self._wait(kv)
+        if kv is None or not kv.device or kv.residency is Residency.OFFLOADING or kv.cancel_upload:
             return
         if kv.residency is Residency.UPLOADING:
-            self._wait(kv)
-        if self.policy is not KVPolicy.RECOMPUTE and self._start_offload(kv):
-            self._wait(kv)
-        else:
+            kv.cancel_upload = True
+            self._hold_pending(kv, len(kv.device))
+            return
+        if self.policy is KVPolicy.RECOMPUTE or not self._start_offload(kv):
             self._drop(kv)
+
+    def wait_for_room(self, job, num_new_tokens: int) -> bool:
+        """If room_coming(): promise that room to the job for this tick, start its swap-wait clock and
+        return True (the job waits for the copy); else False (more must be evicted, or it cannot run)."""
+        extra = self._extra_device_blocks(job, num_new_tokens)
+        free = self.device.num_free
+        if extra > free + self._pending_free - self._claimed:
+            return False
+        self._claimed += max(0, extra - free)
+        self._block(job.job_id)
+        return True
+
+    def note_blocked(self, job) -> None:
+        """The policy would run this job now but it is not ready: if that is because its KV is on the host
+        or moving, its swap-wait clock starts (not ready for other reasons, e.g. in flight in a pipeline
+        stage, is not swap wait)."""
+        kv = self._jobs.get(job.job_id)
+        if kv is not None and kv.residency in (Residency.HOST, Residency.OFFLOADING, Residency.UPLOADING):
+            self._block(job.job_id)
+            self._wanted_back(kv)
+
+    def _wanted_back(self, kv: JobKV) -> None:
+        if kv.offload_tick is not None:
+            self.stats.num_thrash += self.tick - kv.offload_tick <= THRASH_TICKS
+            kv.offload_tick = None
+
+    def _block(self, job_id: str) -> None:
+        if not self._blocked:
+            self._blocked_at = self._now()
+        self._blocked[job_id] = None
+
+    def _accrue_waits(self) -> None:
+        """The jobs kept by a copy at the last tick waited from then until now (the next tick)."""
+        if not self._blocked:
+            return
+        dt = max(0.0, self._now() - self._blocked_at)
+        waits = self._waits
+        for jid in self._blocked:  # free() forgets a job that ends
+            waits[jid] = waits.get(jid, 0.0) + dt
+        self.stats.swap_wait_s += dt * len(self._blocked)
+        self._blocked = {}
 
     # -- the engine's verbs ----------------------------------------------------------------------
     def block_table(self, job_id: str) -> list[int]:
@@ -161,44 +266,59 @@ class KVManager:
     def free(self, job_id: str) -> None:
         """Return every block of a finished or aborted job (after any copy in flight)."""
         kv = self._jobs.pop(job_id, None)
+        self._blocked.pop(job_id, None)
+        self._waits.pop(job_id, None)
         if kv is None:
             return
         if kv.transfer is not None and not kv.transfer.done():
+            self._on_host.pop(kv, None)  # (not there: its copy is in flight)
             kv.freed = True
+            self._hold_pending(kv, len(kv.device))  # every device block of an orphan frees when it lands
             self._orphans.append(kv)
             return
+        if kv.transfer is not None:
+            self._complete(kv)
+        self._on_host.pop(kv, None)
         self._release_all(kv)
 
-    def take_swap_wait(self) -> float:
-        """Seconds spent waiting on copies since the last call. Every wait happens while a step is being
-        scheduled, and the whole step waits, so the engine charges it to each request in that step."""
-        waited, self._step_wait = self._step_wait, 0.0
-        return waited
+    def host_resident(self) -> list[JobKV]:
+        """Entries whose KV is on the host alone, in no particular order (memory/proactive.py)."""
+        return list(self._on_host)
+
+    def pending_transfers(self) -> int:
+        """Copies in flight (the engine loop keeps polling while there are any)."""
+        return len(self._inflight)
 
     def poll(self) -> None:
-        """Complete finished copies: free the source tier's blocks, mark uploaded jobs ready."""
-        for kv in list(self._jobs.values()):
-            if kv.transfer is not None and kv.transfer.done():
-                self._complete(kv)
-        still = []
-        for kv in self._orphans:
-            if kv.transfer.done():
+        """At the start of a tick: accrue the last tick's swap waits, and complete finished copies (free
+        the source tier's blocks, mark uploaded jobs ready). Costs one look per copy in flight and per
+        job kept by a copy, not per job."""
+        self._accrue_waits()
+        if not self._inflight:
+            return
+        for kv in [kv for kv in self._inflight if kv.transfer.done()]:
+            if kv.freed:
+                self._inflight.pop(kv, None)
                 kv.transfer = None
+                self._release_pending(kv)
                 self._release_all(kv)
+                self._orphans.remove(kv)
             else:
-                still.append(kv)
-        self._orphans = still
+                self._complete(kv)
 
     def plan(self, batch, estimated_wait, now: float) -> None:
         """After the scheduler picked `batch`: start proactive offloads/uploads (proactive only)."""
         from memory.proactive import plan_transfers
 
         self.tick += 1
+        self._claimed = 0  # promises of room last for the tick that made them
         if self.policy is KVPolicy.PROACTIVE:
             plan_transfers(self, batch, estimated_wait, now)
 
-    def note_scheduled(self, job, now: float) -> None:
-        """ENST accuracy: when an uploaded job next runs, record predicted vs actual wait."""
+    def note_scheduled(self, job, now: float) -> float:
+        """The job runs at `now`: returns the swap wait it just ended (0.0 if none), and for a job that
+        was uploaded, records predicted (ENST) vs actual wait for the ENST-accuracy telemetry."""
+        waited = self._waits.pop(job.job_id, 0.0)
         kv = self._jobs.get(job.job_id)
         if kv is not None and kv.predicted_wait is not None:
             actual = now - kv.upload_time
@@ -206,10 +326,16 @@ class KVManager:
             self.stats.enst_count += 1
             self.stats.enst_abs_error_s += abs(kv.predicted_wait - actual)
             kv.predicted_wait = None
+        return waited
 
     # -- capacity ---------------------------------------------------------------------------------
     def num_swapped(self) -> int:
         return sum(1 for kv in self._jobs.values() if kv.residency in (Residency.HOST, Residency.OFFLOADING))
+
+    @property
+    def pending_free_blocks(self) -> int:
+        """Device blocks that free when the copies in flight complete."""
+        return self._pending_free
 
     def check_invariants(self) -> None:
         self.device.check_invariants()
@@ -219,6 +345,11 @@ class KVManager:
         host = sum(len(kv.host) for kv in entries)
         assert dev == self.device.num_used, f"tables hold {dev} device blocks, allocator says {self.device.num_used}"
         assert host == self.host.num_used, f"tables hold {host} host blocks, allocator says {self.host.num_used}"
+        pending = sum(kv.pending_blocks for kv in entries)
+        assert pending == self._pending_free, f"entries hold {pending} pending blocks, the counter {self._pending_free}"
+        assert set(self._inflight) == {kv for kv in entries if kv.transfer is not None}, "in-flight set is stale"
+        assert set(self._on_host) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
+            "host-resident set is stale"
 
     # -- moves (also used by memory/proactive.py) -------------------------------------------------
     def _entry(self, job) -> JobKV:
@@ -240,12 +371,14 @@ class KVManager:
             self.stats.host_full_fallbacks += 1
             return False
         kv.host = self.host.allocate(kv.job.job_id, n)
-        kv.transfer = self.transfers.copy(Direction.OFFLOAD, list(zip(kv.device, kv.host)))
+        kv.offload_tick = self.tick
         kv.residency = Residency.OFFLOADING
         kv.transfer_tick = self.tick
         kv.job.ready = False
         self.stats.num_offloads += 1
         self.stats.blocks_offloaded += n
+        self._hold_pending(kv, n)
+        self._begin(kv, self.transfers.copy(Direction.OFFLOAD, list(zip(kv.device, kv.host))))
         return True
 
     def _start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
@@ -253,36 +386,49 @@ class KVManager:
         if n > self.device.num_free:
             return False
         kv.device = self.device.allocate(kv.job.job_id, n)
-        kv.transfer = self.transfers.copy(Direction.UPLOAD, list(zip(kv.host, kv.device)))
+        self._on_host.pop(kv, None)
+        self._wanted_back(kv)
         kv.residency = Residency.UPLOADING
         kv.transfer_tick = self.tick
         kv.predicted_wait, kv.upload_time = predicted_wait, now
         kv.job.ready = False
         self.stats.num_uploads += 1
         self.stats.blocks_uploaded += n
+        self._begin(kv, self.transfers.copy(Direction.UPLOAD, list(zip(kv.host, kv.device))))
         return True
 
-    def _upload_now(self, kv: JobKV) -> None:
-        if kv.residency is Residency.HOST:
-            if not self._start_upload(kv):
-                raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
-        self._wait(kv)
+    def _begin(self, kv: JobKV, handle: TransferHandle) -> None:
+        kv.transfer = handle
+        self._inflight[kv] = None
+        if handle.done():  # nothing to wait for (no backend): complete now, not a tick later
+            self._complete(kv)
 
-    def _wait(self, kv: JobKV) -> None:
-        start = self._now()
-        kv.transfer.wait()
-        waited = self._now() - start
-        self.stats.swap_wait_s += waited
-        self._step_wait += waited
-        self._complete(kv)
+    def _hold_pending(self, kv: JobKV, n: int) -> None:
+        self._pending_free += n - kv.pending_blocks
+        kv.pending_blocks = n
+
+    def _release_pending(self, kv: JobKV) -> None:
+        self._pending_free -= kv.pending_blocks
+        kv.pending_blocks = 0
 
     def _complete(self, kv: JobKV) -> None:
         jid = kv.job.job_id
+        self._inflight.pop(kv, None)
+        self._release_pending(kv)
         if kv.residency is Residency.OFFLOADING:
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
+            self._on_host[kv] = None
             kv.job.ready = True  # schedulable: uploaded on demand if picked before a prefetch brings it back
+        elif kv.residency is Residency.UPLOADING and kv.cancel_upload:  # evicted while it came up
+            self.device.free(jid, kv.device)
+            kv.device = []
+            kv.residency = Residency.HOST
+            self._on_host[kv] = None
+            kv.cancel_upload = False
+            kv.predicted_wait = None
+            kv.job.ready = True
         elif kv.residency is Residency.UPLOADING:
             self.host.free(jid, kv.host)
             kv.host = []
@@ -291,6 +437,7 @@ class KVManager:
         kv.transfer = None
 
     def _drop(self, kv: JobKV) -> None:
+        assert kv.transfer is None, "a job with a copy in flight cannot be dropped"
         jid = kv.job.job_id
         self.device.free(jid, kv.device)
         kv.device = []
@@ -298,6 +445,7 @@ class KVManager:
             self.host.free(jid, kv.host)
             kv.host = []
         kv.residency = Residency.NONE
+        self._on_host.pop(kv, None)
         self.stats.num_drops += 1
         self.stats.num_recomputed_tokens += kv.job.num_computed
         kv.job.num_computed = 0

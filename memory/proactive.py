@@ -6,7 +6,9 @@ After the scheduler has picked the batch, every tick:
    burst slots kept for arriving jobs). Counting blocks already being offloaded
    as free-to-be, while below it: offload the idle device-resident job with
    the LARGEST estimated_wait (ENST), never one in the batch and never one
-   whose upload started this tick (no ping-pong). Host full: drop it instead.
+   whose upload started this tick (no ping-pong). Host full: stop; a started
+   job's KV is never thrown away only to keep a watermark (it would be
+   rebuilt; the policy's own evictions still drop when they must).
 2. Upload. Host-resident jobs in order of SMALLEST ENST: upload each while
    the device keeps the watermark after taking its blocks.
 3. Swap. If the best host job still did not fit and its ENST is smaller than
@@ -24,36 +26,42 @@ from memory.kv_manager import JobKV, KVManager, Residency
 
 
 def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
-    in_batch = {j.job_id for j in batch}
+    """Cost: O(1) when the watermark holds and nothing is on the host (most ticks below capacity);
+    otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job."""
     watermark = len(batch) + kv.reserved_blocks
-    entries = list(kv._jobs.values())
-    idle = [e for e in entries if e.residency is Residency.DEVICE and e.device and not e.job.in_flight
-            and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
-    enst = {e.job.job_id: estimated_wait(e.job, now) for e in entries
-            if e.residency in (Residency.DEVICE, Residency.HOST)}
-    idle.sort(key=lambda e: enst[e.job.job_id], reverse=True)  # largest ENST first
-    pending_free = sum(len(e.device) for e in entries if e.residency is Residency.OFFLOADING)
+    host = kv.host_resident()
+    if not host and kv.device.num_free + kv.pending_free_blocks >= watermark:
+        return
+    enst: dict[str, float] = {}
 
-    # 1. Watermark.
-    while idle and kv.device.num_free + pending_free < watermark:
-        victim = idle.pop(0)
-        pending_free += _offload_or_drop(kv, victim)
+    def wait(e: JobKV) -> float:
+        jid = e.job.job_id
+        if jid not in enst:
+            enst[jid] = estimated_wait(e.job, now)
+        return enst[jid]
+
+    idle: list[JobKV] | None = None
+
+    def idle_jobs() -> list[JobKV]:  # device-resident, not in the batch nor in flight, largest ENST first
+        in_batch = {j.job_id for j in batch}
+        found = [e for e in kv._jobs.values() if e.residency is Residency.DEVICE and e.device
+                 and not e.job.in_flight and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
+        return sorted(found, key=wait, reverse=True)
+
+    # 1. Watermark (blocks being offloaded count as free-to-be).
+    if kv.device.num_free + kv.pending_free_blocks < watermark:
+        idle = idle_jobs()
+        while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
+            if not kv._start_offload(idle.pop(0)):
+                break  # host full
 
     # 2. Upload, smallest ENST first, keeping the watermark.
-    host = sorted((e for e in entries if e.residency is Residency.HOST), key=lambda e: enst[e.job.job_id])
-    for e in host:
+    for e in sorted(host, key=wait):
         if kv.device.num_free - len(e.host) < watermark:
             # 3. Swap: make room for a host job that will run before an idle device job.
-            if idle and enst[e.job.job_id] < enst[idle[0].job.job_id]:
-                _offload_or_drop(kv, idle.pop(0))
+            if idle is None:
+                idle = idle_jobs()
+            if idle and wait(e) < wait(idle[0]):
+                kv._start_offload(idle.pop(0))
             break
-        kv._start_upload(e, enst[e.job.job_id], now)
-
-
-def _offload_or_drop(kv: KVManager, e: JobKV) -> int:
-    """Offload (blocks free when the copy completes) or drop (free now); returns blocks pending."""
-    n = len(e.device)
-    if kv._start_offload(e):
-        return n
-    kv._drop(e)
-    return 0
+        kv._start_upload(e, wait(e), now)

@@ -2,7 +2,10 @@
 
 memory/ decides which blocks move where; the engine's Swapper (engine/swapper.py)
 moves the bytes (a copy stream on CUDA, a copy thread on CPU) and hands back a
-handle. memory/ only asks a handle whether it is done, or waits on it.
+handle. memory/ only asks a handle whether it is done: nothing in memory/
+waits on a copy (the engine's event loop must never block on one), so a
+handle becomes done whenever its backend notices (a CUDA event, a copy
+thread's future, a worker's reply read while the engine steps or polls).
 """
 
 from __future__ import annotations
@@ -19,8 +22,6 @@ class Direction(str, enum.Enum):
 class TransferHandle(Protocol):
     def done(self) -> bool: ...
 
-    def wait(self) -> None: ...
-
 
 class TransferBackend(Protocol):
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> TransferHandle:
@@ -33,9 +34,6 @@ class CompletedTransfer:
 
     def done(self) -> bool:
         return True
-
-    def wait(self) -> None:
-        pass
 
 
 class NoCopyBackend:

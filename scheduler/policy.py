@@ -6,6 +6,12 @@ A policy decides *which jobs run* each iteration. It never touches tensors or
 block ids: it asks `kv.can_fit(job, n)` / `kv.allocate(job, n)` for room and
 `kv.evict(job)` to give a job's device blocks back (memory/ chooses whether
 that is a drop for recompute or an offload), and reads `job.ready`.
+
+Nothing waits on a copy. A job whose KV is moving is not ready; a job picked
+while its KV is on the host starts its upload in allocate() and is not ready
+afterwards; a job whose room is being freed by an offload in flight waits
+(`kv.wait_for_room`). In each case the job stays where it is in the policy's
+order and is simply left out of this tick's batch.
 """
 
 from __future__ import annotations
@@ -52,17 +58,32 @@ class KVAdmission(Protocol):
         ...
 
     def allocate(self, job: Job, num_new_tokens: int) -> None:
-        """Reserve device room for the job's next num_new_tokens (after can_fit)."""
+        """Reserve device room for the job's next num_new_tokens (after can_fit). If its KV was on the
+        host this starts the upload and leaves job.ready False: the job does not run this tick."""
+        ...
+
+    def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
+        """True if the room the job lacks is being freed by copies in flight (it is promised to the job
+        this tick, and the job waits for it); False if more must be evicted (or it cannot run)."""
+        ...
+
+    def note_blocked(self, job: Job) -> None:
+        """The policy would run this job now but it is not ready (its KV may be moving: swap wait)."""
         ...
 
     def may_evict_for(self, job: Job) -> bool:
         """Whether other jobs may be evicted to make room for this one (False: it waits for room)."""
         ...
 
+    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
+        """Overload admission, for a job with no KV (new, or dropped): whether it may start now (backlogged:
+        the policy's queue is past capacity, so started jobs' KV should fit the device alone)."""
+        ...
+
     def evict(self, job: Job) -> None:
-        """Give back the job's device blocks. Afterwards job.num_computed says
-        what survived (0: dropped, to be recomputed) and job.ready whether it
-        can run without a transfer."""
+        """Give back the job's device blocks: dropped now, or offloaded (they free when the copy
+        completes; see wait_for_room). Afterwards job.num_computed says what survived (0: dropped,
+        to be recomputed) and job.ready whether it can run without a transfer."""
         ...
 
 
@@ -72,6 +93,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
+    # Overload: a job that never ran is promoted only once it has waited max(alpha, this x the recent
+    # wait of jobs at their first run) (an EMA); below capacity that wait is ~0, so this is alpha. None =
+    # alpha for every job (the paper's rule; the default: see docs/experiments.md, "Past capacity", for
+    # what a factor trades). See scheduler/skip_join_mlfq.py.
+    fresh_starvation_factor: float | None = None
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init
@@ -83,6 +109,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.starvation_threshold is not None and not self.starvation_threshold > 0:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
+        if self.fresh_starvation_factor is not None and not self.fresh_starvation_factor > 0:
+            raise ValueError(f"fresh_starvation_factor must be > 0, got {self.fresh_starvation_factor}")
         if not self.quantum_ratio > 1:
             raise ValueError(f"quantum_ratio must be > 1, got {self.quantum_ratio}")
         if self.demotion_step < 1:

@@ -10,14 +10,32 @@ output token:
   allows it (a job too large for the budget runs alone when it comes first);
 - each job must get device KV room (`kv.can_fit` then `kv.allocate`); when it
   does not fit, jobs of *lower* priority that are not in the batch and hold
-  device KV are evicted, largest estimated wait first, until it fits; a job
-  that still does not fit is skipped (and a job evicted this tick does not
-  run this tick);
+  device KV are evicted, largest estimated wait first, until it fits or the
+  room is being freed by offloads in flight (then the job waits for them,
+  `kv.wait_for_room`); a job that still does not fit is skipped (and a job
+  evicted this tick does not run this tick);
+- a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
+  (overload admission: the started jobs' KV must fit within what memory/
+  allows; while the policy is backlogged, W > alpha below, within the device
+  alone);
+- fresh jobs (never run yet) are looked at only while it can matter: once
+  admission refuses one, no other fresh job starts this tick; after the token
+  budget has refused max_num_seqs fresh jobs, no further fresh job is tried
+  (a smaller one among those may still slip in). Past capacity thousands of
+  jobs wait fresh, so this is what keeps a tick's walk proportional to the
+  started jobs and the batch, not to the queue;
+- a job that is not ready (its KV moving), or that allocate() left not ready
+  (its upload just started), waits: it keeps its place and skips this tick;
 - jobs that ran last iteration but not in this one are the preempted ones.
 
-What it is not: a ranking of its own. Subclasses give `_priority_order()`
-(highest first) and `_wait_estimate()`; KeyedPriorityPolicy below is the
-variant for a per-job sort key (fixed priority, SRPT).
+Request classes (Job.priority, lower first) come before everything else in
+each subclass's order.
+
+What it is not: a ranking of its own. Subclasses give the walk (`_walk`: every
+job in order, fresh ones only while the gate is open), `_rank` (a job's sort
+key in that order), `_started_jobs`, `_on_started` and `_wait_estimate`;
+KeyedPriorityPolicy below is the variant for a per-job sort key (fixed
+priority, SRPT).
 """
 
 from __future__ import annotations
@@ -25,11 +43,23 @@ from __future__ import annotations
 import bisect
 import itertools
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, SchedulerConfig, SchedulingPolicy
+
+START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
+
+
+class Gate:
+    """Whether the walk still yields fresh jobs (closed once one is refused)."""
+
+    __slots__ = ("fresh",)
+
+    def __init__(self) -> None:
+        self.fresh = True
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -37,11 +67,31 @@ class PriorityPolicy(SchedulingPolicy):
         super().__init__(config, cost)
         self._running: dict[Job, None] = {}  # the batch of the last schedule(), in order
         self.num_policy_preemptions = 0  # jobs that ran and then did not, over the policy's life
+        self._classes: Counter[int] = Counter()  # request class -> unfinished jobs
+        self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
+        self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
+
+    @property
+    def backlogged(self) -> bool:
+        """Past capacity: jobs wait longer than alpha (or 0.3 s without alpha) to start, on average (W)."""
+        return self.start_wait_ema > (self.config.starvation_threshold or 0.3)
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
-    def _priority_order(self) -> Iterable[Job]:
-        """Every job the policy holds, highest priority first."""
+    def _walk(self, gate: Gate) -> Iterator[Job]:
+        """Every job the policy holds, highest priority first; fresh jobs only while gate.fresh."""
+
+    @abstractmethod
+    def _rank(self, job: Job) -> tuple:
+        """The job's sort key in the walk's order (smaller comes first)."""
+
+    @abstractmethod
+    def _started_jobs(self) -> Iterable[Job]:
+        """Jobs that have run at least once (only they can hold KV)."""
+
+    @abstractmethod
+    def _on_started(self, jobs: list[Job]) -> None:
+        """These fresh jobs are in the batch for the first time."""
 
     @abstractmethod
     def _wait_estimate(self, job: Job, now: float) -> float:
@@ -53,13 +103,30 @@ class PriorityPolicy(SchedulingPolicy):
     def _on_preempted(self, jobs: list[Job]) -> None:
         """These jobs ran last iteration and not in this one."""
 
+    # -- classes -----------------------------------------------------------------------------
+    def _count_in(self, job: Job) -> None:
+        self._classes[job.priority] += 1
+
+    def _count_out(self, job: Job) -> None:
+        c = self._classes
+        c[job.priority] -= 1
+        if not c[job.priority]:
+            del c[job.priority]
+
+    def jobs_by_priority(self) -> dict[int, int]:
+        """Unfinished jobs per request class (Job.priority), most urgent first."""
+        return dict(sorted(self._classes.items()))
+
     # -- the SchedulingPolicy verbs --------------------------------------------------------
+    def _priority_order(self) -> Iterator[Job]:
+        return self._walk(Gate())
+
     @property
     def jobs(self) -> Sequence[Job]:
         return list(self._priority_order())
 
     def has_work(self) -> bool:
-        return next(iter(self._priority_order()), None) is not None
+        return bool(self._classes)
 
     def estimated_wait(self, job: Job, now: float) -> float:
         return 0.0 if job in self._running else self._wait_estimate(job, now)
@@ -72,18 +139,30 @@ class PriorityPolicy(SchedulingPolicy):
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate = victims.evicted, kv.can_fit, kv.allocate  # hot loop: bound once
         tokens = 0
-        for job in self._priority_order():
-            # This loop may visit every job when the token budget runs out early, so the two
-            # checks that reject most are inlined: job.num_new_tokens, and the rule of
-            # SchedulingPolicy._fits_token_budget (a job too large for the budget runs alone).
+        gate, over_budget, backlogged = Gate(), 0, self.backlogged
+        for job in self._walk(gate):
+            # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
+            fresh = job.first_scheduled_time is None
             if batch and tokens + n > budget:
+                if fresh:
+                    over_budget += 1
+                    gate.fresh = over_budget < max_seqs
                 continue
-            if not job.ready or job in evicted:
+            if job in evicted or job.in_flight:  # in flight: still running in a later pipeline stage
+                continue
+            if not job.ready:
+                kv.note_blocked(job)
+                continue
+            if job.num_computed == 0 and not kv.may_start(job, n, backlogged):
+                if fresh:
+                    gate.fresh = False
                 continue
             if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
                 continue
             allocate(job, n)
+            if not job.ready:  # its KV was on the host: the upload started, it runs when it lands
+                continue
             batch.append(job)
             chosen[job] = None
             tokens += n
@@ -105,6 +184,14 @@ class PriorityPolicy(SchedulingPolicy):
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)
         self._running = running
+        started = [job for job in batch if job.first_scheduled_time is None]
+        if started:
+            self._on_started(started)
+            ema = self.start_wait_ema
+            for job in started:
+                self.started_by_priority[job.priority] += 1
+                ema += START_WAIT_WEIGHT * ((now - job.arrival_time) - ema)
+            self.start_wait_ema = ema
         for job in batch:
             if job.first_scheduled_time is None:
                 job.first_scheduled_time = now
@@ -119,91 +206,135 @@ class PriorityPolicy(SchedulingPolicy):
 
 
 class _Victims:
-    """Eviction candidates of one schedule() tick: the jobs that hold device KV
-    (ready, num_computed > 0) and are not in the batch, largest estimated wait
-    first (ties: lowest priority first). Built on first need, so a tick without
-    memory pressure pays nothing; each candidate is looked at once per tick,
-    because the jobs that need room come in falling priority."""
+    """Eviction candidates of one schedule() tick: the started jobs that hold
+    device KV (ready, num_computed > 0) and are not in the batch, largest
+    estimated wait first (ties: lowest priority first). Built on first need, so
+    a tick without memory pressure pays nothing; each candidate is looked at
+    once per tick, because the jobs that need room come in falling priority."""
 
     def __init__(self, policy: PriorityPolicy, now: float, chosen: dict[Job, None]) -> None:
         self._policy, self._now, self._chosen = policy, now, chosen
         self._order: list[Job] | None = None
-        self._pos: dict[Job, int] = {}  # job -> place in priority order (0 = highest)
         self._next = 0
         self.evicted: set[Job] = set()
 
     def _build(self) -> list[Job]:
-        self._pos = {job: i for i, job in enumerate(self._policy._priority_order())}
-        held = [j for j in self._pos if j.ready and j.num_computed > 0 and j not in self._chosen]
-        wait = self._policy._wait_estimate
-        return sorted(held, key=lambda j: (wait(j, self._now), self._pos[j]), reverse=True)
+        rank, wait = self._policy._rank, self._policy._wait_estimate
+        held = [j for j in self._policy._started_jobs() if j.ready and j.num_computed > 0 and j not in self._chosen]
+        return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
 
     def make_room(self, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
+        """Evict until the job fits now (True) or its room is being freed by copies in flight (the job
+        waits for them: False, as when nothing more may go)."""
+        if kv.wait_for_room(job, num_new_tokens):
+            return False
         if self._order is None:
             self._order = self._build()
-        rank = self._pos[job]
+        rank = self._policy._rank
+        mine = rank(job)
         while self._next < len(self._order):
             victim = self._order[self._next]
             self._next += 1  # in the batch or of higher priority now: so for every later job too
-            if victim in self._chosen or self._pos[victim] <= rank:
+            if victim in self._chosen or rank(victim) <= mine:
                 continue
             kv.evict(victim)
             self.evicted.add(victim)
             if kv.can_fit(job, num_new_tokens):
                 return True
+            if kv.wait_for_room(job, num_new_tokens):
+                return False
         return False
 
 
 class KeyedPriorityPolicy(PriorityPolicy):
-    """Priority by a per-job key, smaller first, ties in arrival order.
+    """Priority by a per-job key, smaller first, after the request class; ties in arrival order.
 
-    Jobs sit in one list kept sorted by (key, arrival sequence); a static key
-    is placed once by binary search, a dynamic one (it changes as jobs run)
-    is re-sorted before each tick (timsort: near-linear on a near-sorted list).
-    The wait estimate is the job's place in that order, in batches of
-    max_num_seqs, times one decode step.
+    Jobs sit in two lists kept sorted by (class, key, arrival sequence): the
+    started ones and the fresh ones (never run). A static key is placed once by
+    binary search; a dynamic one (it changes as jobs run: SRPT) is re-sorted
+    before each tick, which only the started list needs (timsort: near-linear
+    on a near-sorted list). The walk merges the two. The wait estimate is the
+    job's place in the merged order, in batches of max_num_seqs, times one
+    decode step.
     """
 
     dynamic_key: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
-        self._order: list[Job] = []
+        self._started: list[Job] = []
+        self._fresh: list[Job] = []
         self._seq: dict[Job, int] = {}  # job -> arrival sequence (tie-break)
         self._counter = itertools.count()
-        self._positions: dict[Job, int] | None = None  # cache of place in _order
+        self._positions: dict[Job, int] | None = None  # cache: place in the started list
 
     @abstractmethod
     def _key(self, job: Job) -> float:
-        """Smaller runs first."""
+        """Smaller runs first (within a request class)."""
 
-    def _sort_key(self, job: Job) -> tuple[float, int]:
-        return (self._key(job), self._seq[job])
+    def _rank(self, job: Job) -> tuple[int, float, int]:
+        return (job.priority, self._key(job), self._seq[job])
 
-    def _priority_order(self) -> Iterable[Job]:
-        return self._order
+    def _started_jobs(self) -> Iterable[Job]:
+        return self._started
+
+    def _walk(self, gate: Gate) -> Iterator[Job]:
+        started, fresh, rank = self._started, self._fresh, self._rank
+        i = j = 0
+        while i < len(started):
+            if j < len(fresh) and gate.fresh and rank(fresh[j]) < rank(started[i]):
+                yield fresh[j]
+                j += 1
+            else:
+                yield started[i]
+                i += 1
+        while j < len(fresh) and gate.fresh:
+            yield fresh[j]
+            j += 1
 
     def add(self, job: Job, now: float) -> None:
         if job in self._seq:
             raise ValueError(f"job {job.job_id} was already added")
         self._seq[job] = next(self._counter)
-        bisect.insort(self._order, job, key=self._sort_key)
+        bisect.insort(self._fresh if job.first_scheduled_time is None else self._started, job, key=self._rank)
         self._positions = None
+        self._count_in(job)
+
+    def _index(self, jobs: list[Job], job: Job) -> int:
+        i = bisect.bisect_left(jobs, self._rank(job), key=self._rank)
+        if i < len(jobs) and jobs[i] is job:
+            return i
+        return jobs.index(job)  # a dynamic key moved since the last sort
 
     def remove(self, job: Job) -> None:
-        if self._seq.pop(job, None) is not None:
-            self._order.remove(job)
-            self._running.pop(job, None)
-            self._positions = None
+        if job not in self._seq:
+            return
+        jobs = self._started if job.first_scheduled_time is not None else self._fresh
+        del jobs[self._index(jobs, job)]
+        del self._seq[job]
+        self._running.pop(job, None)
+        self._positions = None
+        self._count_out(job)
+
+    def _on_started(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            del self._fresh[self._index(self._fresh, job)]
+            bisect.insort(self._started, job, key=self._rank)
+        self._positions = None
 
     def _before_schedule(self, now: float) -> None:
         if self.dynamic_key:
-            self._order.sort(key=self._sort_key)
+            self._started.sort(key=self._rank)
             self._positions = None
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         if self._positions is None:
-            self._positions = {j: i for i, j in enumerate(self._order)}
+            self._positions = {j: i for i, j in enumerate(self._started)}
+        r = self._rank(job)
+        if job in self._positions:
+            place = self._positions[job] + bisect.bisect_left(self._fresh, r, key=self._rank)
+        else:
+            place = self._index(self._fresh, job) + bisect.bisect_left(self._started, r, key=self._rank)
         seqs = self.config.max_num_seqs
-        step = self.cost.t_dec(min(seqs, len(self._order)), job.context_len)
-        return (self._positions[job] // seqs + 1) * step
+        step = self.cost.t_dec(min(seqs, len(self._seq)), job.context_len)
+        return (place // seqs + 1) * step

@@ -12,21 +12,42 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   demoted by eta (demotion_step) queues, clamped to the last (in the last
   queue it goes to the tail: round robin), and its service is reset.
 - Starvation prevention: a job not in the batch whose starve time exceeds
-  alpha (starvation_threshold; None = off) is promoted to Q1, its service
-  reset. A job already in Q1 stays where it is.
-- Batch: see priority_policy.py. Order: by queue, then FIFO by the time the
-  job entered its queue.
-- ENST(i) = min(alpha - starve_time(i), (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1)))
-  for job i in Q_b, n_a = jobs in Q_a, B = max_num_seqs; 0 for a running job.
-  It can be negative: the job is overdue for promotion. The second term is
-  the same for every job of a queue: it is computed once per queue and kept
-  until a job enters, leaves or changes queue.
+  alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
+  its service reset. A job already in Q1 stays where it is.
+- Overload (fresh_starvation_factor f; default None = the rule above): a
+  job that has never run is promoted only once it has waited
+  max(alpha, f x W), W the recent wait of jobs at their first run (an
+  exponential average over started jobs). Below capacity W is ~0 and this
+  is alpha. Past capacity every waiting job is older than alpha, and
+  promoting them all to Q1 turns the order of admission into arrival order
+  (FCFS); with f, admission stays skip-join's (short prompts first) while a
+  job that waited f times the going wait goes ahead of the rest, in order.
+- Request classes (Job.priority, lower first): each class has its own queues
+  Q1..Qn (a band), and every queue of a more urgent class comes before any
+  queue of a less urgent one. "Q1" for promotion is Q1 of the most urgent
+  class that has jobs, whatever the starving job's class, so starvation
+  prevention bounds every class's wait (alpha plus an iteration, once
+  promoted); when the promoted job uses that quantum it is demoted into its
+  own class's queues. With one class this is exactly the paper's rule.
+- Batch: see priority_policy.py. Order: by band (class), queue, then FIFO by
+  the time the job entered its queue.
+- ENST(i) = min(alpha - starve_time(i), T_execute(i)) for job i in Q_b, with
+  T_execute(i) = (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1)), n_a = jobs in
+  Q_a of i's band, B = max_num_seqs (the paper's formula); a job of a more
+  urgent band in Q_a adds q_a + ... + q_max(a,b) (it runs at least through
+  i's level before i does). 0 for a running job.
+  It can be negative: the job is overdue for promotion. T_execute is the same
+  for every job of a queue: it is computed once per queue and kept until a
+  job enters, leaves or changes queue.
 
-Data: one insertion-ordered dict per queue (FIFO with O(1) removal), so a tick
-walks jobs in priority order without sorting and ENST is O(number of queues);
-a heap of (last run time, jobs) entries, one pushed per tick for the jobs
-preempted in it (they all last ran in the previous iteration) and one per
-arrival, finds the starving jobs without scanning all of them.
+Data: per band and queue, two insertion-ordered dicts (FIFO with O(1)
+removal): the started jobs and the fresh ones (never run), merged by entry
+sequence as the tick walks them, so a tick walks jobs in priority order
+without sorting and skips the fresh ones once one is refused (past capacity
+they are nearly all the jobs); ENST is O(queues x bands); a heap of (last run
+time, jobs) entries, one pushed per tick for the jobs preempted in it (they
+all last ran in the previous iteration) and one per arrival, finds the
+starving jobs without scanning all of them.
 
 MLFQPolicy (scheduler/mlfq.py) is this policy with skip_join = False.
 """
@@ -37,11 +58,11 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
-from scheduler.priority_policy import PriorityPolicy
+from scheduler.priority_policy import Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
 
@@ -64,6 +85,23 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
 # which has not exceeded a 1.6 s quantum.
 QUANTUM_SLACK = 1 + 1e-9
 
+class _Band:
+    """One request class's queues: per level, started and fresh jobs in entry order. Jobs join at the
+    tail (a new entry) of an insertion-ordered dict, except a fresh job that starts: it keeps its entry
+    (its place), so when a later entry is already started it goes to `late`, a short list sorted by
+    entry, until it next moves."""
+
+    __slots__ = ("started", "late", "fresh")
+
+    def __init__(self, levels: int) -> None:
+        self.started: list[dict[Job, None]] = [{} for _ in range(levels)]
+        self.late: list[list[Job]] = [[] for _ in range(levels)]
+        self.fresh: list[dict[Job, None]] = [{} for _ in range(levels)]
+
+    def sizes(self) -> list[int]:
+        return [len(s) + len(x) + len(f) for s, x, f in zip(self.started, self.late, self.fresh)]
+
+
 class SkipJoinMLFQPolicy(PriorityPolicy):
     name = PolicyName.SKIP_JOIN_MLFQ
     skip_join = True  # False: every new job enters Q1 (naive MLFQ)
@@ -73,16 +111,25 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self.quanta = mlfq_quanta(config, cost)
         self._limits = [q * QUANTUM_SLACK for q in self.quanta]  # demotion thresholds
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
-        self._queues: list[dict[Job, None]] = [{} for _ in self.quanta]  # FIFO by entry
-        self._queue_waits: list[float] | None = None  # T_execute by queue; None: the queues changed since
+        self._bands: dict[int, _Band] = {}  # request class -> its queues
+        self._band_keys: list[int] = []  # sorted: the walk's band order
+        self._band_of: dict[Job, int] = {}  # every job the policy holds -> the band it sits in
+        self._entry: dict[Job, int] = {}  # job -> sequence number of its entry into its queue (FIFO order)
+        self._queue_waits: dict[tuple[int, int], float] | None = None  # T_execute by (band, level)
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
+        self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
         self._seq = itertools.count()
         self.num_promotions = 0
         self.num_demotions = 0
 
     # -- metrics ---------------------------------------------------------------------------
     def queue_lengths(self) -> list[int]:
-        return [len(q) for q in self._queues]
+        """Jobs per level, Q1 first, over every band."""
+        out = [0] * len(self.quanta)
+        for band in self._bands.values():
+            for level, n in enumerate(band.sizes()):
+                out[level] += n
+        return out
 
     # -- placement ---------------------------------------------------------------------------
     def entry_queue(self, prompt_len: int) -> int:
@@ -92,34 +139,107 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         level = bisect.bisect_left(self.quanta, self.cost.t_init(prompt_len))
         return min(level, len(self.quanta) - 1)
 
-    def _move(self, job: Job, level: int) -> None:
+    def _band(self, key: int) -> _Band:
+        band = self._bands.get(key)
+        if band is None:
+            band = self._bands[key] = _Band(len(self.quanta))
+            bisect.insort(self._band_keys, key)
+        return band
+
+    def _place(self, job: Job, key: int, level: int, fresh: bool) -> None:
+        """Put the job at the tail of a queue (a new entry: service reset)."""
+        self._band_of[job] = key
+        self._entry[job] = next(self._seq)
+        job.queue, job.service_in_queue = level, 0.0
+        band = self._band(key)
+        (band.fresh if fresh else band.started)[level][job] = None
         self._queue_waits = None
-        del self._queues[job.queue][job]
-        job.queue = level
-        job.service_in_queue = 0.0
-        self._queues[level][job] = None
+
+    def _unplace(self, job: Job) -> None:
+        self._take(self._bands[self._band_of[job]], job)
+        self._queue_waits = None
+
+    def _take(self, band: _Band, job: Job) -> bool:
+        """Remove the job from its queue in the band; True if it had started."""
+        level = job.queue
+        if band.started[level].pop(job, 0) is None:
+            return True
+        if band.fresh[level].pop(job, 0) is None:
+            return False
+        late = band.late[level]
+        del late[bisect.bisect_left(late, self._entry[job], key=self._entry.__getitem__)]
+        return True
 
     def _holds(self, job: Job) -> bool:
-        return 0 <= job.queue < len(self._queues) and job in self._queues[job.queue]
+        return job in self._band_of
 
     def add(self, job: Job, now: float) -> None:
         if self._holds(job):
             raise ValueError(f"job {job.job_id} was already added")
-        job.queue = self.entry_queue(job.prompt_len)
-        job.service_in_queue = 0.0
-        self._queues[job.queue][job] = None
-        self._queue_waits = None
-        self._wait_from(job.last_scheduled_time, [job])  # its arrival
+        fresh = job.first_scheduled_time is None  # (a job that ran elsewhere before comes in started)
+        self._place(job, job.priority, self.entry_queue(job.prompt_len), fresh)
+        self._count_in(job)
+        if fresh and self.config.fresh_starvation_factor is not None and self.config.starvation_threshold is not None:
+            heapq.heappush(self._fresh_starving, (job.last_scheduled_time, next(self._seq), job))
+        else:
+            self._wait_from(job.last_scheduled_time, [job])  # its arrival
 
     def remove(self, job: Job) -> None:
         if self._holds(job):
-            del self._queues[job.queue][job]
+            self._unplace(job)
+            del self._band_of[job], self._entry[job]
             self._running.pop(job, None)
-            self._queue_waits = None
+            self._count_out(job)
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
-    def _priority_order(self) -> Iterable[Job]:
-        return itertools.chain.from_iterable(self._queues)
+    def _walk(self, gate: Gate) -> Iterator[Job]:
+        entry = self._entry
+        for key in self._band_keys:
+            band = self._bands[key]
+            for started, late, fresh in zip(band.started, band.late, band.fresh):
+                if late:
+                    started = heapq.merge(started, late, key=entry.__getitem__)
+                if not fresh or not gate.fresh:
+                    yield from started
+                    continue
+                if not started and not late:
+                    for job in fresh:
+                        if not gate.fresh:
+                            break
+                        yield job
+                    continue
+                s_it, f_it = iter(started), iter(fresh)  # merge the FIFOs by entry order
+                s, f = next(s_it, None), next(f_it, None)
+                while s is not None or f is not None:
+                    if f is not None and gate.fresh and (s is None or entry[f] < entry[s]):
+                        yield f
+                        f = next(f_it, None)
+                    elif s is not None:
+                        yield s
+                        s = next(s_it, None)
+                    else:
+                        break
+
+    def _rank(self, job: Job) -> tuple:
+        return (self._band_of[job], job.queue, self._entry[job])
+
+    def _started_jobs(self) -> Iterator[Job]:
+        for band in self._bands.values():
+            for started, late in zip(band.started, band.late):
+                yield from started
+                yield from late
+
+    def _on_started(self, jobs: list[Job]) -> None:
+        entry = self._entry
+        for job in jobs:
+            key = self._band_of[job]
+            band = self._bands[key]
+            del band.fresh[job.queue][job]
+            started = band.started[job.queue]
+            if started and entry[next(reversed(started))] > entry[job]:  # it keeps its place
+                bisect.insort(band.late[job.queue], job, key=entry.__getitem__)
+            else:
+                started[job] = None
 
     def _wait_from(self, since: float, jobs: Sequence[Job]) -> None:
         """Start the starvation clock of jobs that last ran (or arrived) at `since`."""
@@ -138,57 +258,94 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             self._wait_from(since, group)
 
     def _before_schedule(self, now: float) -> None:
-        """Promote every job that has waited longer than alpha to Q1."""
+        """Promote every job that has waited longer than alpha to the tail of Q1 (of the most urgent class)."""
         alpha = self.config.starvation_threshold
-        heap, running, queues = self._starving, self._running, self._queues
-        q1 = queues[0]
+        heap, running, band_of = self._starving, self._running, self._band_of
         promoted = 0
-        while heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
-            since, _, group = heapq.heappop(heap)
-            for job in group:  # _holds and _move inlined: this loop can touch every waiting job
-                if job.last_scheduled_time != since or job in running:
-                    continue  # stale: the job ran since
-                level = job.queue
-                if level == 0 or job not in queues[level]:
-                    continue  # already in Q1, or it left
-                del queues[level][job]
-                job.queue, job.service_in_queue = 0, 0.0
-                q1[job] = None
-                job.num_promotions += 1
-                promoted += 1
+        top = min(self._classes) if self._classes else 0
+        fresh_heap = self._fresh_starving
+        if fresh_heap:  # jobs that never ran: promoted after max(alpha, f x W), in arrival order
+            limit = max(alpha, self.config.fresh_starvation_factor * self.start_wait_ema)
+            while fresh_heap and now - fresh_heap[0][0] > limit:
+                job = heapq.heappop(fresh_heap)[2]
+                if job.first_scheduled_time is not None or job not in band_of:
+                    continue  # it started (its later waits are on the other heap) or left
+                if band_of[job] != top or job.queue != 0:
+                    self._unplace(job)
+                    self._place(job, top, 0, True)
+                    job.num_promotions += 1
+                    promoted += 1
+        if heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
+            bands, entry, seq = self._bands, self._entry, self._seq
+            q1 = self._band(top)
+            while heap and now - heap[0][0] > alpha:
+                since, _, group = heapq.heappop(heap)
+                for job in group:  # _unplace and _place inlined: this loop can touch every waiting job
+                    if job.last_scheduled_time != since or job in running:
+                        continue  # stale: the job ran since
+                    key = band_of.get(job)
+                    if key is None or (key == top and job.queue == 0):
+                        continue  # it left, or it is in Q1 already
+                    if self._take(bands[key], job):
+                        q1.started[0][job] = None
+                    else:
+                        q1.fresh[0][job] = None
+                    band_of[job], entry[job] = top, next(seq)
+                    job.queue, job.service_in_queue = 0, 0.0
+                    job.num_promotions += 1
+                    promoted += 1
         if promoted:
             self.num_promotions += promoted
             self._queue_waits = None
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
-        last, eta, queues = len(self.quanta) - 1, self.config.demotion_step, self._queues
-        limits = self._limits
+        last, eta, limits, band_of = len(self.quanta) - 1, self.config.demotion_step, self._limits, self._band_of
+        bands, entry, seq = self._bands, self._entry, self._seq
+        moved = False
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
             service = job.service_in_queue = job.service_in_queue + cost
             level = job.queue
-            if service > limits[level] and job in queues[level]:  # used up its quantum (and still held)
+            if service > limits[level] and job in band_of:  # used up its quantum (and still held)
                 new = min(level + eta, last)
                 if new != level:
                     job.num_demotions += 1
                     self.num_demotions += 1
-                del queues[level][job]  # _move, inlined
+                # _unplace and _place inlined; a promoted job sinks into its own class's queues.
+                band = bands[band_of[job]]
+                key = job.priority
+                target = bands.get(key) or self._band(key)
+                if self._take(band, job):
+                    target.started[new][job] = None
+                else:  # charged without having been scheduled (tests drive on_step_done alone)
+                    target.fresh[new][job] = None
+                band_of[job], entry[job] = key, next(seq)
                 job.queue, job.service_in_queue = new, 0.0
-                queues[new][job] = None
-                self._queue_waits = None
+                moved = True
+        if moved:
+            self._queue_waits = None
 
-    def _execute_waits(self) -> list[float]:
-        """T_execute for a job of each queue: (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1))."""
-        off, sizes = self._offsets, [len(q) for q in self._queues]
-        seqs = self.config.max_num_seqs
-        return [sum(sizes[a] * (off[b] - off[a]) for a in range(b)) / seqs for b in range(len(sizes))]
+    def _execute_waits(self) -> dict[tuple[int, int], float]:
+        """T_execute for a job of each (band, queue); see the module docstring."""
+        off, seqs, n = self._offsets, self.config.max_num_seqs, len(self.quanta)
+        waits: dict[tuple[int, int], float] = {}
+        ahead = [0.0] * n  # per level b: what the jobs of more urgent bands add
+        for key in self._band_keys:
+            sizes = self._bands[key].sizes()
+            for b in range(n):
+                same = sum(sizes[a] * (off[b] - off[a]) for a in range(b))
+                waits[(key, b)] = (same + ahead[b]) / seqs
+            if len(self._band_keys) > 1:
+                for b in range(n):
+                    ahead[b] += sum(sizes[a] * (off[max(a, b) + 1] - off[a]) for a in range(n) if sizes[a])
+        return waits
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         waits = self._queue_waits
         if waits is None:
             waits = self._queue_waits = self._execute_waits()
-        t_execute = waits[job.queue]
+        t_execute = waits[(self._band_of[job], job.queue)]
         alpha = self.config.starvation_threshold
         return t_execute if alpha is None else min(alpha - job.starve_time(now), t_execute)

@@ -1,8 +1,8 @@
 """Scheduler tick benchmark: what one scheduling decision costs under load,
 against the model step it schedules.
 
-    python scripts/bench_scheduler.py                  # 1,000 waiting + 256 running jobs
-    python scripts/bench_scheduler.py --ticks 200 --model DIR
+    python scripts/bench_scheduler.py                  # 1,000 and 10,000 waiting + 256 running jobs
+    python scripts/bench_scheduler.py --waiting 1000 --ticks 200 --model DIR
 
 One tick is the scheduler's share of an engine step: policy.schedule(), the
 batch's profiled cost (cost_model.iteration_cost) and policy.on_step_done();
@@ -11,7 +11,7 @@ admission always fits (a fake), and time is virtual (each tick advances it by
 the profiled cost), so the queues churn as they would live: demotions,
 starvation promotions, new prefills. Baseline, measured in the same run: the
 tiny model's decode step at batch 1 through the live engine (Engine.step()).
-Aim: a tick under 0.2 ms, at most 0.5 ms.
+Aim: a tick under 0.2 ms with 1,000 waiting, under 0.5 ms with 10,000.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from engine import LLM  # noqa: E402
 from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy  # noqa: E402
 from scheduler.policy import CostModel  # noqa: E402
 
-AIM_MS, LIMIT_MS = 0.2, 0.5
+AIM_MS = {1000: 0.2, 10000: 0.5}  # waiting jobs -> aim for the median tick (ms); other sizes: the larger
 
 
 class AlwaysFits:
@@ -46,6 +46,15 @@ class AlwaysFits:
 
     def may_evict_for(self, job: Job) -> bool:
         return True
+
+    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
+        return True
+
+    def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
+        return False  # evictions free their blocks at once: no copy is ever in flight
+
+    def note_blocked(self, job: Job) -> None:
+        pass
 
     def evict(self, job: Job) -> None:
         job.num_computed = 0
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model for the baseline decode step (default: the built-in tiny model)")
     p.add_argument("--profile", default="analytic", help="job profile for the engine and the policies")
-    p.add_argument("--waiting", type=int, default=1000)
+    p.add_argument("--waiting", default="1000,10000", help="comma-separated waiting-job counts")
     p.add_argument("--running", type=int, default=256)
     p.add_argument("--ticks", type=int, default=500, help="timed ticks per policy")
     p.add_argument("--warmup", type=int, default=50, help="untimed ticks first (the batch fills up)")
@@ -114,26 +123,28 @@ def main(argv: list[str] | None = None) -> int:
     step_med, step_best = summary(decode_step_times(llm, args.decode_steps))
     print(f"baseline: {llm.engine.model_config.name} decode step, batch 1: median {step_med * 1e3:.3f} ms, "
           f"best {step_best * 1e3:.3f} ms ({args.decode_steps} steps)")
-    print(f"scheduler tick, {args.waiting} waiting + {args.running} running jobs, {args.ticks} ticks, "
-          f"alpha {args.starvation_threshold}:")
-    print(f"  {'policy':<16}{'median ms':>10}{'best ms':>9}{'median/step':>13}{'best/step':>11}"
-          f"   median ms of schedule / cost / done   batch")
-    worst = 0.0
-    for name in ("skip-join-mlfq", "fcfs"):
-        policy = loaded_policy(name, cost, args.waiting, args.running, args.seed, args.starvation_threshold)
-        t = tick_times(policy, cost, args.warmup, args.ticks)
-        med, best = summary(t["tick"])
-        worst = max(worst, med)
-        parts = " / ".join(f"{statistics.median(t[k]) * 1e3:.3f}" for k in ("schedule", "cost", "done"))
-        print(f"  {name:<16}{med * 1e3:>10.3f}{best * 1e3:>9.3f}{med / step_med:>13.4f}{best / step_best:>11.4f}"
-              f"   {parts:<34}  {statistics.median(t['batch']):.0f}")
-        churn = {k: getattr(policy, k) for k in ("num_promotions", "num_demotions", "num_policy_preemptions")
-                 if hasattr(policy, k)}
-        if churn:
-            counts = ", ".join(f"{k.removeprefix('num_')} {v}" for k, v in churn.items())
-            print(f"  {'':<16}over {args.warmup + args.ticks} ticks: {counts}")
-    verdict = "within the aim" if worst * 1e3 < AIM_MS else "within the limit" if worst * 1e3 <= LIMIT_MS else "OVER"
-    print(f"aim < {AIM_MS} ms, limit {LIMIT_MS} ms per tick (median): {verdict}")
+    for waiting in (int(w) for w in args.waiting.split(",")):
+        aim = AIM_MS.get(waiting, max(AIM_MS.values()))
+        print(f"scheduler tick, {waiting} waiting + {args.running} running jobs, {args.ticks} ticks, "
+              f"alpha {args.starvation_threshold}:")
+        print(f"  {'policy':<16}{'median ms':>10}{'best ms':>9}{'median/step':>13}{'best/step':>11}"
+              f"   median ms of schedule / cost / done   batch")
+        worst = 0.0
+        for name in ("skip-join-mlfq", "fcfs"):
+            policy = loaded_policy(name, cost, waiting, args.running, args.seed, args.starvation_threshold)
+            t = tick_times(policy, cost, args.warmup, args.ticks)
+            med, best = summary(t["tick"])
+            worst = max(worst, med)
+            parts = " / ".join(f"{statistics.median(t[k]) * 1e3:.3f}" for k in ("schedule", "cost", "done"))
+            print(f"  {name:<16}{med * 1e3:>10.3f}{best * 1e3:>9.3f}{med / step_med:>13.4f}{best / step_best:>11.4f}"
+                  f"   {parts:<34}  {statistics.median(t['batch']):.0f}")
+            churn = {k: getattr(policy, k) for k in ("num_promotions", "num_demotions", "num_policy_preemptions")
+                     if hasattr(policy, k)}
+            if churn:
+                counts = ", ".join(f"{k.removeprefix('num_')} {v}" for k, v in churn.items())
+                print(f"  {'':<16}over {args.warmup + args.ticks} ticks: {counts}")
+        verdict = "within the aim" if worst * 1e3 <= aim else "OVER"
+        print(f"aim <= {aim} ms per tick (median) with {waiting} waiting: {verdict}")
     return 0
 
 

@@ -54,6 +54,15 @@ class FakeKV:
     def may_evict_for(self, job: Job) -> bool:
         return True
 
+    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
+        return True
+
+    def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
+        return False  # evictions free their blocks at once: no copy is ever in flight
+
+    def note_blocked(self, job: Job) -> None:
+        pass
+
     def evict(self, job: Job) -> None:
         assert job in self.held, f"evict of {job.job_id}, which holds no blocks"
         self.release(job)
@@ -71,6 +80,7 @@ class Spec:
     arrival_time: float
     prompt_len: int
     output_len: int
+    priority: int = 0  # request class
 
 
 @dataclass
@@ -104,7 +114,8 @@ def simulate(
     for _ in range(max_ticks):
         while pending and pending[0].arrival_time <= now:
             s = pending.pop(0)
-            job = Job(s.job_id, s.prompt_len, s.output_len, s.arrival_time, true_output_len=s.output_len)
+            job = Job(s.job_id, s.prompt_len, s.output_len, s.arrival_time, true_output_len=s.output_len,
+                      priority=s.priority)
             policy.add(job, now)
             if on_add is not None:
                 on_add(job)

@@ -14,18 +14,17 @@ from scheduler.job import Job
 
 
 class ManualHandle:
+    """A copy that completes only when the test says so. It has no wait(): memory/ must never block."""
+
     def __init__(self) -> None:
         self.finished = False
 
     def done(self) -> bool:
         return self.finished
 
-    def wait(self) -> None:
-        self.finished = True
-
 
 class ManualBackend:
-    """Copies that complete only when the test says so (or someone waits)."""
+    """Copies that complete only when the test says so."""
 
     def __init__(self) -> None:
         self.handles: list[ManualHandle] = []
@@ -72,13 +71,25 @@ def test_offloaded_device_blocks_are_not_reused_until_the_copy_completes():
     kv.check_invariants()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def test_upload_makes_a_job_ready_only_when_complete():
     be = ManualBackend()
     kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", transfers=be)
     a = job(0, 8)
     grow(kv, a, 8)
-    kv.evict(a)  # synchronous offload (waits)
+    kv.evict(a)  # starts the offload, returns at once
+    assert kv.residency("j0") is Residency.OFFLOADING and not a.ready and kv.pending_free_blocks == 2
+    be.complete_all()
+    kv.poll()
     assert kv.residency("j0") is Residency.HOST and a.ready and a.num_computed == 8  # schedulable on demand
+    assert kv.pending_free_blocks == 0 and kv.device.num_free == 8
     kv.plan([], lambda j, now: 0.0, now=1.0)  # room: upload
     assert kv.residency("j0") is Residency.UPLOADING and not a.ready
     kv.poll()
@@ -91,17 +102,86 @@ def test_upload_makes_a_job_ready_only_when_complete():
     assert kv.stats.enst_count == 1 and kv.stats.enst_abs_error_s == 2.0
 
 
-def test_reactive_uploads_on_demand_and_counts_swap_wait():
-    kv = KVManager(4, 4, num_host_blocks=4, policy="reactive", transfers=ManualBackend())
+def test_reactive_swap_miss_starts_the_upload_and_the_job_waits_for_it():
+    """No call blocks: the job picked while on the host is not ready until its upload lands, and the
+    time from that pick to its run is its swap wait."""
+    clock, be = Clock(), ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=4, policy="reactive", transfers=be, now=clock)
     a = job(0, 8)
     grow(kv, a, 8)
     kv.evict(a)
+    be.complete_all()
+    kv.poll()
     assert kv.residency("j0") is Residency.HOST and a.ready  # reactive: still schedulable
     assert kv.can_fit(a, 1)
-    kv.allocate(a, 1)  # waits for the upload
-    assert kv.residency("j0") is Residency.DEVICE and len(kv.block_table("j0")) == 3
-    assert kv.take_swap_wait() == kv.stats.swap_wait_s and kv.take_swap_wait() == 0.0
-    assert kv.stats.num_uploads == 1
+    clock.t = 1.0
+    kv.poll()  # tick at 1.0: the job is picked, its upload starts, it does not run
+    kv.allocate(a, 1)
+    assert kv.residency("j0") is Residency.UPLOADING and not a.ready and len(kv.block_table("j0")) == 3
+    assert kv.stats.num_swap_misses == 1 and kv.stats.num_uploads == 1
+    clock.t = 1.5
+    kv.poll()  # tick at 1.5: picked again while it is still coming up
+    kv.note_blocked(a)
+    clock.t = 1.75
+    kv.poll()  # tick at 1.75: not picked (queueing, not swap wait)
+    be.complete_all()
+    clock.t = 2.0
+    kv.poll()
+    assert a.ready and kv.residency("j0") is Residency.DEVICE
+    assert kv.note_scheduled(a, now=2.0) == 0.75 and kv.stats.swap_wait_s == 0.75
+    assert kv.note_scheduled(a, now=3.0) == 0.0  # nothing more accrued
+    kv.check_invariants()
+
+
+def test_room_being_freed_by_an_offload_is_waited_for_and_promised_once():
+    clock, be = Clock(), ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=8, policy="reactive", transfers=be, now=clock)
+    a, b, c = job(0, 8), job(1, 8), job(2, 8)
+    grow(kv, a, 8)
+    grow(kv, b, 8)
+    assert not kv.wait_for_room(c, 8)  # nothing in flight: the policy must evict
+    kv.evict(a)
+    assert kv.device.num_free == 0 and not kv.can_fit(c, 8)  # a's blocks free only when its copy lands
+    assert kv.wait_for_room(c, 8)  # ... and they are promised to c this tick
+    assert not kv.wait_for_room(job(3, 4), 4)  # so no one else may count on them
+    kv.plan([], lambda j, now: 0.0, now=0.0)  # the tick ends: promises lapse
+    be.complete_all()
+    clock.t = 0.5
+    kv.poll()
+    assert kv.can_fit(c, 8)
+    kv.allocate(c, 8)
+    assert kv.note_scheduled(c, now=0.5) == 0.5  # it waited the whole tick for the copy
+    kv.check_invariants()
+
+
+def test_evicting_a_job_whose_upload_is_in_flight_keeps_it_on_the_host():
+    be = ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=4, policy="proactive", transfers=be)
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.evict(a)
+    be.complete_all()
+    kv.poll()
+    kv.allocate(a, 1)  # the upload starts: 3 device blocks held
+    assert kv.residency("j0") is Residency.UPLOADING and kv.device.num_used == 3
+    kv.evict(a)  # cannot recall the copy: its blocks free when it lands
+    assert kv.pending_free_blocks == 3 and kv.device.num_used == 3
+    kv.check_invariants()
+    be.complete_all()
+    kv.poll()
+    assert kv.residency("j0") is Residency.HOST and a.ready and kv.device.num_used == 0 and kv.host.num_used == 2
+    assert a.num_computed == 8 and kv.pending_free_blocks == 0
+    kv.check_invariants()
+
+
+def test_a_copy_with_nothing_to_wait_for_completes_at_once():
+    kv = KVManager(4, 4, num_host_blocks=4, policy="reactive")  # no backend: copies are done immediately
+    a = job(0, 8)
+    grow(kv, a, 8)
+    kv.evict(a)
+    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 4 and kv.pending_transfers() == 0
+    kv.allocate(a, 1)
+    assert kv.residency("j0") is Residency.DEVICE and a.ready
 
 
 def test_host_full_eviction_drops():
@@ -113,7 +193,7 @@ def test_host_full_eviction_drops():
     assert kv.stats.host_full_fallbacks == 1 and kv.stats.num_drops == 1
 
 
-def test_free_during_a_copy_waits_for_it():
+def test_free_during_a_copy_holds_the_blocks_until_it_completes():
     be = ManualBackend()
     kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", reserved_blocks=8, transfers=be)
     a = job(0, 8)
@@ -122,6 +202,7 @@ def test_free_during_a_copy_waits_for_it():
     assert kv.residency("j0") is Residency.OFFLOADING
     kv.free("j0")
     assert kv.device.num_used == 2 and kv.host.num_used == 2  # held until the copy completes
+    assert kv.pending_free_blocks == 2  # ... and counted as freeing
     kv.check_invariants()
     be.complete_all()
     kv.poll()
@@ -177,6 +258,11 @@ class KVMachine(RuleBasedStateMachine):
     def finish(self, data):
         self.kv.free(self.jobs.pop(data.draw(st.sampled_from(sorted(self.jobs)))).job_id)
 
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def wait_for_room(self, data, n):
+        self.kv.wait_for_room(self.jobs[data.draw(st.sampled_from(sorted(self.jobs)))], n)
+
     @invariant()
     def ownership(self):
         self.kv.check_invariants()
@@ -202,3 +288,63 @@ def test_proactive_never_evicts_resident_jobs_for_a_job_on_the_host():
         kv.evict(a)  # a's KV is now on the host
         assert kv.may_evict_for(a) is expected, policy
         assert kv.may_evict_for(b)  # a job with no KV anywhere may always make room
+
+
+# -- the ENST ranking itself: each test fails if the proactive rule's order is inverted -------------------------
+def on_host(kv: KVManager, be: ManualBackend, j: Job, tokens: int) -> None:
+    grow(kv, j, tokens)
+    kv.evict(j)
+    be.complete_all()
+    kv.poll()
+    assert kv.residency(j.job_id) is Residency.HOST
+
+
+def test_watermark_offloads_the_idle_jobs_that_run_last():
+    """8 device blocks, all held: the batch job d and idle a, b, c (2 blocks each). Watermark = 1 (batch)
+    + 2 reserved = 3 free blocks, so two idle jobs go. ENST a 5 s, b 1 s, c 9 s: c then a (largest first);
+    offloading the job that runs soonest (b) would be the inverted rule."""
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", reserved_blocks=2, transfers=be)
+    a, b, c, d = (job(i, 8) for i in range(4))
+    for j in (a, b, c, d):
+        grow(kv, j, 8)
+    enst = {"j0": 5.0, "j1": 1.0, "j2": 9.0, "j3": 0.0}
+    kv.plan([d], lambda j, now: enst[j.job_id], now=0.0)
+    assert [kv.residency(j.job_id) for j in (a, b, c, d)] == [
+        Residency.OFFLOADING, Residency.DEVICE, Residency.OFFLOADING, Residency.DEVICE]
+    assert [call[0] for call in be.calls] == [Direction.OFFLOAD, Direction.OFFLOAD]
+    assert be.calls[0][1] == list(zip(kv._jobs["j2"].device, kv._jobs["j2"].host))  # c first
+
+
+def test_uploads_bring_back_the_host_jobs_that_run_soonest():
+    """x, y, z on the host (2 blocks each), 8 device blocks free, watermark 0 + 3 reserved: room for two
+    uploads (8 - 4 = 4 >= 3; a third would leave 2 < 3). ENST x 3 s, y 1 s, z 7 s: y then x (smallest first);
+    uploading the job that runs last (z) would be the inverted rule."""
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", reserved_blocks=3, transfers=be)
+    x, y, z = job(0, 8), job(1, 8), job(2, 8)
+    for j in (x, y, z):
+        on_host(kv, be, j, 8)
+    be.calls.clear()
+    enst = {"j0": 3.0, "j1": 1.0, "j2": 7.0}
+    kv.plan([], lambda j, now: enst[j.job_id], now=0.0)
+    assert [kv.residency(j.job_id) for j in (x, y, z)] == [Residency.UPLOADING, Residency.UPLOADING, Residency.HOST]
+    assert be.calls[0][1] == list(zip(kv._jobs["j1"].host, kv._jobs["j1"].device))  # y first
+    assert [s[0] for s in kv.stats.enst_samples] == [] and kv._jobs["j1"].predicted_wait == 1.0
+
+
+def test_swap_makes_room_only_for_a_host_job_that_runs_before_an_idle_one():
+    """Device full (idle p, q hold all 8 blocks); host job h. If h runs before the idle job that runs
+    last, that idle job goes to the host (h comes up on a later tick); if h runs after both, nothing moves."""
+    for h_enst, expect in ((2.0, Residency.OFFLOADING), (20.0, Residency.DEVICE)):
+        be = ManualBackend()
+        kv = KVManager(8, 4, num_host_blocks=16, policy="proactive", transfers=be)
+        h = job(9, 8)
+        on_host(kv, be, h, 8)
+        p, q = job(0, 16), job(1, 16)
+        grow(kv, p, 16)
+        grow(kv, q, 16)
+        enst = {"j9": h_enst, "j0": 4.0, "j1": 10.0}
+        kv.plan([], lambda j, now, enst=enst: enst[j.job_id], now=0.0)
+        assert kv.residency("j1") is expect and kv.residency("j0") is Residency.DEVICE, h_enst
+        assert kv.residency("j9") is Residency.HOST

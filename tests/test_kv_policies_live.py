@@ -4,6 +4,8 @@ recompute it; copies are never raced; every block comes back."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -106,3 +108,41 @@ def test_abort_while_blocks_are_moving_frees_both_tiers(tiny_model_dir):
     eng.kv.check_invariants()
     assert eng.kv.device.num_free == eng.kv.device.num_blocks
     assert eng.kv.host.num_free == eng.kv.host.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "skip-join-mlfq"])
+@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+def test_the_engine_never_waits_on_a_copy(tiny_model_dir, reference, policy, kv_policy):
+    """Every copy is held until the test releases it. Had any step waited on one, the held copy would
+    time out (and say so); instead steps keep returning while copies are pending, the jobs whose KV is
+    moving simply do not run, and once the copies land every output is the reference's."""
+    llm = run_small(tiny_model_dir, policy, kv_policy)
+    eng = llm.engine
+    release, timed_out = threading.Event(), []
+    copy = eng.executor.swapper._copy_blocks
+
+    def held_copy(src, dst, pairs):
+        if not release.wait(10):
+            timed_out.append(pairs)
+        copy(src, dst, pairs)
+
+    eng.executor.swapper._copy_blocks = held_copy
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, greedy())
+    done, steps_while_held = {}, 0
+    for _ in range(400):
+        for out in eng.step():
+            done[out.request_id] = out
+        steps_while_held += eng.kv.pending_transfers() > 0
+        if steps_while_held >= 10 or not eng.has_unfinished():
+            break
+    assert steps_while_held >= 10, "no copy was pending: the device tier was meant to be too small"
+    release.set()
+    while eng.has_unfinished():
+        for out in eng.step():
+            done[out.request_id] = out
+    assert not timed_out
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+    eng.executor.swapper._thread.shutdown(wait=True)
+    eng.kv.poll()
+    eng.kv.check_invariants()

@@ -26,12 +26,12 @@ def workloads(draw) -> list[Spec]:
     t, specs = 0.0, []
     for i in range(n):
         t += draw(st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0, 10.0]))  # bursts and gaps
-        specs.append(Spec(f"j{i}", t, draw(st.integers(1, 64)), draw(st.integers(1, 12))))
+        specs.append(Spec(f"j{i}", t, draw(st.integers(1, 64)), draw(st.integers(1, 12)), draw(st.integers(0, 2))))
     return specs
 
 
 @st.composite
-def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0)):
+def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0), fresh_factors=(None, 2.0)):
     specs = draw(workloads())
     largest = max(-(-(s.prompt_len + s.output_len) // BLOCK) for s in specs)  # so every job can fit
     config = SchedulerConfig(
@@ -39,6 +39,7 @@ def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0)):
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(16, 128)),
         starvation_threshold=draw(st.sampled_from(alphas)),
+        fresh_starvation_factor=draw(st.sampled_from(fresh_factors)),
         demotion_step=draw(st.integers(1, 2)),
         max_prompt_len=64,
     )
@@ -89,9 +90,10 @@ def test_no_job_joins_a_queue_whose_quantum_is_shorter_than_its_prefill(setup) -
 
 
 @SETTINGS
-@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0)))
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0), fresh_factors=(None,)))
 def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
-    """Precondition, checked on each tick after promotion: the ready jobs of Q1
+    """(The paper's rule: fresh_starvation_factor None; request classes drawn 0..2.)
+    Precondition, checked on each tick after promotion: the ready jobs of Q1
     fit one batch: at most max_num_seqs of them, their new tokens within
     max_num_batched_tokens (or just one job), their KV within the device
     blocks. (Q1 jobs have the smallest ENST, so every other job's KV is
@@ -129,7 +131,8 @@ def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
 @given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ)))
 def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
     """The policy keeps T_execute per queue between changes of the queues; after any mix of arrivals,
-    promotions, demotions and finishes it must equal DESIGN.md's formula computed from scratch."""
+    promotions, demotions and finishes it must equal DESIGN.md's formula computed from scratch (with
+    request classes: a job of a more urgent class in Q_a adds q_a + ... + q_max(a,b))."""
     config, specs, kv = setup
     policy = make_policy(config, COST)
     assert isinstance(policy, SkipJoinMLFQPolicy)
@@ -137,9 +140,12 @@ def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
 
     def check(now: float) -> None:
         jobs = policy.jobs
+        band = policy._band_of  # the class whose queues a job sits in (a promoted job: the top class's)
         for job in jobs:
             b = job.queue
-            t_exec = sum(sum(quanta[a:b]) for other in jobs if (a := other.queue) < b) / seqs
+            same = sum(sum(quanta[a:b]) for other in jobs if band[other] == band[job] and (a := other.queue) < b)
+            ahead = sum(sum(quanta[other.queue:max(other.queue, b) + 1]) for other in jobs if band[other] < band[job])
+            t_exec = (same + ahead) / seqs
             want = t_exec if alpha is None else min(alpha - (now - job.last_scheduled_time), t_exec)
             got = policy.estimated_wait(job, now)
             assert got == 0.0 if job in policy._running else abs(got - want) <= 1e-9 * max(1.0, abs(want))

@@ -243,6 +243,7 @@ def test_a_high_priority_job_evicts_lower_priority_kv_largest_wait_first() -> No
     kv = FakeKV(num_blocks=25, block_size=4)
     q3, q4 = job("q3", 32), job("q4", 64)  # Q3 and Q4, holding 8 and 16 blocks after their prefill
     for j in (q4, q3):
+        j.first_scheduled_time = 0.0  # they ran before (only started jobs hold KV)
         policy.add(j, 0.0)
         kv.allocate(j, j.prompt_len)
         j.num_computed = j.prompt_len

@@ -14,12 +14,15 @@ throughput is up to pp times that of one batch at a time.
 Costs come from a job profile (scheduler/cost_model.py); KV transfers take
 bytes / bandwidth on one copy engine per direction, overlapped with compute:
 a copy starts when its engine is free and completes at a virtual time; waiting
-on it (reactive swapping) advances the clock to that time. Every job samples
+on it is the engine's business: a job whose copy has not completed is not
+ready, and when nothing can run the simulator jumps the clock to the next
+completion (next_completion). Every job samples
 the same ordinary token, so outputs run to max_tokens (use ignore_eos).
 """
 
 from __future__ import annotations
 
+import heapq
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -47,10 +50,6 @@ class _VirtualCopy:
     def done(self) -> bool:
         return self._clock.now() >= self.end
 
-    def wait(self) -> None:
-        if self._clock.now() < self.end:
-            self._clock.advance(self.end - self._clock.now())
-
 
 class SimulatedSwapper:
     """The TransferBackend of the simulator: one copy engine per direction."""
@@ -58,7 +57,15 @@ class SimulatedSwapper:
     def __init__(self, clock: VirtualClock, block_bytes: int, transfer: TransferModel) -> None:
         self.clock, self.block_bytes, self.transfer = clock, block_bytes, transfer
         self._busy_until = {Direction.OFFLOAD: 0.0, Direction.UPLOAD: 0.0}
+        self._ends: list[float] = []  # heap: completion times of the copies issued
         self.bytes_copied = 0
+
+    def next_completion(self) -> float | None:
+        """The earliest virtual time a copy still in flight completes (None: none in flight)."""
+        now = self.clock.now()
+        while self._ends and self._ends[0] <= now:
+            heapq.heappop(self._ends)
+        return self._ends[0] if self._ends else None
 
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> _VirtualCopy:
         nbytes = len(pairs) * self.block_bytes
@@ -67,6 +74,7 @@ class SimulatedSwapper:
         start = max(self.clock.now(), self._busy_until[direction])
         end = start + nbytes / bw
         self._busy_until[direction] = end
+        heapq.heappush(self._ends, end)
         self.bytes_copied += nbytes
         return _VirtualCopy(self.clock, end)
 
@@ -131,9 +139,5 @@ class SimulatedExecutor(Executor):
 
     def next_copy_completion(self) -> float | None:
         """The virtual time at which the next pending copy completes, or None."""
-        if self.swapper is None:
-            return None
-        now = self.clock.now()
-        pending = [t for t in self.swapper._busy_until.values() if t > now]
-        return min(pending) if pending else None
+        return self.swapper.next_completion() if self.swapper is not None else None
 

@@ -1,0 +1,147 @@
+"""Sections of `make experiments` on scheduling past capacity and on the KV
+ranking (scripts/experiments.py registers them; each takes its Ctx):
+
+- overload: skip-join MLFQ vs FCFS from 0.5x to 2x of capacity, with the
+  overload remedies on (the defaults) and with the paper's rules;
+- enst_ablation: what ENST ranking buys the proactive planner over LRU/FIFO
+  and random ranking, with the thrash count of each;
+- alpha: sensitivity to the starvation threshold.
+"""
+
+from __future__ import annotations
+
+import random
+
+from experiments import MAIN, Ctx, _plt, _save
+
+# Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT
+# lengths, req/s: the issue's measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.
+CAPACITY = 2.8
+LOADS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+PAPER = {"kv_overcommit": None}  # the paper's rules (the remedy off; fresh_starvation_factor is off by default)
+VARIANTS = (  # (label, policy, engine args)
+    ("fcfs", "fcfs", {}),
+    ("skip-join (default)", "skip-join-mlfq", {}),
+    ("skip-join f=2", "skip-join-mlfq", {"fresh_starvation_factor": 2.0}),
+    ("skip-join (paper)", "skip-join-mlfq", PAPER),
+)
+PAPER_MAX_LOAD = 1.0  # past this the paper's rules collapse (recompute storms): minutes to hours per run
+
+
+def section_overload(ctx: Ctx) -> str:
+    plt = _plt()
+    n = ctx.args.overload_prompts
+    rows, series = [], {label: [] for label, _, _ in VARIANTS}
+    for load in LOADS:
+        trace = ctx.trace("ShareGPT", CAPACITY * load, n=n)
+        for label, policy, kw in VARIANTS:
+            if kw is PAPER and load > PAPER_MAX_LOAD:
+                continue
+            s, _, eng = ctx.simulate(MAIN, trace, policy, **kw)
+            served = s["requests"] / s["duration_s"]
+            series[label].append((load, s, served))
+            rows.append(f"| {load:.2f}x ({CAPACITY * load:.2f}) | {label} | {s['duration_s']:.0f} | {served:.2f} | "
+                        f"{s['mean_per_token_s']:.3f} | {s['p95_per_token_s']:.3f} | {s['mean_ttft_s']:.2f} | "
+                        f"{s['mean_swap_wait_s']:.3f} | {s['preemptions']} | {s['drops']} | "
+                        f"{eng.kv.stats.num_recomputed_tokens} |")
+            print(f"  overload {load:.2f}x {label:22} {s['duration_s']:8.0f} s  mean {s['mean_per_token_s']:.3f}"
+                  f"  p95 {s['p95_per_token_s']:.3f}", flush=True)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for label, pts in series.items():
+        loads = [p[0] for p in pts]
+        axes[0].plot(loads, [p[1]["mean_per_token_s"] for p in pts], marker="o", label=label)
+        axes[1].plot(loads, [p[1]["p95_per_token_s"] for p in pts], marker="o", label=label)
+        axes[2].plot(loads, [p[2] for p in pts], marker="o", label=label)
+    for ax, title in zip(axes, ("mean per-token latency (s)", "P95 per-token latency (s)", "served rate (req/s)")):
+        ax.set_xlabel(f"load (x {CAPACITY} req/s)")
+        ax.set_title(title, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[2].legend(fontsize=7)
+    fig_path = _save(fig, ctx.figdir / "overload.png")
+    ratios = []
+    for load, s, _ in series["skip-join (default)"]:
+        f = next(p[1] for p in series["fcfs"] if p[0] == load)
+        ratios.append(f"{load:.2f}x: duration {s['duration_s'] / f['duration_s']:.3f}, mean "
+                      f"{s['mean_per_token_s'] / f['mean_per_token_s']:.2f}, P95 "
+                      f"{s['p95_per_token_s'] / f['p95_per_token_s']:.2f}")
+    lines = ["## Past capacity: skip-join MLFQ vs FCFS from 0.5x to 2x", "",
+             f"Command: `{ctx.cmd('overload')}`", "", f"![overload]({fig_path})", "",
+             f"OPT-13B on one A100 40GB (roofline profile), {n} ShareGPT requests per point, Poisson at load x "
+             f"{CAPACITY} req/s (FCFS's capacity), proactive KV policy, alpha 0.3 s. `skip-join (default)` has "
+             "the overload remedy: overload admission (`--kv-overcommit 2`: started jobs' KV within 2 device "
+             "caches, and within the device alone while jobs wait longer than alpha to start; the proactive "
+             "watermark never drops KV). `f=2` adds `--fresh-starvation-factor 2` (a job that never ran is "
+             "promoted only after max(alpha, 2 x the recent wait to a first run), so admission keeps "
+             "skip-join's order past capacity). `paper` turns admission off "
+             f"(`--kv-overcommit none`); it is run up to {PAPER_MAX_LOAD}x only "
+             "(past it, each run rebuilds contexts for hours of simulated time: the issue measured 13,047 s "
+             "against FCFS's 1,252 s at 1.25x with 3,000 requests).", "",
+             "| load (req/s) | policy | duration s | served req/s | mean s/token | P95 s/token | TTFT s | "
+             "swap wait s | preemptions | drops | recomputed tokens |", "|---|---|---|---|---|---|---|---|---|---|---|",
+             *rows, "", "skip-join (default) / FCFS: " + "; ".join(ratios) + ".", ""]
+    return "\n".join(lines)
+
+
+# -- ENST ranking ablation ------------------------------------------------------------------------------------------
+def _ranking(eng, kind: str, seed: int = 0):
+    """A replacement for scheduler.estimated_wait as the proactive planner sees it."""
+    if kind == "enst":
+        return eng.scheduler.estimated_wait
+    if kind == "lru":  # the job idle longest goes first to the host and comes back first
+        return lambda job, now: -job.last_scheduled_time
+    rng = random.Random(seed)
+    keys: dict[str, float] = {}
+    return lambda job, now: keys.setdefault(f"{job.job_id}@{eng.kv.tick}", rng.random())
+
+
+RANKINGS = ("enst", "lru", "random")
+
+
+def section_enst_ablation(ctx: Ctx) -> str:
+    from engine.simulation import run_trace
+
+    blocks = ctx.args.fig15_device_blocks
+    rate = CAPACITY * ctx.args.ablation_load
+    trace = ctx.trace("ShareGPT", rate, n=ctx.args.overload_prompts)
+    lines = ["## ENST ranking ablation: what the proactive planner's order buys", "",
+             f"Command: `{ctx.cmd('enst_ablation')}`", "",
+             f"OPT-13B, skip-join MLFQ, proactive KV policy, {len(trace)} ShareGPT requests at {rate:.2f} req/s "
+             f"({ctx.args.ablation_load}x FCFS's capacity), device KV tier "
+             f"{'of the profile' if blocks is None else f'cut to {blocks} blocks'}. The planner offloads the idle "
+             "job ranked last and uploads the host job ranked first; only the ranking changes: ENST (the paper), "
+             "LRU (idle longest: offloaded first, uploaded first) or random. Thrash: offloads whose job was "
+             "wanted back within 4 ticks.", "",
+             "| ranking | mean s/token | P95 s/token | swap wait s | swap misses | offloads | thrash | uploads |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in RANKINGS:
+        eng = ctx.engine(MAIN, "skip-join-mlfq", "proactive", num_device_blocks=blocks)
+        rank = _ranking(eng, kind)
+        plan = eng.kv.plan
+        eng.kv.plan = lambda batch, estimated_wait, now, plan=plan, rank=rank: plan(batch, rank, now)
+        res = run_trace(eng, trace)
+        s, st = res.summary(), eng.kv.stats
+        ctx.sim_runs += 1
+        lines.append(f"| {kind} | {s['mean_per_token_s']:.3f} | {s['p95_per_token_s']:.3f} | "
+                     f"{s['mean_swap_wait_s']:.3f} | {st.num_swap_misses} | {st.num_offloads} | {st.num_thrash} | "
+                     f"{st.num_uploads} |")
+        print(f"  ablation {kind:7} mean {s['mean_per_token_s']:.3f}", flush=True)
+    return "\n".join(lines + [""])
+
+
+def section_alpha(ctx: Ctx) -> str:
+    n = ctx.args.overload_prompts
+    alphas = (0.1, 0.3, 1.0, 3.0)
+    lines = ["## Sensitivity to alpha (the starvation threshold)", "", f"Command: `{ctx.cmd('alpha')}`", "",
+             f"OPT-13B, skip-join MLFQ (default remedies), proactive KV, {n} ShareGPT requests per point.", "",
+             "| load (req/s) | alpha s | mean s/token | P95 s/token | promotions | preemptions |",
+             "|---|---|---|---|---|---|"]
+    for load in (0.75, 1.25):
+        trace = ctx.trace("ShareGPT", CAPACITY * load, n=n)
+        for alpha in alphas:
+            s, _, eng = ctx.simulate(MAIN, trace, "skip-join-mlfq", starvation_threshold=alpha)
+            lines.append(f"| {load:.2f}x ({CAPACITY * load:.2f}) | {alpha} | {s['mean_per_token_s']:.3f} | "
+                         f"{s['p95_per_token_s']:.3f} | {eng.scheduler.num_promotions} | {s['preemptions']} |")
+            print(f"  alpha {load:.2f}x {alpha}: mean {s['mean_per_token_s']:.3f}", flush=True)
+    return "\n".join(lines + [""])

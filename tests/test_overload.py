@@ -1,0 +1,97 @@
+"""The overload remedies, with hand-computed schedules: admission of new jobs
+by the KV that started jobs hold (memory/kv_manager.py may_start), and the
+fresh-job starvation factor (scheduler/skip_join_mlfq.py).
+
+Costs as in test_scheduler_rules.py: t_init(L) = L/8 s, t_dec = 1 s, quanta
+[1, 2, 4, 8]; 8 tokens -> Q1, 64 -> Q4. A job is demoted when its service in
+a queue exceeds the quantum.
+"""
+
+from __future__ import annotations
+
+from memory.kv_manager import KVManager, Residency
+from scheduler import Job
+from tests.test_scheduler_rules import mlfq, step
+
+
+def job(job_id: str, prompt_len: int = 7, output: int = 1, arrival: float = 0.0) -> Job:
+    return Job(job_id, prompt_len, output, arrival, true_output_len=output)
+
+
+def test_may_start_counts_the_kv_of_started_jobs_on_both_tiers():
+    """8 device + 8 host blocks of 4 tokens, at most 12 started blocks. Started: a (6 blocks, then on the
+    host) and b (4 blocks on the device): 10. A new job of 2 blocks may start (12), one of 3 may not (13);
+    backlogged, the limit is the device's 8 blocks: neither."""
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", max_started_blocks=12)
+    a, b = job("a", 24), job("b", 16)
+    kv.allocate(a, 24)
+    a.num_computed = 24
+    kv.evict(a)  # no copy backend: the offload completes at once
+    assert kv.residency("a") is Residency.HOST
+    kv.allocate(b, 16)
+    b.num_computed = 16
+    assert kv.started_blocks() == 10
+    assert kv.may_start(job("c", 8), 8) and not kv.may_start(job("d", 9), 9)
+    assert not kv.may_start(job("c", 8), 8, backlogged=True)
+    assert kv.may_start(a, 1, backlogged=True)  # a job that holds KV may always go on
+    assert KVManager(8, 4, max_started_blocks=None).may_start(job("e", 999), 999)  # the paper: no limit
+
+
+def test_admission_holds_new_jobs_until_started_ones_finish():
+    """One-token jobs of 7-token prompts (2 blocks each); 20 device blocks but at most 6 started. Tick 0:
+    a, b, c start (6 blocks); d is refused and, being fresh, so is every later fresh job (e), though
+    the device has room. They finish; tick 1: d and e start."""
+    policy = mlfq(max_num_seqs=8)
+    kv = KVManager(20, 4, policy="recompute", max_started_blocks=6)
+    jobs = [job(x) for x in "abcde"]
+    for j in jobs:
+        policy.add(j, 0.0)
+    ids, t = step(policy, kv, 0.0)
+    assert ids == ["a", "b", "c"]
+    for j in jobs[:3]:
+        policy.remove(j)
+        kv.free(j.job_id)
+    assert step(policy, kv, t)[0] == ["d", "e"]
+
+
+def test_fresh_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
+    """One slot, alpha 1 s. x (8-token prompt, long output) runs from t=0; y (64 tokens: Q4) waits.
+    Paper's rule: y has waited > alpha at t=2 and is promoted to Q1 ahead of x (now in Q2): it runs at
+    t=2. With factor 2 and a recent wait to first run W = 5 s, y is promoted only after 10 s; x sinks
+    (2 iterations in Q1, 3 in Q2, 5 in Q3) and reaches Q4 behind y at t=10: y runs then, unpromoted."""
+    for factor, first_run, promotions in ((None, 2.0, 1), (2.0, 10.0, 0)):
+        policy = mlfq(max_num_seqs=1, starvation_threshold=1.0, fresh_starvation_factor=factor)
+        x, y = job("x", 8, output=100), job("y", 64, output=1)
+        policy.add(x, 0.0)
+        policy.add(y, 0.0)
+        t = 0.0
+        while y.first_scheduled_time is None:
+            if t == 1.0:
+                policy.start_wait_ema = 5.0  # as if jobs had recently waited 5 s to start (x waited 0)
+            _, t = step(policy, _Roomy(), t)
+        assert (y.first_scheduled_time, y.num_promotions) == (first_run, promotions), factor
+
+
+class _Roomy:
+    """KV admission that always fits (the fresh-factor test is about order only)."""
+
+    def can_fit(self, job, n):
+        return True
+
+    def allocate(self, job, n):
+        pass
+
+    def may_evict_for(self, job):
+        return True
+
+    def may_start(self, job, n, backlogged=False):
+        return True
+
+    def wait_for_room(self, job, n):
+        return False
+
+    def note_blocked(self, job):
+        pass
+
+    def evict(self, job):
+        job.num_computed = 0
