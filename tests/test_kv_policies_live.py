@@ -103,7 +103,7 @@ def test_abort_while_blocks_are_moving_frees_both_tiers(tiny_model_dir):
     eng.abort(moving)
     for rid in list(eng.requests):
         eng.abort(rid)
-    eng.executor.swapper._thread.shutdown(wait=True)  # let the slowed copies finish
+    eng.executor.swapper.shutdown()  # let the slowed copies finish (its copy threads end)
     eng.kv.poll()
     eng.kv.check_invariants()
     assert eng.kv.device.num_free == eng.kv.device.num_blocks
@@ -143,6 +143,6 @@ def test_the_engine_never_waits_on_a_copy(tiny_model_dir, reference, policy, kv_
             done[out.request_id] = out
     assert not timed_out
     assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
-    eng.executor.swapper._thread.shutdown(wait=True)
+    eng.executor.swapper.shutdown()  # the copy threads end once their copies did
     eng.kv.poll()
     eng.kv.check_invariants()
