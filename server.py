@@ -3,7 +3,7 @@
     python server.py --model DIR [--port 8000] ...        (--help documents every flag)
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
-/v1/models, /version, /metrics (Prometheus text, engine/server_metrics.py) and /health: 200 while
+/v1/models, /version, /metrics (Prometheus text, serving/server_metrics.py) and /health: 200 while
 the engine loop is alive, 503 when it is not or the server is shutting down; no API key needed.
 /health's JSON also reports `running`, `waiting` and the free/total KV blocks of both tiers
 (`kv_free_blocks`, `kv_total_blocks`, `kv_host_free_blocks`, `kv_host_total_blocks`).
@@ -45,13 +45,13 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
-from engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from engine.config import KV_POLICIES, EngineConfig
 from engine.errors import EngineDeadError, ValidationError
-from engine.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
 from engine.outputs import RequestOutput
-from engine.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 from scheduler.policy import PolicyName
+from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
+from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("fastserve.server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health "
          "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
     flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
-    flag("--chat-template", "Jinja chat template file (default: engine/chat_template.py's)")
+    flag("--chat-template", "Jinja chat template file (default: serving/chat_template.py's)")
     flag("--shutdown-timeout", "seconds in-flight requests get after SIGTERM before they are aborted",
          type=float, default=srv.shutdown_timeout)
     flag("--max-request-bytes", "largest request body; larger ones get 413", type=int,

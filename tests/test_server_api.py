@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from engine.chat_template import ChatTemplate
 from engine.errors import ValidationError
+from serving.chat_template import ChatTemplate
 from tests.server_fixtures import DEFAULT_ARGS, get_json, post_json, shared_server, sse_chunks, streamed_text, wait_idle
 
 METRIC_KEYS = {"arrival_time", "first_scheduled_time", "first_token_time", "finished_time", "queued_s",
