@@ -3,8 +3,10 @@
     python server.py --model DIR [--port 8000] ...        (--help documents every flag)
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
-/v1/models, /version, /metrics (Prometheus text, serving/server_metrics.py) and /health: 200 while
-the engine loop is alive, 503 when it is not or the server is shutting down; no API key needed.
+/v1/models, /version, /metrics (Prometheus text, serving/server_metrics.py), /dashboard (a page to watch;
+its JSON /dashboard/data is documented in serving/dashboard.py) and /health: 200 while the engine loop is
+alive, 503 when it is not or the server is shutting down; /health and the dashboard page (static, no data)
+need no API key.
 /health's JSON also reports `running`, `waiting` and the free/total KV blocks of both tiers
 (`kv_free_blocks`, `kv_total_blocks`, `kv_host_free_blocks`, `kv_host_total_blocks`).
 
@@ -50,6 +52,8 @@ from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
 from scheduler.policy import PolicyName
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
+from serving.dashboard import add_dashboard
 from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
 from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 
@@ -140,8 +144,8 @@ async def _errors_middleware(request: web.Request, handler):
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
-    """Bearer --api-key on every route but /health, compared in constant time."""
-    if request.path != "/health":
+    """Bearer --api-key on every route but /health and the dashboard's static page, compared in constant time."""
+    if request.path != "/health" and request.path not in DASHBOARD_PAGES:
         want = "Bearer " + request.app[CONFIG].api_key
         given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
         if not hmac.compare_digest(given, want.encode()):
@@ -391,6 +395,7 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
         app.router.add_get(path, handler)
     app.cleanup_ctx.append(_engine_ctx)
+    add_dashboard(app, async_engine, cfg.served_model_names[0])
     app.on_shutdown.append(drain)
     app.on_response_prepare.append(_on_prepare)
     return app
