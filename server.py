@@ -55,6 +55,7 @@ from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
 from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
+from serving.routing import add_fallback_route, add_get, add_post
 from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("fastserve.server")
@@ -390,12 +391,13 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     app[ENGINE], app[CONFIG] = async_engine, cfg
     app[STATE] = state = ServerState(protocol, ServerMetrics(cfg.served_model_names[0]))
     async_engine.finish_listeners.append(_finish_listener(state))
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    add_post(app, "/v1/completions", completions)
+    add_post(app, "/v1/chat/completions", chat_completions)
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
-        app.router.add_get(path, handler)
+        add_get(app, path, handler)
     app.cleanup_ctx.append(_engine_ctx)
     add_dashboard(app, async_engine, cfg.served_model_names[0])
+    add_fallback_route(app)  # last: unknown paths and methods get 404 / 405 bodies
     app.on_shutdown.append(drain)
     app.on_response_prepare.append(_on_prepare)
     return app

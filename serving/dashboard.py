@@ -56,6 +56,7 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from serving.gpu_probe import DeviceRows, NvmlProbe
 from serving.openai_protocol import error_body
+from serving.routing import add_get
 
 log = logging.getLogger("fastserve.dashboard")
 
@@ -263,8 +264,8 @@ def add_dashboard(app: web.Application, aengine: AsyncEngine, model_name: str,
     app[DASHBOARD] = dash = Dashboard(aengine, model_name, devices)
     aengine.finish_listeners.append(dash.on_finished)
     for path in _STATIC:
-        app.router.add_get(path, _static)
-    app.router.add_get("/dashboard/data", _data)
+        add_get(app, path, _static)
+    add_get(app, "/dashboard/data", _data)
 
     async def sampler(app: web.Application):
         task = asyncio.create_task(dash.run(), name="fastserve-dashboard-sampler")
