@@ -4,7 +4,9 @@ page's routes and headers, and the API key. The page in a real browser: tests/te
 from __future__ import annotations
 
 import random
+import sys
 import time
+import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from serving.dashboard import RECENT, percentile
+from serving.gpu_probe import NvmlProbe
 from tests.server_fixtures import (
     AUTH,
     QUICK_ARGS,
@@ -158,3 +161,32 @@ def test_page_is_public_but_its_data_needs_the_key(request, tiny_model_dir):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, body = get_json(srv.url + "/dashboard/data", AUTH)
     assert status == 200 and body["schema"] == 1
+
+
+def test_nvml_rows_from_a_stand_in_library(monkeypatch):
+    """NvmlProbe's reading of nvidia-ml-py's calls (no GPU here: a stand-in module with pynvml's names);
+    a device that fails to answer shows as an error on its own row."""
+    def utilization(handle):
+        if handle == 1:
+            raise RuntimeError("GPU is lost")
+        return types.SimpleNamespace(gpu=37)
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200" if h == 0 else "NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(h + 1) << 30, total=141 << 30),
+        nvmlDeviceGetUtilizationRates=utilization)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    probe = NvmlProbe()
+    assert probe.note is None
+    ok, lost = probe.rows()
+    assert ok == {"id": 0, "name": "NVIDIA H200", "worker": None, "memory_used_bytes": 1 << 30,
+                  "memory_total_bytes": 141 << 30, "utilization_pct": 37.0, "error": None}
+    assert lost["id"] == 1 and lost["memory_used_bytes"] is None and "GPU is lost" in lost["error"]
+
+    def no_driver():
+        raise OSError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=no_driver))
+    probe = NvmlProbe()
+    assert probe.rows() == [] and "NVML Shared Library Not Found" in probe.note
