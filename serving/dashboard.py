@@ -14,9 +14,9 @@ GET /dashboard/data[?since=SEQ]  ->  (schema 1)
   now                   the latest sample (below)
   history               samples with seq > SEQ (all kept samples without ?since), oldest first
   recent_requests       the last 30 finished requests, newest first, as of `now`: request_id, finish_reason
-                        (stop | length | abort | error), prompt_tokens, output_tokens (longest sequence), n,
-                        ttft_s, e2e_s, per_token_s (e2e / output tokens), queued_s, executing_s, swap_wait_s,
-                        preemptions, age_s (seconds before `now`)
+                        (stop | length | abort | error: the first sequence's, as /metrics counts), prompt_tokens,
+                        output_tokens (longest sequence), n, ttft_s, e2e_s, per_token_s (e2e / output tokens),
+                        queued_s, executing_s, swap_wait_s, preemptions, age_s (seconds before `now`)
   device_source         "nvml" (this process's view of the machine's GPUs) or what supplied the rows
   device_note           why there are no device rows (e.g. no GPU visible to nvidia-ml-py), else null
 A sample:
@@ -111,8 +111,7 @@ class FinishedRequest:
     def of(out: RequestOutput, now: float) -> FinishedRequest:
         m = out.metrics
         longest = max((len(c.token_ids) for c in out.outputs), default=0)
-        reasons = {c.finish_reason or "abort" for c in out.outputs}
-        reason = next((r for r in ("error", "abort", "length", "stop") if r in reasons), "abort")
+        reason = (out.outputs[0].finish_reason if out.outputs else None) or "abort"  # as /metrics counts it
         return FinishedRequest(out.request_id, reason, len(out.prompt_token_ids), longest, len(out.outputs),
                                m.ttft_s, m.e2e_s, m.e2e_s / longest if m.e2e_s is not None and longest else None,
                                m.queued_s, m.executing_s, m.swap_wait_s, m.preemptions, now)
