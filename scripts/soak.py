@@ -17,7 +17,10 @@ of the run); every kept request got a complete, valid answer (n choices, each fi
 string in its text, logprobs when asked); every malformed one a 4xx OpenAI error; within --idle-timeout
 nothing runs or waits and every KV block of both tiers is free; /metrics counts add up (finished + aborted +
 failed = well-formed requests sent, none failed, aborted <= disconnects); the dashboard's totals equal
-/metrics'; the server's RSS after the run is within --rss-growth-mib of its RSS after the calibration.
+/metrics'; the server's RSS after the run is within --rss-growth-mib (64 MiB) plus 64 KiB per request in flight
+at the peak of its RSS after the calibration (a backlog's state sets a high-water mark that the allocator
+keeps); and a settle pass afterwards (a tenth of --requests, kept requests at half the capacity) is answered
+in full and grows RSS by at most --leak-mib (16 MiB): a leak would grow it again, a high-water mark does not.
 Exit status: 0 all checks passed, 1 a check failed (or the server could not start), 2 bad flags.
 """
 
@@ -69,7 +72,9 @@ class SoakConfig:
     calibration: int = 32
     request_timeout: float | None = None  # None: 60 s + 4x the time the whole soak takes at capacity
     idle_timeout: float = 60.0
-    rss_growth_mib: float = 64.0
+    rss_growth_mib: float = 64.0  # allowed RSS growth over the soak, plus RSS_PER_INFLIGHT_KIB per request in flight
+    leak_mib: float = 16.0  # allowed RSS growth over the settle pass
+    settle: int | None = None  # requests of the settle pass (None: a tenth of --requests, 40 to 1000)
     seed: int = 0
 
 
@@ -212,6 +217,9 @@ async def finished_counts(session: aiohttp.ClientSession, url: str) -> dict[str,
             for s in fam.samples if s.name == "vllm:request_success_total"}
 
 
+RSS_PER_INFLIGHT_KIB = 64  # the server's state per request in flight (~40 KiB measured at 3,000 in flight)
+
+
 def rss_mib(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -231,7 +239,8 @@ class SoakReport:
     duration_s: float = 0.0
     outcomes: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {ok, failed, timed_out}
     finished: dict[str, float] = field(default_factory=dict)  # server's finish reasons during the soak
-    rss_mib: dict[str, float | None] = field(default_factory=dict)  # after calibration, peak, end
+    rss_mib: dict[str, float | None] = field(default_factory=dict)  # after calibration, peak, end, after settle
+    peak_in_flight: int = 0  # most soak requests sent and not yet answered at once
     rss_trace: list[tuple[float, float]] = field(default_factory=list)  # (seconds into the soak, MiB), each second
     latency_s: dict[str, float] = field(default_factory=dict)  # kept requests: p50, p99
     checks: list[tuple[str, bool, str]] = field(default_factory=list)
@@ -264,9 +273,23 @@ async def soak(url: str, pid: int | None, cfg: SoakConfig, progress=None) -> Soa
         planned = plan(cfg, vocab, rng)
         peak = [rss0 or 0.0]
 
+        in_flight = [0]
+
         async def arrive(p: Planned, at: float) -> Outcome:
             await asyncio.sleep(max(0.0, at - time.monotonic()))
-            return await send(session, url, p, report.request_timeout_s)
+            in_flight[0] += 1
+            report.peak_in_flight = max(report.peak_in_flight, in_flight[0])
+            try:
+                return await send(session, url, p, report.request_timeout_s)
+            finally:
+                in_flight[0] -= 1
+
+        def arrivals(items: list[Planned], rate: float) -> list[asyncio.Task]:
+            at, tasks = time.monotonic(), []
+            for p in items:
+                at += rng.expovariate(rate)
+                tasks.append(asyncio.create_task(arrive(p, at)))
+            return tasks
 
         async def watch_rss() -> None:
             last_note = time.monotonic()
@@ -281,21 +304,32 @@ async def soak(url: str, pid: int | None, cfg: SoakConfig, progress=None) -> Soa
                     report.rss_trace.append((round(time.monotonic() - start, 1), round(now, 1)))
                 await asyncio.sleep(1.0)
 
-        start, at, tasks = time.monotonic(), time.monotonic(), []
+        start = time.monotonic()
+        tasks = arrivals(planned, report.offered_rps)
         watcher = asyncio.create_task(watch_rss())
-        for p in planned:
-            at += rng.expovariate(report.offered_rps)
-            tasks.append(asyncio.create_task(arrive(p, at)))
         outcomes = await asyncio.gather(*tasks)
         report.duration_s = time.monotonic() - start
         health = await _wait_idle(session, url, cfg.idle_timeout)
         watcher.cancel()
         after = await finished_counts(session, url)
         dash_totals = await _dashboard_totals(session, url)
+        # The settle pass: the same mix (kept requests only) at half the capacity, after the soak. The soak set
+        # the allocator's high-water mark; a leak would grow RSS again here, a high-water mark would not.
+        rss_end = rss_mib(pid)
+        n_settle = cfg.settle if cfg.settle is not None else min(1000, max(40, cfg.requests // 10))
+        settle = plan(SoakConfig(requests=n_settle, disconnect=0, malformed=0, max_tokens=cfg.max_tokens), vocab, rng)
+        settled = await asyncio.gather(*arrivals(settle, 0.5 * report.capacity_rps))
+        settle_health = await _wait_idle(session, url, cfg.idle_timeout)
     report.finished = {k: after.get(k, 0) - before.get(k, 0) for k in ("stop", "length", "abort", "error")}
     report.served_rps = (report.finished["stop"] + report.finished["length"]) / report.duration_s
-    report.rss_mib = {"after_calibration": rss0, "peak": peak[0] if pid else None, "end": rss_mib(pid)}
+    report.rss_mib = {"after_calibration": rss0, "peak": peak[0] if pid else None, "end": rss_end,
+                      "after_settle": rss_mib(pid)}
     _summarize(report, planned, outcomes, health, after, dash_totals)
+    report.checks.append((f"settle pass of {n_settle} requests: all answered, idle after",
+                          all(o.ok for o in settled) and settle_health["idle"],
+                          f"{sum(o.ok for o in settled)}/{n_settle} ok, idle {settle_health['idle']}"))
+    report.failures += [f"settle: {o.detail}" for o in settled if not o.ok][:5]
+    _rss_checks(report)
     return report
 
 
@@ -327,7 +361,7 @@ async def _dashboard_totals(session: aiohttp.ClientSession, url: str) -> dict | 
 
 def _summarize(report: SoakReport, planned: list[Planned], outcomes: list[Outcome], health: dict, after: dict,
                dash: dict | None) -> None:
-    cfg, check = report.config, report.checks.append
+    check = report.checks.append
     for kind in ("kept", "disconnect", "malformed"):
         mine = [o for o in outcomes if o.kind == kind]
         report.outcomes[kind] = {"sent": len(mine), "ok": sum(o.ok for o in mine),
@@ -355,12 +389,21 @@ def _summarize(report: SoakReport, planned: list[Planned], outcomes: list[Outcom
            f"{total:g}; well-formed sent {well_formed}; disconnects {disconnects}"))
     dash_ok = dash is not None and all(dash[k] == after.get(k, 0) for k in ("stop", "length", "abort", "error"))
     check(("dashboard totals = /metrics", dash_ok, f"dashboard {dash}, /metrics {after}"))
-    r0, r1 = report.rss_mib["after_calibration"], report.rss_mib["end"]
-    if r0 is None or r1 is None:
+
+
+def _rss_checks(report: SoakReport) -> None:
+    cfg, rss, check = report.config, report.rss_mib, report.checks.append
+    if rss["after_calibration"] is None or rss["end"] is None or rss["after_settle"] is None:
         check(("RSS bound", True, "not measured (not a server this script started)"))
-    else:
-        check((f"RSS grew <= {cfg.rss_growth_mib:g} MiB", r1 - r0 <= cfg.rss_growth_mib,
-               f"{r0:.0f} MiB after calibration -> {r1:.0f} MiB at the end (peak {report.rss_mib['peak']:.0f})"))
+        return
+    bound = cfg.rss_growth_mib + report.peak_in_flight * RSS_PER_INFLIGHT_KIB / 1024
+    check((f"RSS grew <= {cfg.rss_growth_mib:g} MiB + {RSS_PER_INFLIGHT_KIB} KiB x peak in flight",
+           rss["end"] - rss["after_calibration"] <= bound,
+           f"{rss['after_calibration']:.0f} MiB after calibration -> {rss['end']:.0f} MiB at the end (peak "
+           f"{rss['peak']:.0f}); bound +{bound:.0f} MiB with {report.peak_in_flight} requests in flight at most"))
+    check((f"no RSS growth on the settle pass (<= {cfg.leak_mib:g} MiB)",
+           rss["after_settle"] - rss["end"] <= cfg.leak_mib,
+           f"{rss['end']:.0f} -> {rss['after_settle']:.0f} MiB"))
 
 
 def format_report(r: SoakReport) -> str:
@@ -388,10 +431,14 @@ def main(argv: list[str] | None = None) -> int:
                                ("request-timeout", d.request_timeout,
                                 "seconds a client waits at most (default: 60 + 4x the soak's time at capacity)"),
                                ("idle-timeout", d.idle_timeout, "seconds the server gets to be idle afterwards"),
-                               ("rss-growth-mib", d.rss_growth_mib, "allowed RSS growth over the soak")):
+                               ("rss-growth-mib", d.rss_growth_mib,
+                                f"allowed RSS growth over the soak, plus {RSS_PER_INFLIGHT_KIB} KiB per request in "
+                                "flight at the peak"),
+                               ("leak-mib", d.leak_mib, "allowed RSS growth over the settle pass")):
         p.add_argument(f"--{name}", type=float, default=default, help=f"{doc} (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="longest output asked (default: %(default)s)")
     p.add_argument("--calibration", type=int, default=d.calibration, help="burst that measures capacity")
+    p.add_argument("--settle", type=int, help="requests of the settle pass (default: a tenth of --requests, 40-1000)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -400,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (0 <= args.disconnect and 0 <= args.malformed and args.disconnect + args.malformed <= 1):
         p.error("--disconnect and --malformed are fractions that add up to at most 1")
     cfg = SoakConfig(args.requests, args.load, args.disconnect, args.malformed, args.max_tokens, args.calibration,
-                     args.request_timeout, args.idle_timeout, args.rss_growth_mib, args.seed)
+                     args.request_timeout, args.idle_timeout, args.rss_growth_mib, args.leak_mib, args.settle,
+                     args.seed)
     with tempfile.TemporaryDirectory() as logs:
         srv = None if args.base_url else ServerProcess([*SERVER_ARGS, *server_flags], Path(logs))
         try:

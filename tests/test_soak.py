@@ -27,7 +27,7 @@ def test_short_soak_keeps_every_promise(server):
     print(format_report(report))
     assert report.ok, format_report(report)
     names = [name for name, _, _ in report.checks]
-    assert len(names) == 8 and any(name.startswith("RSS grew") for name in names)  # RSS was measured
+    assert len(names) == 10 and any(name.startswith("RSS grew") for name in names)  # RSS was measured
     sent = report.outcomes
     assert sent["disconnect"]["sent"] > 20 and sent["malformed"]["sent"] > 3 and sent["kept"]["sent"] > 150
     assert report.finished["abort"] > 0  # disconnects really ended work on the server
