@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-slow lint model bench compare experiments bench-sim-vs-live clean
+.PHONY: serve test test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,15 @@ model: models/tiny-opt/config.json
 serve: $(STAMP) models/tiny-opt/config.json
 	$(PY) server.py $(ARGS)
 
+## browser: Debian's chromium, which the dashboard's browser test drives headless (installed when missing)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || [ -n "$$FASTSERVE_CHROMIUM" ] || { \
+	  echo "installing chromium (tests/test_dashboard_browser.py drives it headless)"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
 ## test: lint + the test suite (slow tests excluded; see test-slow)
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow and not cuda" $(ARGS)
 
@@ -57,6 +64,14 @@ experiments: $(STAMP)
 ## bench-sim-vs-live: the same trace on the live engine and in the simulator; prints the ratio
 bench-sim-vs-live: $(STAMP)
 	$(PY) scripts/bench_sim_vs_live.py $(ARGS)
+
+## dashboard-screenshot: docs/dashboard.png, the dashboard under a steady load (headless chromium)
+dashboard-screenshot: $(STAMP) browser models/tiny-opt/config.json
+	$(PY) scripts/dashboard_screenshot.py --out docs/dashboard.png $(ARGS)
+
+## soak: scripts/soak.py, 10,000 requests at 1.5x capacity (the test suite runs a short one)
+soak: $(STAMP) models/tiny-opt/config.json
+	$(PY) scripts/soak.py --requests 10000 $(ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache

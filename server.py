@@ -3,8 +3,10 @@
     python server.py --model DIR [--port 8000] ...        (--help documents every flag)
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
-/v1/models, /version, /metrics (Prometheus text, engine/server_metrics.py) and /health: 200 while
-the engine loop is alive, 503 when it is not or the server is shutting down; no API key needed.
+/v1/models, /version, /metrics (Prometheus text, serving/server_metrics.py), /dashboard (a page to watch;
+its JSON /dashboard/data is documented in serving/dashboard.py) and /health: 200 while the engine loop is
+alive, 503 when it is not or the server is shutting down; /health and the dashboard page (static, no data)
+need no API key.
 /health's JSON also reports `running`, `waiting` and the free/total KV blocks of both tiers
 (`kv_free_blocks`, `kv_total_blocks`, `kv_host_free_blocks`, `kv_host_total_blocks`).
 
@@ -47,13 +49,16 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
-from engine.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from engine.config import KV_POLICIES, EngineConfig
 from engine.errors import EngineDeadError, ValidationError
-from engine.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
 from engine.outputs import RequestOutput
-from engine.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 from scheduler.policy import PolicyName
+from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
+from serving.dashboard import add_dashboard
+from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
+from serving.routing import add_fallback_route, add_get, add_post
+from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("fastserve.server")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -142,8 +147,8 @@ async def _errors_middleware(request: web.Request, handler):
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler):
-    """Bearer --api-key on every route but /health, compared in constant time."""
-    if request.path != "/health":
+    """Bearer --api-key on every route but /health and the dashboard's static page, compared in constant time."""
+    if request.path != "/health" and request.path not in DASHBOARD_PAGES:
         want = "Bearer " + request.app[CONFIG].api_key
         given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
         if not hmac.compare_digest(given, want.encode()):
@@ -392,11 +397,13 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     app[ENGINE], app[CONFIG] = async_engine, cfg
     app[STATE] = state = ServerState(protocol, ServerMetrics(cfg.served_model_names[0]))
     async_engine.finish_listeners.append(_finish_listener(state))
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    add_post(app, "/v1/completions", completions)
+    add_post(app, "/v1/chat/completions", chat_completions)
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
-        app.router.add_get(path, handler)
+        add_get(app, path, handler)
     app.cleanup_ctx.append(_engine_ctx)
+    add_dashboard(app, async_engine, cfg.served_model_names[0])
+    add_fallback_route(app)  # last: unknown paths and methods get 404 / 405 bodies
     app.on_shutdown.append(drain)
     app.on_response_prepare.append(_on_prepare)
     return app
@@ -479,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health "
          "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
     flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
-    flag("--chat-template", "Jinja chat template file (default: engine/chat_template.py's)")
+    flag("--chat-template", "Jinja chat template file (default: serving/chat_template.py's)")
     flag("--shutdown-timeout", "seconds in-flight requests get after SIGTERM before they are aborted",
          type=float, default=srv.shutdown_timeout)
     flag("--max-request-bytes", "largest request body; larger ones get 413", type=int,

@@ -97,6 +97,7 @@ class Engine:
         self._seq_of_job: dict[str, SequenceState] = {}
         self.num_steps = 0
         self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
+        self.last_batch_size = 0  # sequences in the last finished iteration (telemetry: the dashboard)
         # False: step() returns only finished requests (offline use, simulation) instead of a
         # snapshot of every request that advanced, which costs a copy of its tokens each step.
         self.emit_running_outputs = True
@@ -352,6 +353,7 @@ class Engine:
         # Finished and aborted jobs have left the scheduler already: charge the rest.
         self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
         self.num_steps += 1
+        self.last_batch_size = len(plan.seqs)
         outputs = []
         for req in touched.values():
             if req.finished:

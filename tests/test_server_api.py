@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from engine.chat_template import ChatTemplate
 from engine.errors import ValidationError
+from serving.chat_template import ChatTemplate
 from tests.server_fixtures import (
     DEFAULT_ARGS,
     PARALLEL_ARGS,

@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.openai_protocol import ResponseBuilder
 from server import ServerConfig, create_app
+from serving.openai_protocol import ResponseBuilder
 from tests.server_fixtures import sse_events
 
 

@@ -70,8 +70,8 @@ def test_metrics_parse_and_counters_move_as_requests_finish(server):
 
 
 def test_kv_telemetry_series_carry_the_kv_managers_counts():
-    from engine.server_metrics import EngineSnapshot, _EngineCollector
     from memory.kv_manager import KVStats
+    from serving.server_metrics import EngineSnapshot, _EngineCollector
 
     stats = KVStats(num_drops=3, num_recomputed_tokens=40, blocks_offloaded=5, blocks_uploaded=2, swap_wait_s=0.5,
                     enst_count=2, enst_abs_error_s=0.25)

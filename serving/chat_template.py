@@ -10,7 +10,7 @@ tokenizer then adds OPT's BOS token itself, so templates should not.
 Templates render in Jinja's immutable sandbox (no attribute access to Python
 internals, no file system), as transformers does.
 
-What this is not: message validation (engine/openai_protocol.py does that).
+What this is not: message validation (serving/openai_protocol.py does that).
 """
 
 from __future__ import annotations

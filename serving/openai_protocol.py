@@ -54,7 +54,7 @@ class ProtocolContext:
 
     served_model_names: list[str]
     tokenizer: object  # engine.tokenizer.Tokenizer
-    chat_template: object  # engine.chat_template.ChatTemplate
+    chat_template: object  # serving.chat_template.ChatTemplate
     max_model_len: int
 
 
