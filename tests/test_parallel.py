@@ -28,6 +28,7 @@ from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
+from tests.test_kv_policies_live import PROMPTS, greedy
 from tests.test_model_reference import check_position, hf_logprobs, run_staggered
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
@@ -117,25 +118,13 @@ def _drain(engine: Engine):
 
 
 # -- offloads, uploads and recompute under TP and PP -------------------------------------------------------
-PROMPTS = [
-    "The scheduler preempts long jobs",
-    "Short",
-    "A medium length prompt about caches and queues and memory",
-    "Tokens stream to clients over server-sent events while the engine keeps running",
-    "One more",
-    "Numbers 1 2 3 4 5 6 7 8 9",
-]
 
 
 @pytest.fixture(scope="module")
 def unconstrained(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=1024, kv_policy="recompute",
               profile="analytic")
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())]
-
-
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
@@ -152,7 +141,7 @@ def test_small_device_tier_offloads_and_recomputes_under_parallelism(tiny_model_
                                   profile="analytic")
             engine = Engine(config, executor=executor)
             for i, p in enumerate(PROMPTS):
-                engine.add_request(f"{kv_policy}-{i}", p, _greedy())
+                engine.add_request(f"{kv_policy}-{i}", p, greedy())
             outs = sorted(_drain(engine), key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
             assert [o.outputs[0].token_ids for o in outs] == unconstrained, kv_policy
             kv = engine.kv

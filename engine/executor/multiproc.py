@@ -371,18 +371,26 @@ class MultiprocExecutor(Executor):
                         how = f"pid {proc.pid}, exit code {code}" if proc is not None else "on another node"
                         self._fail(f"worker rank {rank} died ({how})")
                     return
-                self._handle(msg)
+                try:
+                    self._handle(msg)
+                except Exception as e:  # a reply out of order or of an unknown kind: nothing can be trusted
+                    log.exception("bad message from worker rank %d", rank)
+                    self._fail(f"worker rank {rank} sent a bad message ({type(e).__name__}: {e})")
+                    return
 
     def _handle(self, msg) -> None:
         if isinstance(msg, m.StepReply):
             step_id, future = self._pending.popleft()
-            assert step_id == msg.step_id, f"reply for step {msg.step_id}, expected {step_id}"
+            if step_id != msg.step_id:
+                raise RuntimeError(f"reply for step {msg.step_id}, expected {step_id}")
             self._copies_reported(msg.rank, msg.transfers_done)
             future.set_result(BatchResult(msg.results, msg.execute_s))
         elif isinstance(msg, m.TransfersDone):
             self._copies_reported(msg.rank, msg.transfer_ids)
         elif isinstance(msg, m.WorkerFailed):
             self._fail(f"worker rank {msg.rank} failed: {msg.message}")
+        else:
+            raise TypeError(f"unexpected {type(msg).__name__}")
 
     def _copies_reported(self, rank: int, transfer_ids: list[int]) -> None:
         for tid in transfer_ids:
