@@ -10,7 +10,10 @@
    write per rank, the worker reading and rebuilding its batch, the reply and
    its unpickling (taking the difference per step keeps CPU contention in the
    compute out of it). Printed beside the local step time, and the message's
-   bytes. Aim: under 1 ms a step at batch 256.
+   bytes. Aim: under 1 ms a step at batch 256. Also printed: the CPU work of
+   that trip alone (pickling and unpickling a decode step's message and its
+   reply, in process): the floor the trip costs on a quiet machine, where
+   scheduling delays between processes do not add to it.
 2. Pipeline parallelism in the simulator: OPT-175B on 16 A100s as 2 stages of
    8 (profiles/sim/opt-175b-a100-*-x16.json), ShareGPT lengths at a load past
    capacity, with up to 2 batches in flight against 1 at a time; throughput =
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
 import sys
 import time
@@ -30,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from engine.batch import ModelBatch, SequenceWork  # noqa: E402
+from engine.batch import ModelBatch, SequenceResult, SequenceWork  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.default_model import default_model_dir  # noqa: E402
+from engine.executor import messages as m  # noqa: E402
 from engine.executor.local import LocalExecutor  # noqa: E402
 from engine.executor.multiproc import MultiprocExecutor  # noqa: E402
 from engine.model.config import OPTConfig  # noqa: E402
@@ -61,6 +66,21 @@ def prefill_batch(batch_size: int) -> ModelBatch:
                          list(range(i * per_seq, i * per_seq + CONTEXT // BLOCK)), SamplingParams(temperature=0),
                          None, 0) for i in range(batch_size)]
     return ModelBatch(seqs, None)
+
+
+def serialization_cost(batch_size: int, repeats: int = 200) -> float:
+    """Median seconds to pickle and unpickle a decode step's message (one new token per job, no new blocks)
+    and its reply (one token per job): the CPU work of a step's round trip."""
+    jobs = m.StepJobs(list(range(batch_size)), [100] * batch_size, [1] * batch_size, [[5]] * batch_size)
+    msg = m.StepMessage(7, jobs=jobs)
+    reply = m.StepReply.of(0, 7, [SequenceResult(5) for _ in range(batch_size)], 0.01, [])
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for obj in (msg, reply):
+            pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
@@ -94,7 +114,8 @@ def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
                 local_walls.append(time.perf_counter() - t)
             tm, lm = statistics.median(transport), statistics.median(local_walls)
             print(f"{b:>6} {int(statistics.median(nbytes)):>14,} {statistics.median(walls) * 1e3:>15.2f} "
-                  f"{tm * 1e3:>13.3f} {lm * 1e3:>14.2f} {tm / lm:>18.3f}")
+                  f"{tm * 1e3:>13.3f} {lm * 1e3:>14.2f} {tm / lm:>18.3f}   (serialization alone "
+                  f"{serialization_cost(b) * 1e3:.3f} ms)")
     finally:
         remote.shutdown()
         local.shutdown()

@@ -20,7 +20,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.executor.base import ExecutorDeadError
-from engine.executor.messages import JobStep, StepMessage
+from engine.executor.messages import StepJobs, StepMessage
 from engine.executor.multiproc import check_layout, port_free
 from engine.kv_cache import DEFAULT_CPU_KV_BYTES
 from engine.loader import load_model_stage
@@ -319,7 +319,7 @@ def test_a_worker_exception_kills_the_executor_with_its_message(tiny_model_dir):
     pids = worker_pids(engine)
     try:
         # A step naming a job the workers never heard of: every rank raises, reports it and exits.
-        engine.executor._broadcast(StepMessage(step_id=0, jobs=[JobStep(999, 0, 1, [], True, [0])]))
+        engine.executor._broadcast(StepMessage(step_id=0, jobs=StepJobs([999], [0], [1], [[]], {}, {0: [0]})))
         deadline = time.monotonic() + 10
         while engine.executor.error is None and time.monotonic() < deadline:
             time.sleep(0.05)

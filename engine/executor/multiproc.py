@@ -302,7 +302,8 @@ class MultiprocExecutor(Executor):
     def _step_message(self, step_id: int, batch: ModelBatch) -> m.StepMessage:
         msg = self._take_deltas(step_id)
         msg.eos_token_id = batch.eos_token_id
-        for seq in batch.seqs:
+        jobs = msg.jobs
+        for i, seq in enumerate(batch.seqs):
             end = seq.start_pos + len(seq.token_ids)
             mirror = self._jobs.get(seq.job_id)
             if mirror is None:
@@ -316,13 +317,18 @@ class MultiprocExecutor(Executor):
                 new_tokens = seq.token_ids[mirror.known_len - seq.start_pos:] if mirror.known_len < end else []
                 mirror.known_len = max(mirror.known_len, end)
             table, known = seq.block_table, mirror.table
-            if table[: len(known)] == known:
-                replace, blocks = False, table[len(known):]
-            else:
-                replace, blocks = True, list(table)
-            mirror.table = list(table)
-            msg.jobs.append(m.JobStep(mirror.handle, seq.start_pos, len(seq.token_ids), new_tokens, replace, blocks,
-                                      seq.want_prompt_logprobs))
+            if len(table) != len(known) or table != known:
+                if table[: len(known)] == known:
+                    jobs.appended_blocks[i] = table[len(known):]
+                else:
+                    jobs.replaced_tables[i] = list(table)
+                mirror.table = list(table)
+            jobs.handles.append(mirror.handle)
+            jobs.start_pos.append(seq.start_pos)
+            jobs.num_tokens.append(len(seq.token_ids))
+            jobs.new_tokens.append(new_tokens)
+            if seq.want_prompt_logprobs:
+                jobs.prompt_logprobs.append(i)
         return msg
 
     def _take_deltas(self, step_id: int) -> m.StepMessage:
@@ -384,7 +390,7 @@ class MultiprocExecutor(Executor):
             if step_id != msg.step_id:
                 raise RuntimeError(f"reply for step {msg.step_id}, expected {step_id}")
             self._copies_reported(msg.rank, msg.transfers_done)
-            future.set_result(BatchResult(msg.results, msg.execute_s))
+            future.set_result(BatchResult(msg.results(), msg.execute_s))
         elif isinstance(msg, m.TransfersDone):
             self._copies_reported(msg.rank, msg.transfer_ids)
         elif isinstance(msg, m.WorkerFailed):

@@ -143,26 +143,28 @@ class Worker:
         if self.is_sampler:
             results = runner.sample(hidden, inputs, batch)
             done = self._done_copies()
-            self.conn.send(m.StepReply(self.rank, msg.step_id, results, time.perf_counter() - start, done))
+            self.conn.send(m.StepReply.of(self.rank, msg.step_id, results, time.perf_counter() - start, done))
         else:
             self._report_copies()
 
-    def _batch(self, steps: list[m.JobStep], eos_token_id: int | None) -> ModelBatch:
+    def _batch(self, steps: m.StepJobs, eos_token_id: int | None) -> ModelBatch:
         seqs = []
-        for js in steps:
-            job = self.jobs[js.handle]
-            job.tokens += js.new_tokens
-            if js.replace_table:
-                job.table = list(js.blocks)
-            else:
-                job.table += js.blocks
-            end = js.start_pos + js.num_tokens
+        plp = set(steps.prompt_logprobs)
+        for i, (handle, start, n, new) in enumerate(zip(steps.handles, steps.start_pos, steps.num_tokens,
+                                                         steps.new_tokens)):
+            job = self.jobs[handle]
+            job.tokens += new
+            if i in steps.replaced_tables:
+                job.table = steps.replaced_tables[i]
+            elif i in steps.appended_blocks:
+                job.table += steps.appended_blocks[i]
+            end = start + n
             history = job.params.uses_history  # penalties read the prompt and the output so far
             seqs.append(SequenceWork(
-                job_id=str(js.handle), token_ids=job.tokens[js.start_pos:end], start_pos=js.start_pos,
+                job_id=str(handle), token_ids=job.tokens[start:end], start_pos=start,
                 block_table=job.table, params=job.params, generator=job.generator,
-                num_generated=end - job.prompt_len, want_prompt_logprobs=js.want_prompt_logprobs,
-                prompt_token_ids=job.tokens[: job.prompt_len] if js.want_prompt_logprobs or history else [],
+                num_generated=end - job.prompt_len, want_prompt_logprobs=i in plp,
+                prompt_token_ids=job.tokens[: job.prompt_len] if i in plp or history else [],
                 output_token_ids=job.tokens[job.prompt_len:end] if history else [],
             ))
         return ModelBatch(seqs, eos_token_id)
