@@ -124,8 +124,8 @@ def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
 def pipeline_throughput(num_prompts: int, rate: float, lengths: Path) -> None:
     import simulate
 
-    print(f"\n2. simulator: OPT-175B on 16 A100s as 2 stages x 8 GPUs, ShareGPT lengths, {num_prompts} requests "
-          f"at {rate:g} req/s (past capacity), fcfs and skip-join-mlfq")
+    print(f"\n2. simulator: OPT-175B on 16 A100s as 2 stages x 8 GPUs, lengths from {lengths.name}, "
+          f"{num_prompts} requests at {rate:g} req/s (past capacity), fcfs and skip-join-mlfq")
     print(f"{'profile':<28} {'policy':<15} {'1 in flight req/s':>18} {'2 in flight req/s':>18} {'ratio':>6}")
     for variant in ("40gb", "80gb"):
         profile = REPO / "profiles" / "sim" / f"opt-175b-a100-{variant}-x16.json"
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=600)
     ap.add_argument("--rate", type=float, default=40.0)
     ap.add_argument("--lengths", type=Path, default=REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
-                    help="ShareGPT (prompt, output) lengths CSV for the simulator part")
+                    help="(prompt, output) lengths CSV for the simulator part (ShareGPT's, or alpaca_lengths.csv)")
     ap.add_argument("--skip-sim", action="store_true")
     args = ap.parse_args(argv)
     transport_cost(args.model or default_model_dir(), [int(b) for b in args.batches.split(",")], args.steps)
