@@ -71,3 +71,33 @@ def test_a_killed_worker_fails_every_request_and_leaves_no_process(server):
     server.stop()
     assert server.proc.returncode == 0
     assert not any(alive(p) for p in workers)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_the_server_and_its_workers(tiny_model_dir, tmp_path, sig):
+    srv = start_server(tiny_model_dir, (*QUICK_ARGS, "--num-gpu-blocks-override", "128",
+                                        "--tensor-parallel-size", "2"), tmp_path)
+    try:
+        workers = children(srv.proc.pid)
+        assert len(workers) == 2
+        status, _, body = post_json(srv.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        srv.proc.send_signal(sig)
+        assert srv.proc.wait(30) == 0
+        assert wait_gone(workers) == []
+    finally:
+        srv.stop()
+
+
+def test_a_layout_that_cannot_work_is_one_line_on_the_command_line(tiny_model_dir):
+    import subprocess
+    import sys
+
+    from tests.server_fixtures import REPO
+
+    proc = subprocess.run([sys.executable, "server.py", "--model", str(tiny_model_dir), "--tensor-parallel-size", "3",
+                           "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("server.py: error: the model's num_attention_heads") and "tensor_parallel_size 3" in \
+        lines[-1], proc.stderr[-2000:]
