@@ -64,7 +64,6 @@ class AllocateKV:
 @dataclass
 class AttachHost:
     num_blocks: int
-    copy_delay_s: float = 0.0  # slows each copy (tests of the ordering rules)
 
 
 @dataclass

@@ -59,7 +59,6 @@ from engine.executor.base import Executor, ExecutorDeadError
 from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
 from engine.model.config import OPTConfig
-from engine.parallel import ParallelLayout
 from memory.transfers import Direction
 
 log = logging.getLogger(__name__)
@@ -122,19 +121,11 @@ class _RemoteCopy:
         self._ex._flush()
         if self._ex._error is not None:
             return True  # nothing will move again; the engine is failing every request
-        return self.transfer_id not in self._ex._copy_events
-
-    def wait(self) -> None:
-        self._ex._flush()
-        event = self._ex._copy_events.get(self.transfer_id)
-        while event is not None and not event.wait(POLL_S):
-            if self._ex._error is not None:
-                raise ExecutorDeadError(self._ex._error)
+        return self.transfer_id not in self._ex._copy_reports
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, max_model_len: int,
-                 copy_delay_s: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, max_model_len: int) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world, self.tp, self.pp = tp * pp, tp, pp
         self.device = resolve_device(config.device)
@@ -142,8 +133,6 @@ class MultiprocExecutor(Executor):
         check_layout(model_cfg, tp, pp, self.device, config.nnodes)
         self.block_size = config.block_size
         self.max_in_flight = pp
-        self.copy_delay_s = copy_delay_s
-        self.sampling_rank = ParallelLayout(tp, pp, 0, pp - 1).pp_rank * tp
         self._error: str | None = None
         self._failure_listeners: list[Callable[[str], None]] = []
         self._lock = threading.Lock()  # sends, and the state they read
@@ -154,8 +143,7 @@ class MultiprocExecutor(Executor):
         self._jobs: dict[str, _JobMirror] = {}
         self._released: list[int] = []
         self._orders: list[m.TransferOrder] = []
-        self._copy_reports: dict[int, set[int]] = {}
-        self._copy_events: dict[int, threading.Event] = {}
+        self._copy_reports: dict[int, set[int]] = {}  # copies in flight: transfer id -> ranks that completed it
         self._procs: dict[int, subprocess.Popen] = {}
         self._conns: dict[int, Connection] = {}
         self._closed = False
@@ -223,11 +211,10 @@ class MultiprocExecutor(Executor):
                 ready[msg.rank] = msg
             self._check_started(deadline, "load the model")
         self.kv_block_bytes = max(r.kv_block_bytes for r in ready.values())
-        self.device_names = [ready[r].device_name for r in range(self.world)]
         self.num_device_blocks = config.num_gpu_blocks_override or min(r.blocks_that_fit for r in ready.values())
         self._broadcast(m.AllocateKV(self.num_device_blocks))
-        log.info("%d workers (tp %d x pp %d) ready; %d KV blocks per rank", self.world, self.tp, self.pp,
-                 self.num_device_blocks)
+        log.info("%d workers (tp %d x pp %d) ready on %s; %d KV blocks per rank", self.world, self.tp, self.pp,
+                 ", ".join(sorted({r.device_name for r in ready.values()})), self.num_device_blocks)
 
     def _check_started(self, deadline: float, doing: str) -> None:
         for rank, proc in self._procs.items():
@@ -239,7 +226,7 @@ class MultiprocExecutor(Executor):
 
     # -- the Executor interface ---------------------------------------------------------------------
     def attach_host_tier(self, num_host_blocks: int) -> MultiprocExecutor:
-        self._broadcast(m.AttachHost(num_host_blocks, self.copy_delay_s))
+        self._broadcast(m.AttachHost(num_host_blocks))
         return self
 
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> _RemoteCopy:
@@ -248,7 +235,6 @@ class MultiprocExecutor(Executor):
             tid = next(self._transfer_ids)
             self._orders.append(m.TransferOrder(tid, direction, list(pairs)))
             self._copy_reports[tid] = set()
-            self._copy_events[tid] = threading.Event()
         return _RemoteCopy(self, tid)
 
     def release(self, job_ids: list[str]) -> None:
@@ -406,7 +392,6 @@ class MultiprocExecutor(Executor):
             ranks.add(rank)
             if len(ranks) == self.world:
                 del self._copy_reports[tid]
-                self._copy_events.pop(tid).set()
 
     def _fail(self, message: str) -> None:
         if self._error is not None:
@@ -416,8 +401,6 @@ class MultiprocExecutor(Executor):
         while self._pending:
             _, future = self._pending.popleft()
             future.set_exception(ExecutorDeadError(message))
-        for event in self._copy_events.values():
-            event.set()
         self._kill_all()
         for listener in self._failure_listeners:
             try:

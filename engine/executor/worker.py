@@ -109,7 +109,7 @@ class Worker:
             elif isinstance(msg, m.AllocateKV):
                 self.runner.allocate_kv_cache(msg.num_blocks)
             elif isinstance(msg, m.AttachHost):
-                self.runner.attach_host_tier(msg.num_blocks, msg.copy_delay_s)
+                self.runner.attach_host_tier(msg.num_blocks)
             elif isinstance(msg, m.Shutdown):
                 return
             else:
