@@ -85,7 +85,7 @@ class Worker:
         self.is_sampler = self.layout.is_last_stage and self.layout.tp_rank == 0
         self.jobs: dict[int, _Job] = {}
         self.copies: dict[int, object] = {}  # transfer id -> handle, until done
-        self._sends: list = []  # pending isend works of hidden states to the next stage
+        self._sends: list = []  # (isend work, tensor) of hidden states on their way to the next stage
 
     # -- start-up --------------------------------------------------------------------------------
     def ready_message(self) -> m.Ready:
@@ -137,9 +137,9 @@ class Worker:
             torch.distributed.recv(hidden, src=self.rank - layout.tp_size)
         hidden = runner.forward(inputs, hidden)
         if not layout.is_last_stage:
-            self._sends = [w for w in self._sends if not w.is_completed()]
-            self._sends.append(torch.distributed.isend(hidden, dst=self.rank + layout.tp_size))
-            self._keep = hidden  # alive until sent
+            # Sent without waiting, so this stage goes on with the next step; each tensor stays alive until sent.
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            self._sends.append((torch.distributed.isend(hidden, dst=self.rank + layout.tp_size), hidden))
         if self.is_sampler:
             results = runner.sample(hidden, inputs, batch)
             done = self._done_copies()
