@@ -49,7 +49,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
-from engine.config import KV_POLICIES, EngineConfig
+from engine.config import KV_POLICIES, LOAD_FORMATS, EngineConfig
 from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
 from scheduler.policy import PolicyName
@@ -417,6 +417,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "model": ("Hugging Face OPT model directory (default: the built-in tiny model)", None),
     "tokenizer": ("tokenizer directory (default: the model directory)", None),
     "dtype": ("weights and KV; auto = float16 on CUDA, float32 on CPU", ["auto", "float32", "float16", "bfloat16"]),
+    "load_format": ("auto: the model directory's weights; dummy: random weights from its config.json (benchmarks "
+                    "of large shapes without a checkpoint)", list(LOAD_FORMATS)),
     "device": ("where the model runs", ["auto", "cpu", "cuda"]),
     "tensor_parallel_size": ("GPUs per pipeline stage (tensor parallelism)", None),
     "pipeline_parallel_size": ("pipeline stages", None),

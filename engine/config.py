@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from scheduler.policy import PolicyName
 
 KV_POLICIES = ("proactive", "reactive", "recompute")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class EngineConfig:
     model: str | None = None  # a Hugging Face OPT directory; None = the built-in tiny model
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
+    load_format: str = "auto"  # auto: the model directory's weights | dummy: random weights from config.json
     device: str = "auto"  # auto | cpu | cuda
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -55,6 +57,8 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"),
              f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.load_format in LOAD_FORMATS,
+             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         need(self.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
         world = self.tensor_parallel_size * self.pipeline_parallel_size

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from engine.checkpoint_files import CheckpointFiles
+from engine.dummy_weights import DummyWeights
 from engine.errors import CheckpointError
 from engine.model.config import OPTConfig
 from engine.model.opt import OPTStage
@@ -92,7 +93,11 @@ def load_model_stage(
     tp: TensorParallelGroup,
     dtype: str | torch.dtype,
     device: str | torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> OPTStage:
+    """load_format: "auto" (the directory's checkpoint files) or "dummy" (random weights made on the device from
+    config.json alone; engine/dummy_weights.py)."""
     dtype = _dtype_from_str(dtype)
     with torch.device("meta"):
         stage = OPTStage(cfg, tp)
@@ -101,7 +106,8 @@ def load_model_stage(
     filled: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
     layout = tp.layout
-    with CheckpointFiles(model_dir) as files:
+    source = DummyWeights(cfg, device, dtype, seed) if load_format == "dummy" else CheckpointFiles(model_dir)
+    with source as files:
         names = sorted(files.names())
         bar = tqdm(names, desc=f"loading {Path(model_dir).name}", unit="tensor",
                    disable=files.nbytes() < PROGRESS_BAR_MIN_BYTES)
@@ -133,7 +139,8 @@ def load_model_stage(
     return stage.eval()
 
 
-def _fill(files: CheckpointFiles, name: str, param: torch.Tensor, target: _Target, rank: int, size: int) -> None:
+def _fill(files: CheckpointFiles | DummyWeights, name: str, param: torch.Tensor, target: _Target, rank: int,
+          size: int) -> None:
     """Copy this rank's shard of checkpoint tensor `name` into `param` (or its qkv third)."""
     dest = param
     if target.part is not None:

@@ -37,6 +37,7 @@ class WorkerSetup:
     tp_size: int
     pp_size: int
     dtype: str
+    load_format: str  # "auto" | "dummy"
     device: str  # "cpu" | "cuda"
     block_size: int
     seed: int

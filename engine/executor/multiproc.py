@@ -195,7 +195,8 @@ class MultiprocExecutor(Executor):
             self._conns[hello.rank] = conn
         setup = m.WorkerSetup(
             model_dir=str(model_dir), tp_size=self.tp, pp_size=self.pp,
-            dtype=str(self.dtype).removeprefix("torch."), device=self.device.type, block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."), load_format=config.load_format, device=self.device.type,
+            block_size=self.block_size,
             seed=config.seed, master_addr=self.master_addr, master_port=self.master_port,
             measure_kv=config.num_gpu_blocks_override is None,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
