@@ -1,7 +1,8 @@
 """Swapper: moves KV blocks between the device cache and the host cache.
 
 The TransferBackend memory/ plans against (memory/transfers.py). Each call
-copies whole blocks — with the block-major layout one block is one contiguous
+copies whole blocks, consecutive ones in one copy (contiguous_runs) — with
+the block-major layout one block is one contiguous
 piece holding every layer's K and V for block_size tokens — and returns a
 handle:
 - CUDA: the copies are queued on a copy stream of their direction (one for
@@ -54,6 +55,19 @@ def allocate_host_cache(num_blocks: int, block_shape: tuple[int, ...], dtype: to
     return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
 
 
+def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(source start, destination start, length) runs covering the (source, destination) block pairs: one
+    copy per run instead of one per block. Blocks handed out together are mostly consecutive on both tiers,
+    so an offload or upload of a whole job is usually a few large copies."""
+    runs: list[list[int]] = []
+    for s, d in sorted(pairs):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
 class Swapper:
     def __init__(self, device_cache: torch.Tensor, host_cache: torch.Tensor, copy_delay_s: float = 0.0) -> None:
         self.device_cache = device_cache  # [NB, L, 2, bs, H, D]
@@ -82,8 +96,8 @@ class Swapper:
             stream = self._streams[direction]
             stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))  # after compute queued so far
             with torch.cuda.stream(stream):
-                for s, d in pairs:
-                    dst[d].copy_(src[s], non_blocking=True)
+                for s, d, n in contiguous_runs(pairs):
+                    dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             return _EventHandle(event)
@@ -92,8 +106,8 @@ class Swapper:
     def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
-        for s, d in pairs:
-            dst[d].copy_(src[s])
+        for s, d, n in contiguous_runs(pairs):
+            dst[d : d + n].copy_(src[s : s + n])
 
     def shutdown(self) -> None:
         if not self._cuda:
