@@ -76,7 +76,7 @@ def run_policy(args, kv_policy: str, items) -> dict:
     st = engine.kv.stats
     return {"mean": statistics.mean(per_token), "p95": p95(per_token), "swap_share": swap / e2e, "wall": wall,
             "offloads": st.num_offloads, "uploads": st.num_uploads, "drops": st.num_drops,
-            "recomputed": st.num_recomputed_tokens, "swapper": getattr(engine.executor, "swapper", None)}
+            "recomputed": st.num_recomputed_tokens, "swapper": engine.executor.swapper}
 
 
 def copy_bandwidth(swapper, blocks: int = 64) -> tuple[float, float]:
