@@ -365,3 +365,35 @@ def test_workers_end_with_the_llm_and_with_a_killed_controller(tiny_model_dir, t
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_async_engine_pipelines_under_memory_pressure(tiny_model_dir, unconstrained):
+    """The server's path: AsyncEngine over pp = 2 workers with a 24-block device tier (proactive offloading), all
+    requests at once; outputs equal the unconstrained single-device run and every block comes back."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    engine = parallel_engine(tiny_model_dir, 1, 2, block_size=4, num_gpu_blocks_override=24,
+                             num_host_blocks_override=256, max_num_seqs=3)
+
+    async def run():
+        aengine = AsyncEngine(engine)
+        await aengine.start()
+        streams = [aengine.add_request(f"r{i}", p, greedy()) for i, p in enumerate(PROMPTS)]
+
+        async def last(stream):
+            outs = [out async for out in stream]
+            return outs[-1]
+
+        outs = await asyncio.gather(*(last(s) for s in streams))
+        await aengine.shutdown()
+        return outs
+
+    pids = worker_pids(engine)
+    outs = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in outs] == unconstrained
+    assert engine.kv.stats.num_offloads > 0
+    engine.kv.poll()
+    assert engine.kv.device.num_free == engine.kv.device.num_blocks
+    assert wait_gone(pids) == []  # AsyncEngine.shutdown stops the workers
