@@ -111,6 +111,15 @@ def _median_time(run: Callable[[], object], repeats: int, warmup: int) -> float:
     return round(statistics.median(times), 7)
 
 
+def _timed_batch(executor: Executor, batch: ModelBatch, repeats: int, warmup: int) -> float:
+    """Median seconds of the batch; its synthetic jobs are released afterwards (worker processes keep per-job
+    state)."""
+    try:
+        return _median_time(lambda: executor.execute(batch), repeats, warmup)
+    finally:
+        executor.release([s.job_id for s in batch.seqs])
+
+
 def _work(i: int, token_ids: list[int], start_pos: int, table: list[int]) -> SequenceWork:
     return SequenceWork(f"profile-{i}", token_ids, start_pos, table, _GREEDY, None, num_generated=0)
 
@@ -122,7 +131,7 @@ def measure_prefill(executor: Executor, vocab_size: int, prompt_len: int, repeat
     ids = torch.randint(4, vocab_size, (prompt_len,), generator=gen).tolist()
     table = _Blocks(executor).table(prompt_len)
     batch = ModelBatch([_work(0, ids, 0, table)], eos_token_id=None)
-    return _median_time(lambda: executor.execute(batch), repeats, warmup)
+    return _timed_batch(executor, batch, repeats, warmup)
 
 
 def measure_decode(executor: Executor, vocab_size: int, batch_size: int, context_len: int, repeats: int = 3,
@@ -133,7 +142,7 @@ def measure_decode(executor: Executor, vocab_size: int, batch_size: int, context
     blocks = _Blocks(executor)
     seqs = [_work(i, [t], context_len - 1, blocks.table(context_len)) for i, t in enumerate(tokens)]
     batch = ModelBatch(seqs, eos_token_id=None)
-    return _median_time(lambda: executor.execute(batch), repeats, warmup)
+    return _timed_batch(executor, batch, repeats, warmup)
 
 
 def profile_executor(executor: Executor, vocab_size: int, key: dict, grid: ProfileGrid,

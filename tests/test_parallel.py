@@ -37,8 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parallel_engine(model_dir, tp: int, pp: int, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                               profile="analytic", **kw))
+    kw.setdefault("profile", "analytic")
+    return Engine(EngineConfig(model=str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw))
 
 
 def worker_pids(engine: Engine) -> list[int]:
@@ -314,10 +314,15 @@ def test_a_rendezvous_port_in_use_is_a_clear_error(tiny_model_dir):
             parallel_engine(tiny_model_dir, 2, 1, master_port=port)
 
 
-def test_a_worker_exception_kills_the_executor_with_its_message(tiny_model_dir):
-    engine = parallel_engine(tiny_model_dir, 2, 1, num_gpu_blocks_override=64)
+def test_a_worker_exception_kills_the_executor_with_its_message(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTSERVE_PROFILE_DIR", str(tmp_path))  # no stored profile: one is measured at start-up
+    engine = parallel_engine(tiny_model_dir, 2, 1, num_gpu_blocks_override=64, profile=None, max_model_len=256)
     pids = worker_pids(engine)
     try:
+        # The start-up profile ran its synthetic steps (decode steps of jobs never seen before) on the workers.
+        assert engine.profile_source.startswith("start-up profile")
+        engine.add_request("ok", [2, 5, 6], SamplingParams(temperature=0, max_tokens=3))
+        assert len(_drain(engine)[0].outputs[0].token_ids) == 3
         # A step naming a job the workers never heard of: every rank raises, reports it and exits.
         engine.executor._broadcast(StepMessage(step_id=0, jobs=StepJobs([999], [0], [1], [[]], {}, {0: [0]})))
         deadline = time.monotonic() + 10

@@ -64,6 +64,7 @@ from memory.transfers import Direction
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint takes minutes
+PLACEHOLDER_TOKEN = 1  # stands for tokens the controller never sent (OPT's pad id)
 POLL_S = 0.2  # the reader's wake-up interval: how soon a dead process without a socket event is noticed
 
 
@@ -294,11 +295,11 @@ class MultiprocExecutor(Executor):
             end = seq.start_pos + len(seq.token_ids)
             mirror = self._jobs.get(seq.job_id)
             if mirror is None:
-                if seq.start_pos != 0:
-                    raise ValueError(f"job {seq.job_id}: first step must start at position 0")
+                # A job's first step starts at 0, except the job profiler's synthetic decode steps: their earlier
+                # tokens are (said to be) in the KV cache already, and nothing reads them but penalties.
+                tokens = [PLACEHOLDER_TOKEN] * seq.start_pos + list(seq.token_ids)
                 mirror = self._jobs[seq.job_id] = _JobMirror(next(self._handles), end, [])
-                msg.new_jobs.append(m.NewJob(mirror.handle, end - seq.num_generated, list(seq.token_ids),
-                                             seq.params, seq.seed))
+                msg.new_jobs.append(m.NewJob(mirror.handle, end - seq.num_generated, tokens, seq.params, seq.seed))
                 new_tokens: list[int] = []
             else:
                 new_tokens = seq.token_ids[mirror.known_len - seq.start_pos:] if mirror.known_len < end else []
