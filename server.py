@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--port", "port to listen on (0: any free port)", type=int, default=8000)
     flag("--served-model-name", "model name(s) clients use; responses report the first "
          "(default: the --model value, or tiny-opt)", nargs="+")
-    flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health "
+    flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health and the /dashboard page "
          "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
     flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
     flag("--chat-template", "Jinja chat template file (default: serving/chat_template.py's)")

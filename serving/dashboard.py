@@ -215,7 +215,7 @@ class Dashboard:
 
     @property
     def kv_block_bytes(self) -> int:
-        return getattr(self.aengine.engine.executor, "kv_block_bytes", 0)
+        return self.aengine.engine.executor.kv_block_bytes
 
     # -- outputs -----------------------------------------------------------------------------------
     def data(self, since: int | None = None) -> dict:
