@@ -56,6 +56,7 @@ from scheduler.policy import PolicyName
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
+from serving.gpu_probe import DeviceRows, NvmlProbe
 from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
 from serving.routing import add_fallback_route, add_get, add_post
 from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
@@ -98,6 +99,7 @@ class ServerState:
 ENGINE = web.AppKey("engine", AsyncEngine)
 CONFIG = web.AppKey("config", ServerConfig)
 STATE = web.AppKey("state", ServerState)
+DEVICES = web.AppKey("devices", DeviceRows)  # GPU rows (nvidia-ml-py) for /metrics, /health and the dashboard
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -204,21 +206,24 @@ async def version(request: web.Request) -> web.Response:
         return web.json_response({"version": "unknown"})
 
 
-def _snapshot(aengine: AsyncEngine) -> EngineSnapshot:
+def _snapshot(app: web.Application) -> EngineSnapshot:
+    aengine = app[ENGINE]
     engine = aengine.engine
     kv = engine.kv
     return EngineSnapshot(aengine.num_running(), aengine.num_waiting(), kv.num_swapped(), kv.device.num_free,
                           kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats(),
-                          kv.stats, engine.executor.kv_block_bytes)
+                          kv.stats, engine.executor.kv_block_bytes, app[DEVICES].rows())
 
 
 async def health(request: web.Request) -> web.Response:
     aengine, state = request.app[ENGINE], request.app[STATE]
     ok = aengine.is_alive and not state.draining
-    s = _snapshot(aengine)
+    s = _snapshot(request.app)
     body = {"status": "ok" if ok else ("shutting_down" if state.draining else "engine_dead")}
     if aengine.error is not None:
         body["error"] = f"{aengine.error}"  # e.g. which worker rank died
+    if s.devices:
+        body["gpus"] = s.devices
     return web.json_response(
         {**body, "running": s.num_running,
          "waiting": s.num_waiting, "kv_free_blocks": s.kv_free, "kv_total_blocks": s.kv_total,
@@ -226,7 +231,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[STATE].metrics.render(_snapshot(request.app[ENGINE]))
+    text = request.app[STATE].metrics.render(_snapshot(request.app))
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -402,7 +407,8 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
         add_get(app, path, handler)
     app.cleanup_ctx.append(_engine_ctx)
-    add_dashboard(app, async_engine, cfg.served_model_names[0])
+    app[DEVICES] = devices = NvmlProbe()
+    add_dashboard(app, async_engine, cfg.served_model_names[0], devices)
     add_fallback_route(app)  # last: unknown paths and methods get 404 / 405 bodies
     app.on_shutdown.append(drain)
     app.on_response_prepare.append(_on_prepare)

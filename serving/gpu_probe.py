@@ -1,4 +1,5 @@
-"""Per-device rows for the dashboard: memory and utilization of each GPU that nvidia-ml-py (NVML) sees.
+"""Per-device rows for the dashboard, /metrics and /health: memory, utilization, temperature and PCIe
+throughput of each GPU that nvidia-ml-py (NVML) sees.
 
 Where NVML cannot be loaded or sees no GPU (a CPU machine), there are no rows and `note` says why; nothing
 fails. Under tensor/pipeline parallelism an executor can supply its workers' rows instead: anything with
@@ -18,13 +19,33 @@ class DeviceRows(Protocol):
     source: str  # who measured the rows ("nvml", or an executor's name)
     note: str | None  # why there are no rows, if there are none
 
+    def _optional(self, handle) -> dict:
+        """Temperature and PCIe throughput: readings some devices or drivers do not give (then None)."""
+        nvml, out = self._nvml, {}
+        for key, read in (
+            ("temperature_c", lambda: float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))),
+            ("pcie_tx_bytes_per_s",  # NVML reports KB/s
+             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_TX_BYTES)),
+            ("pcie_rx_bytes_per_s",
+             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_RX_BYTES)),
+        ):
+            try:
+                out[key] = read()
+            except Exception:  # not supported here: the reading is missing, nothing fails
+                out[key] = None
+        return out
+
     def rows(self) -> list[dict]: ...
 
 
 def device_row(index: int, name: str, memory_used: int | None = None, memory_total: int | None = None,
-               utilization_pct: float | None = None, worker: dict | None = None, error: str | None = None) -> dict:
+               utilization_pct: float | None = None, worker: dict | None = None, error: str | None = None,
+               temperature_c: float | None = None, pcie_tx_bytes_per_s: float | None = None,
+               pcie_rx_bytes_per_s: float | None = None) -> dict:
     return {"id": index, "name": name, "worker": worker, "memory_used_bytes": memory_used,
-            "memory_total_bytes": memory_total, "utilization_pct": utilization_pct, "error": error}
+            "memory_total_bytes": memory_total, "utilization_pct": utilization_pct, "error": error,
+            "temperature_c": temperature_c, "pcie_tx_bytes_per_s": pcie_tx_bytes_per_s,
+            "pcie_rx_bytes_per_s": pcie_rx_bytes_per_s}
 
 
 class NvmlProbe:
@@ -48,6 +69,22 @@ class NvmlProbe:
         if not self._handles:
             self.note = "nvidia-ml-py sees no GPU"
 
+    def _optional(self, handle) -> dict:
+        """Temperature and PCIe throughput: readings some devices or drivers do not give (then None)."""
+        nvml, out = self._nvml, {}
+        for key, read in (
+            ("temperature_c", lambda: float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))),
+            ("pcie_tx_bytes_per_s",  # NVML reports KB/s
+             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_TX_BYTES)),
+            ("pcie_rx_bytes_per_s",
+             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_RX_BYTES)),
+        ):
+            try:
+                out[key] = read()
+            except Exception:  # not supported here: the reading is missing, nothing fails
+                out[key] = None
+        return out
+
     def rows(self) -> list[dict]:
         nvml, rows = self._nvml, []
         for i, handle in enumerate(self._handles):
@@ -56,7 +93,7 @@ class NvmlProbe:
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
                 util = nvml.nvmlDeviceGetUtilizationRates(handle)
                 rows.append(device_row(i, name.decode() if isinstance(name, bytes) else name, int(mem.used),
-                                       int(mem.total), float(util.gpu)))
+                                       int(mem.total), float(util.gpu), **self._optional(handle)))
             except Exception as e:  # one device failing to answer shows as an error on its row
                 rows.append(device_row(i, f"GPU {i}", error=f"{type(e).__name__}: {e}"))
         return rows

@@ -25,7 +25,7 @@ series carries vLLM's `model_name` label.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -53,6 +53,7 @@ class EngineSnapshot:
     scheduler: object | None = None  # engine.engine.SchedulerStats
     kv_stats: object | None = None  # memory.kv_manager.KVStats
     kv_block_bytes: int = 0
+    devices: list[dict] = field(default_factory=list)  # serving/gpu_probe.py rows (none without a GPU)
 
 
 class _EngineCollector:
@@ -80,6 +81,24 @@ class _EngineCollector:
             c.add_metric(labels, value)
             yield c
 
+    @staticmethod
+    def _device_series(s: EngineSnapshot):
+        """Per-GPU gauges from NVML's rows; a series is left out where a device does not give the reading."""
+        for key, name, doc in (
+            ("memory_used_bytes", "gpu_memory_used_bytes", "GPU memory in use (all processes)."),
+            ("memory_total_bytes", "gpu_memory_total_bytes", "GPU memory."),
+            ("utilization_pct", "gpu_utilization_percent", "GPU utilization over NVML's last sample period."),
+            ("temperature_c", "gpu_temperature_celsius", "GPU temperature."),
+            ("pcie_tx_bytes_per_s", "gpu_pcie_tx_bytes_per_second", "PCIe transmit throughput (GPU to host)."),
+            ("pcie_rx_bytes_per_s", "gpu_pcie_rx_bytes_per_second", "PCIe receive throughput (host to GPU)."),
+        ):
+            rows = [r for r in s.devices if r.get(key) is not None]
+            if rows:
+                g = GaugeMetricFamily(f"fastserve:{name}", doc, labels=["gpu", "name"])
+                for r in rows:
+                    g.add_metric([str(r["id"]), r["name"]], r[key])
+                yield g
+
     def __init__(self, model_name: str) -> None:
         self.model = model_name
         self.snapshot: EngineSnapshot | None = None
@@ -106,6 +125,7 @@ class _EngineCollector:
         yield gauge("fastserve:kv_host_free_blocks", "Free host KV blocks.", s.host_free)
         yield gauge("fastserve:kv_host_total_blocks", "All host KV blocks.", s.host_total)
         yield from self._kv_series(s, labels)
+        yield from self._device_series(s)
         st = s.scheduler
         if st is None:
             return

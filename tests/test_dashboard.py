@@ -181,7 +181,8 @@ def test_nvml_rows_from_a_stand_in_library(monkeypatch):
     assert probe.note is None
     ok, lost = probe.rows()
     assert ok == {"id": 0, "name": "NVIDIA H200", "worker": None, "memory_used_bytes": 1 << 30,
-                  "memory_total_bytes": 141 << 30, "utilization_pct": 37.0, "error": None}
+                  "memory_total_bytes": 141 << 30, "utilization_pct": 37.0, "error": None,
+                  "temperature_c": None, "pcie_tx_bytes_per_s": None, "pcie_rx_bytes_per_s": None}
     assert lost["id"] == 1 and lost["memory_used_bytes"] is None and "GPU is lost" in lost["error"]
 
     def no_driver():
