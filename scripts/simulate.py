@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
-    summary = result.summary() | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
+    kv = engine.kv.stats
+    summary = result.summary() | {"offloads": kv.num_offloads, "thrash": kv.num_thrash, "drops": kv.num_drops,
+                                   "recomputed_tokens": kv.num_recomputed_tokens, "wall_s": wall,
+                                   "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
                                    "rate": args.request_rate}
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")
