@@ -118,6 +118,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._queue_waits: dict[tuple[int, int], float] | None = None  # T_execute by (band, level)
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
         self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
+        # Starving jobs left in Q1 because their class was the most urgent present; should a more urgent
+        # class arrive, they are promoted into its Q1 (their heap entries are spent).
+        self._held_in_q1: dict[Job, None] = {}
+        self._held_top = 0
         self._seq = itertools.count()
         self.num_promotions = 0
         self.num_demotions = 0
@@ -188,6 +192,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if self._holds(job):
             self._unplace(job)
             del self._band_of[job], self._entry[job]
+            self._held_in_q1.pop(job, None)
             self._running.pop(job, None)
             self._count_out(job)
 
@@ -263,6 +268,15 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         heap, running, band_of = self._starving, self._running, self._band_of
         promoted = 0
         top = min(self._classes) if self._classes else 0
+        held = self._held_in_q1
+        if held and top != self._held_top:  # a more urgent class arrived: they go to its Q1
+            for job in list(held):
+                if band_of.get(job, top) != top:
+                    self._unplace(job)
+                    self._place(job, top, 0, job.first_scheduled_time is None)
+                    job.num_promotions += 1
+                    promoted += 1
+        self._held_top = top
         fresh_heap = self._fresh_starving
         if fresh_heap:  # jobs that never ran: promoted after max(alpha, f x W), in arrival order
             limit = max(alpha, self.config.fresh_starvation_factor * self.start_wait_ema)
@@ -275,6 +289,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     self._place(job, top, 0, True)
                     job.num_promotions += 1
                     promoted += 1
+                held[job] = None
         if heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
             bands, entry, seq = self._bands, self._entry, self._seq
             q1 = self._band(top)
@@ -284,7 +299,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     if job.last_scheduled_time != since or job in running:
                         continue  # stale: the job ran since
                     key = band_of.get(job)
-                    if key is None or (key == top and job.queue == 0):
+                    if key is None:
+                        continue  # it left
+                    held[job] = None  # starving until it runs (on_step_done) or leaves (remove)
+                    if key == top and job.queue == 0:
                         continue  # it left, or it is in Q1 already
                     if self._take(bands[key], job):
                         q1.started[0][job] = None
@@ -303,9 +321,12 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         last, eta, limits, band_of = len(self.quanta) - 1, self.config.demotion_step, self._limits, self._band_of
         bands, entry, seq = self._bands, self._entry, self._seq
         moved = False
+        held = self._held_in_q1
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
+            if held:
+                held.pop(job, None)
             service = job.service_in_queue = job.service_in_queue + cost
             level = job.queue
             if service > limits[level] and job in band_of:  # used up its quantum (and still held)

@@ -48,7 +48,8 @@ SCALES = {  # name -> (model shape, profile): OPT-13B on 1 A100, 66B on 4, 175B 
     "opt-175b-80gb": ("opt-175b", "profiles/sim/opt-175b-a100-80gb-x16.json"),
 }
 MAIN = "opt-13b"  # the scale of the figures
-FIGURES = ("fig1", "fig5", "fig8", "fig14", "fig15", "slo", "overload", "enst_ablation", "alpha", "live_slo", "live")
+FIGURES = ("fig1", "fig5", "fig8", "fig14", "fig15", "slo", "overload", "enst_ablation", "alpha", "robustness",
+           "live_slo", "live")
 
 
 # -- helpers (tested in tests/test_experiments.py) -----------------------------------------------------------
@@ -763,7 +764,7 @@ def _sched_section(name: str):
     return run
 
 
-SECTIONS.update({name: _sched_section(name) for name in ("overload", "enst_ablation", "alpha")})
+SECTIONS.update({name: _sched_section(name) for name in ("overload", "enst_ablation", "alpha", "robustness")})
 
 
 def update_doc(path: Path, parts: dict[str, str]) -> None:
@@ -822,8 +823,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(args)
     t0 = time.perf_counter()
     parts = {}
-    for name in ("slo", "fig1", "fig5", "fig8", "fig14", "fig15", "overload", "enst_ablation", "alpha", "live_slo",
-                 "live"):
+    for name in ("slo", "fig1", "fig5", "fig8", "fig14", "fig15", "overload", "enst_ablation", "alpha", "robustness",
+                 "live_slo", "live"):
         if name in names:
             t = time.perf_counter()
             print(f"== {name}", flush=True)
@@ -848,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
             "are what these runs show. The live section measures the real engine on this CPU.", "",
             f"Settings shared by all runs unless a section says otherwise: seed {args.seed}, max_num_seqs "
             f"{args.max_num_seqs}, block size 16, float16 KV, starvation threshold 0.3 s, proactive KV policy.", ""]
-    order = ("fig1", "fig5", "fig8", "fig14", "fig15", "slo", "overload", "enst_ablation", "alpha", "live_slo", "live")
+    order = ("fig1", "fig5", "fig8", "fig14", "fig15", "slo", "overload", "enst_ablation", "alpha", "robustness",
+             "live_slo", "live")
     args.out.write_text("\n".join(head) + "\n" + "\n".join(parts[k] for k in order if k in parts))
     print(f"wrote {args.out} in {wall:.0f} s")
     return 0

@@ -126,7 +126,10 @@ def run(args: argparse.Namespace) -> dict:
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
-    return result.summary() | {"wall_s": wall, "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
+    kv = engine.kv.stats
+    return result.summary() | {"offloads": kv.num_offloads, "thrash": kv.num_thrash, "drops": kv.num_drops,
+                               "recomputed_tokens": kv.num_recomputed_tokens, "wall_s": wall,
+                               "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
                                "rate": args.request_rate}
 
 

@@ -122,7 +122,7 @@ def test_the_engine_never_waits_on_a_copy(tiny_model_dir, reference, policy, kv_
     copy = eng.executor.swapper._copy_blocks
 
     def held_copy(src, dst, pairs):
-        if not release.wait(10):
+        if not release.wait(120):
             timed_out.append(pairs)
         copy(src, dst, pairs)
 

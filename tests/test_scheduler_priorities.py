@@ -148,3 +148,24 @@ def test_mixed_classes_all_finish_and_counts_return_to_zero(name: PolicyName) ->
     schedule = run(policy, jobs, 40)
     assert sum(len(b) for b in schedule) == sum(j.max_new_tokens for j in jobs)
     assert policy.jobs_by_priority() == {} and sum(policy.started_by_priority.values()) == 15
+
+
+def test_a_job_starving_in_q1_of_its_class_is_promoted_when_a_more_urgent_class_arrives() -> None:
+    """One slot, alpha 3 s, class 1 only: a, b, c, d, j (all Q1) run two iterations each in turn (then
+    drop to Q2). At t=4, d and j have waited 4 s > alpha but sit in Q1 of the most urgent class present,
+    so they stay. At t=5 a class-0 job u arrives: d and j, still starving, are promoted into class 0's
+    Q1 behind u (their heap entries were spent at t=4), so they run before class 1's queues."""
+    policy = mlfq(max_num_seqs=1, starvation_threshold=3.0)
+    jobs = [job(x, priority=1, output=50) for x in "abcdj"]
+    for x in jobs:
+        policy.add(x, 0.0)
+    t, kv = 0.0, roomy()
+    while t < 5.0:
+        _, t = step(policy, kv, t)
+    j = jobs[-1]
+    assert j.first_scheduled_time is None and j.num_promotions == 0 and policy._band_of[j] == 1
+    u = job("u", priority=0, output=1, arrival=t)
+    policy.add(u, t)
+    ids, t = step(policy, kv, t)
+    assert ids == ["u"] and policy._band_of[j] == 0 and j.num_promotions == 1
+    assert [x.job_id for x in policy.jobs][:3] == ["u", "d", "j"]  # then the promoted, in order
