@@ -54,13 +54,14 @@ completes; host blocks are freed only after their upload completes.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from memory.block_allocator import BlockAllocator
 from memory.kv_policy import KVPolicy
+from memory.proactive import plan_transfers
+from memory.residency import JobKV, Residency
 from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle
 
 THRASH_TICKS = 4  # an offload undone within this many ticks counts as thrash
@@ -68,31 +69,6 @@ THRASH_TICKS = 4  # an offload undone within this many ticks counts as thrash
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-class Residency(str, enum.Enum):
-    NONE = "none"  # no KV anywhere (new, or dropped: recompute)
-    DEVICE = "device"
-    HOST = "host"
-    OFFLOADING = "offloading"  # device -> host copy in flight; both tiers held
-    UPLOADING = "uploading"  # host -> device copy in flight; both tiers held
-
-
-@dataclass(eq=False)
-class JobKV:
-    job: object  # scheduler.Job (read: job_id, num_computed; written: ready, num_computed on drop)
-    device: list[int] = field(default_factory=list)
-    host: list[int] = field(default_factory=list)
-    residency: Residency = Residency.NONE
-    transfer: TransferHandle | None = None
-    transfer_tick: int = -1  # tick the last transfer started (no ping-pong within a tick)
-    transfer_started: float = 0.0
-    predicted_wait: float | None = None  # ENST when an upload started, for ENST accuracy
-    upload_time: float | None = None
-    freed: bool = False  # finished or aborted while a copy was in flight
-    cancel_upload: bool = False  # evicted while uploading: the device blocks free when the copy lands
-    offload_tick: int | None = None  # tick of the last offload, until the job is wanted back (thrash count)
-    pending_blocks: int = 0  # device blocks that free when the transfer in flight completes
 
 
 @dataclass
@@ -180,7 +156,7 @@ class KVManager:
         kv = self._entry(job)
         if kv.residency is Residency.HOST:
             self.stats.num_swap_misses += 1
-            if not self._start_upload(kv, now=self._now()):
+            if not self.start_upload(kv, now=self._now()):
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
             if not job.ready:
                 self._block(job.job_id)
@@ -210,7 +186,7 @@ class KVManager:
             kv.cancel_upload = True
             self._hold_pending(kv, len(kv.device))
             return
-        if self.policy is KVPolicy.RECOMPUTE or not self._start_offload(kv):
+        if self.policy is KVPolicy.RECOMPUTE or not self.start_offload(kv):
             self._drop(kv)
 
     def wait_for_room(self, job, num_new_tokens: int) -> bool:
@@ -285,6 +261,12 @@ class KVManager:
         """Entries whose KV is on the host alone, in no particular order (memory/proactive.py)."""
         return list(self._on_host)
 
+    def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
+        """Entries whose KV is on the device alone with no copy this tick, not in flight in a pipeline
+        stage and not in `exclude` (the batch): what the proactive planner may offload."""
+        return [e for e in self._jobs.values() if e.residency is Residency.DEVICE and e.device
+                and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != self.tick]
+
     def pending_transfers(self) -> int:
         """Copies in flight (the engine loop keeps polling while there are any)."""
         return len(self._inflight)
@@ -308,8 +290,6 @@ class KVManager:
 
     def plan(self, batch, estimated_wait, now: float) -> None:
         """After the scheduler picked `batch`: start proactive offloads/uploads (proactive only)."""
-        from memory.proactive import plan_transfers
-
         self.tick += 1
         self._claimed = 0  # promises of room last for the tick that made them
         if self.policy is KVPolicy.PROACTIVE:
@@ -351,7 +331,7 @@ class KVManager:
         assert set(self._on_host) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
             "host-resident set is stale"
 
-    # -- moves (also used by memory/proactive.py) -------------------------------------------------
+    # -- moves (start_offload and start_upload are the proactive planner's verbs) -----------------
     def _entry(self, job) -> JobKV:
         kv = self._jobs.get(job.job_id)
         if kv is None:
@@ -364,7 +344,7 @@ class KVManager:
         have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
         return max(0, blocks_needed(job.num_computed + num_new_tokens, self.block_size) - have)
 
-    def _start_offload(self, kv: JobKV) -> bool:
+    def start_offload(self, kv: JobKV) -> bool:
         """Begin device -> host; False (nothing started) when the host tier has no room."""
         n = len(kv.device)
         if n > self.host.num_free:
@@ -381,7 +361,7 @@ class KVManager:
         self._begin(kv, self.transfers.copy(Direction.OFFLOAD, list(zip(kv.device, kv.host))))
         return True
 
-    def _start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
+    def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
         n = len(kv.host)
         if n > self.device.num_free:
             return False

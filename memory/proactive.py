@@ -22,7 +22,12 @@ on demand (KVManager.allocate); good ENST ranking makes those rare.
 
 from __future__ import annotations
 
-from memory.kv_manager import JobKV, KVManager, Residency
+from typing import TYPE_CHECKING
+
+from memory.residency import JobKV
+
+if TYPE_CHECKING:
+    from memory.kv_manager import KVManager
 
 
 def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
@@ -43,16 +48,13 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
     idle: list[JobKV] | None = None
 
     def idle_jobs() -> list[JobKV]:  # device-resident, not in the batch nor in flight, largest ENST first
-        in_batch = {j.job_id for j in batch}
-        found = [e for e in kv._jobs.values() if e.residency is Residency.DEVICE and e.device
-                 and not e.job.in_flight and e.job.job_id not in in_batch and e.transfer_tick != kv.tick]
-        return sorted(found, key=wait, reverse=True)
+        return sorted(kv.offload_candidates({j.job_id for j in batch}), key=wait, reverse=True)
 
     # 1. Watermark (blocks being offloaded count as free-to-be).
     if kv.device.num_free + kv.pending_free_blocks < watermark:
         idle = idle_jobs()
         while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
-            if not kv._start_offload(idle.pop(0)):
+            if not kv.start_offload(idle.pop(0)):
                 break  # host full
 
     # 2. Upload, smallest ENST first, keeping the watermark.
@@ -62,6 +64,6 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
             if idle is None:
                 idle = idle_jobs()
             if idle and wait(e) < wait(idle[0]):
-                kv._start_offload(idle.pop(0))
+                kv.start_offload(idle.pop(0))
             break
-        kv._start_upload(e, wait(e), now)
+        kv.start_upload(e, wait(e), now)

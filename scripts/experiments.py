@@ -252,7 +252,11 @@ def section_slo(ctx: Ctx) -> str:
              f"~{100 * (2 ** 0.5 ** ctx.args.bisect - 1):.0f}% of the rate). KV policy proactive, max_num_seqs "
              f"{ctx.args.max_num_seqs}, starvation threshold 0.3 s, block size 16.", ""]
     for shape in ctx.args.scales:
-        lines += [f"### {shape} ({SCALES[shape][1]}, roofline estimate)", "",
+        data = json.loads((REPO / SCALES[shape][1]).read_text())
+        tp, pp = data["key"]["tensor_parallel_size"], data["key"]["pipeline_parallel_size"]
+        layout = (f"{tp * pp} GPU{'s' if tp * pp > 1 else ''}" + (f", tensor parallel {tp}" if tp > 1 else "")
+                  + (f" x pipeline parallel {pp} with {pp} batches in flight" if pp > 1 else ""))
+        lines += [f"### {shape} ({SCALES[shape][1]}: {layout}; roofline estimate)", "",
                   "| dataset | metric | " + " | ".join(POLICIES) + " | skip-join / fcfs |",
                   "|---|---|" + "---|" * (len(POLICIES) + 1)]
         for ds in ctx.datasets:
@@ -790,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alpaca", type=Path, default=REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv")
     ap.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="ShareGPT requests per run")
     ap.add_argument("--num-prompts-alpaca", type=int, default=DEFAULTS["num_prompts_alpaca"])
-    ap.add_argument("--scales", default="opt-13b,opt-13b-80gb",
+    ap.add_argument("--scales", default="opt-13b,opt-13b-80gb,opt-66b,opt-175b",
                     help=f"comma-separated of {','.join(SCALES)} for the SLO table ({MAIN}, the figures' scale, "
                          "is always run)")
     ap.add_argument("--bisect", type=int, default=3, help="bisection steps after the rate grid")

@@ -1,0 +1,35 @@
+"""Where one job's KV lives (Residency) and the KV manager's record of it (JobKV): the types that
+memory/kv_manager.py keeps and memory/proactive.py reads, in a module of their own so neither imports the
+other's internals."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from memory.transfers import TransferHandle
+
+
+class Residency(str, enum.Enum):
+    NONE = "none"  # no KV anywhere (new, or dropped: recompute)
+    DEVICE = "device"
+    HOST = "host"
+    OFFLOADING = "offloading"  # device -> host copy in flight; both tiers held
+    UPLOADING = "uploading"  # host -> device copy in flight; both tiers held
+
+
+@dataclass(eq=False)
+class JobKV:
+    job: object  # scheduler.Job (read: job_id, num_computed; written: ready, num_computed on drop)
+    device: list[int] = field(default_factory=list)
+    host: list[int] = field(default_factory=list)
+    residency: Residency = Residency.NONE
+    transfer: TransferHandle | None = None
+    transfer_tick: int = -1  # tick the last transfer started (no ping-pong within a tick)
+    transfer_started: float = 0.0
+    predicted_wait: float | None = None  # ENST when an upload started, for ENST accuracy
+    upload_time: float | None = None
+    freed: bool = False  # finished or aborted while a copy was in flight
+    cancel_upload: bool = False  # evicted while uploading: the device blocks free when the copy lands
+    offload_tick: int | None = None  # tick of the last offload, until the job is wanted back (thrash count)
+    pending_blocks: int = 0  # device blocks that free when the transfer in flight completes
