@@ -99,8 +99,9 @@ def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
             remote.execute(prefill_batch(b))
             transport, walls, nbytes = [], [], []
             for step in range(steps):
+                batch = decode_batch(b, step)  # built before the clock starts: the engine hands it over built
                 t = time.perf_counter()
-                result = remote.execute(decode_batch(b, step))
+                result = remote.execute(batch)
                 wall = time.perf_counter() - t
                 walls.append(wall)
                 transport.append(wall - result.execute_s)
@@ -109,8 +110,9 @@ def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
             local.execute(prefill_batch(b))
             local_walls = []
             for step in range(steps):
+                batch = decode_batch(b, step)
                 t = time.perf_counter()
-                local.execute(decode_batch(b, step))
+                local.execute(batch)
                 local_walls.append(time.perf_counter() - t)
             tm, lm = statistics.median(transport), statistics.median(local_walls)
             print(f"{b:>6} {int(statistics.median(nbytes)):>14,} {statistics.median(walls) * 1e3:>15.2f} "
