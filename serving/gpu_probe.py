@@ -19,22 +19,6 @@ class DeviceRows(Protocol):
     source: str  # who measured the rows ("nvml", or an executor's name)
     note: str | None  # why there are no rows, if there are none
 
-    def _optional(self, handle) -> dict:
-        """Temperature and PCIe throughput: readings some devices or drivers do not give (then None)."""
-        nvml, out = self._nvml, {}
-        for key, read in (
-            ("temperature_c", lambda: float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))),
-            ("pcie_tx_bytes_per_s",  # NVML reports KB/s
-             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_TX_BYTES)),
-            ("pcie_rx_bytes_per_s",
-             lambda: 1024.0 * nvml.nvmlDeviceGetPcieThroughput(handle, nvml.NVML_PCIE_UTIL_RX_BYTES)),
-        ):
-            try:
-                out[key] = read()
-            except Exception:  # not supported here: the reading is missing, nothing fails
-                out[key] = None
-        return out
-
     def rows(self) -> list[dict]: ...
 
 
