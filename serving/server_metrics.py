@@ -134,6 +134,17 @@ class _EngineCollector:
         for level, n in enumerate(st.queue_lengths, start=1):
             queues.add_metric(labels + [str(level)], n)
         yield queues
+        by_class = GaugeMetricFamily("fastserve:scheduler_class_jobs",
+                                     "Unfinished jobs per request class (the request's priority; lower runs first).",
+                                     labels=["model_name", "priority"])
+        for priority, n in st.jobs_by_priority.items():
+            by_class.add_metric(labels + [str(priority)], n)
+        yield by_class
+        started = CounterMetricFamily("fastserve:scheduler_class_started", "Jobs started (first run) per request "
+                                      "class.", labels=["model_name", "priority"])
+        for priority, n in st.started_by_priority.items():
+            started.add_metric(labels + [str(priority)], n)
+        yield started
         for name, doc, value in (("promotions", "Starvation promotions to Q1.", st.num_promotions),
                                  ("demotions", "MLFQ demotions.", st.num_demotions),
                                  ("policy_preemptions", "Jobs that ran one iteration and not the next.",

@@ -69,6 +69,24 @@ def test_metrics_parse_and_counters_move_as_requests_finish(server):
     assert all(("model_name", "") not in labels for _, labels in after)
 
 
+def test_request_classes_are_counted_per_priority(server):
+    before = metric_samples(server.url)
+    for priority in (3, 3, -1):
+        status, _, body = post_json(server.url + "/v1/completions",
+                                    {"prompt": "Class", "max_tokens": 2, "priority": priority})
+        assert status == 200
+    wait_idle(server.url)
+    after = metric_samples(server.url)
+
+    def started(priority: int, samples) -> float:
+        return samples.get(("fastserve:scheduler_class_started_total",
+                            (("model_name", body["model"]), ("priority", str(priority)))), 0.0)
+
+    assert started(3, after) - started(3, before) == 2
+    assert started(-1, after) - started(-1, before) == 1
+    assert not any(name == "fastserve:scheduler_class_jobs" and v for (name, _), v in after.items())  # idle
+
+
 def test_kv_telemetry_series_carry_the_kv_managers_counts():
     from memory.kv_manager import KVStats
     from serving.server_metrics import EngineSnapshot, _EngineCollector
