@@ -54,6 +54,19 @@ def small_checkpoint(tmp_path_factory, tiny_model_dir):
     return make
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client against the module's `server` fixture (a tests.server_fixtures server)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
 # The simulator's flat test profile: every first iteration costs 1.0 s, every decode step 0.1 s.
 FLAT_PREFILL_S, FLAT_DECODE_S = 1.0, 0.1
 

@@ -35,16 +35,6 @@ def server(request, tiny_model_dir):
     wait_idle(srv.url)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_completion_streamed_equals_non_streamed(client, model):
     kw = dict(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)

@@ -29,16 +29,6 @@ def server(request, tiny_model_dir):
     wait_idle(srv.url)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def stream(url: str, body: dict, headers: dict | None = None) -> list[dict]:
     """POST a streaming body as vLLM's benchmark does (aiohttp, its headers) and return the SSE chunks."""
     async def go():

@@ -74,10 +74,6 @@ class LocalExecutor(Executor):
         return self.runner.model
 
     @property
-    def kv_cache(self) -> torch.Tensor:
-        return self.runner.kv_cache
-
-    @property
     def swapper(self) -> Swapper | None:
         return self.runner.swapper
 

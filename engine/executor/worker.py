@@ -264,13 +264,9 @@ def worker_env(master_addr: str, master_port: int, world_size: int, key_hex: str
     env = dict(os.environ, MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), WORLD_SIZE=str(world_size))
     env[CLUSTER_KEY_ENV] = key_hex
     env["FASTSERVE_DIE_WITH_PARENT"] = "1" if die_with_parent else "0"
-    if not (env.get("CUDA_VISIBLE_DEVICES") or "").strip() and not _has_cuda():
+    if not torch.cuda.is_available():  # CPU workers share the cores
         env.setdefault("FASTSERVE_WORKER_THREADS", str(max(1, (os.cpu_count() or 1) // local_world)))
     return env
-
-
-def _has_cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 def start_worker(env: dict[str, str], rank: int, local_rank: int) -> subprocess.Popen:
