@@ -573,6 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from engine.engine import Engine  # torch and the model: only once the flags and the port are good
 
+        if engine_cfg.model is None:  # the built-in tiny model, built on first use (the engine only loads models)
+            from modelmaker.tiny_model import ensure_tiny_model
+
+            ensure_tiny_model()
         engine = Engine(engine_cfg)
     except (ValueError, OSError, RuntimeError) as e:  # bad or unreadable model files, workers that failed to start
         sock.close()

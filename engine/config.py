@@ -8,17 +8,23 @@ server.py.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from scheduler.policy import PolicyName
 
+# Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
+# The engine only loads it; server.py, `make model` and scripts/make_tiny_model.py build it (modelmaker/).
+DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
+                                        / "tiny-opt"))
 KV_POLICIES = ("proactive", "reactive", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a Hugging Face OPT directory; None = the built-in tiny model
+    model: str | None = None  # a Hugging Face OPT directory; None = the built-in tiny model (DEFAULT_MODEL_DIR)
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the model directory's weights | dummy: random weights from config.json
@@ -93,3 +99,12 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def builtin_model_dir() -> Path:
+    """DEFAULT_MODEL_DIR once the tiny model is built there; FileNotFoundError saying how to build it otherwise."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no model given and the built-in tiny model is not built at {DEFAULT_MODEL_DIR}: run `make model` "
+            "(scripts/make_tiny_model.py) or `python server.py` once, which build it, or pass a model directory")
+    return DEFAULT_MODEL_DIR

@@ -25,8 +25,7 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch, SequenceWork
 from engine.clock import WallClock
-from engine.config import EngineConfig
-from engine.default_model import default_model_dir
+from engine.config import EngineConfig, builtin_model_dir
 from engine.errors import ValidationError
 from engine.executor import make_executor
 from engine.executor.base import Executor, ExecutorDeadError
@@ -75,7 +74,7 @@ class SchedulerStats:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.model_dir = Path(config.model) if config.model else default_model_dir()
+        self.model_dir = Path(config.model) if config.model else builtin_model_dir()
         self.model_config = OPTConfig.from_model_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.max_model_len = self._resolve_max_model_len()

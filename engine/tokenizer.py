@@ -6,7 +6,7 @@ as BOS), and `IncrementalDetokenizer`, which turns generated ids into text one s
 emitting half of a UTF-8 character.
 
 What this is not: a general AutoTokenizer (no SentencePiece, chat templates, truncation or padding), and not
-a trainer (engine/tiny_tokenizer.py trains the built-in tiny model's tokenizer).
+a trainer (modelmaker/tiny_tokenizer.py trains the built-in tiny model's tokenizer).
 
 Loading rules (mirroring transformers 5):
   * tokenizer.json wins over vocab.json + merges.txt; with tokenizer.json, its own post-processor decides

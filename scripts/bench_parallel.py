@@ -36,12 +36,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from engine.batch import ModelBatch, SequenceResult, SequenceWork  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.default_model import default_model_dir  # noqa: E402
 from engine.executor import messages as m  # noqa: E402
 from engine.executor.local import LocalExecutor  # noqa: E402
 from engine.executor.multiproc import MultiprocExecutor  # noqa: E402
 from engine.model.config import OPTConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
 
 CONTEXT = 64
 BLOCK = 16
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="(prompt, output) lengths CSV for the simulator part (ShareGPT's, or alpaca_lengths.csv)")
     ap.add_argument("--skip-sim", action="store_true")
     args = ap.parse_args(argv)
-    transport_cost(args.model or default_model_dir(), [int(b) for b in args.batches.split(",")], args.steps)
+    transport_cost(args.model or ensure_tiny_model(), [int(b) for b in args.batches.split(",")], args.steps)
     if not args.skip_sim:
         pipeline_throughput(args.num_prompts, args.rate, args.lengths)
     return 0

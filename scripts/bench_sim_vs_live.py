@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from workload_arrivals import poisson_arrivals  # noqa: E402  (scripts/ is this script's folder)
 
-from engine.default_model import default_model_dir  # noqa: E402
 from engine.simulation import p95  # noqa: E402
+from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = Path("models/opt-125m-random")
 TARGET = 0.15  # |sim/live - 1| the simulator should stay within
@@ -53,7 +53,7 @@ TARGET = 0.15  # |sim/live - 1| the simulator should stay within
 def resolve_model(name: str) -> Path:
     """'tiny' -> the built-in tiny model; the default OPT-125M directory is written if missing."""
     if name == "tiny":
-        return default_model_dir()
+        return ensure_tiny_model()
     path = Path(name) if Path(name).is_absolute() else REPO / name
     if not (path / "config.json").is_file() and Path(name) == DEFAULT_MODEL:
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--shape", "opt-125m",

@@ -83,10 +83,10 @@ def choose_counter(tokenizer: str | None, gpt2_bpe: str | None, model: str | Non
             return model_dir_counter(path, why)
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from engine.default_model import default_model_dir
+    from modelmaker.tiny_model import ensure_tiny_model
 
     listed = f"the server lists {served_model!r}, not a directory here" if served_model else "no model named"
-    return model_dir_counter(default_model_dir(), f"the built-in tiny model's; {listed}; "
+    return model_dir_counter(ensure_tiny_model(), f"the built-in tiny model's; {listed}; "
                                                   "pass --tokenizer DIR to count with the served model's")
 
 

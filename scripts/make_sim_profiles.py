@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from engine.analytic_profile import roofline_profile  # noqa: E402
 from engine.model.config import OPTConfig  # noqa: E402
-from engine.model_maker import OPT_SHAPES, opt_config  # noqa: E402
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config  # noqa: E402
 
 A100_FLOPS = 312e12
 A100_VARIANTS = {"40gb": (1.555e12, 40 * 2**30), "80gb": (2.039e12, 80 * 2**30)}  # HBM bytes/s, memory

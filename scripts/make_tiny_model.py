@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.default_model import DEFAULT_MODEL_DIR, build_tiny_model, default_model_dir  # noqa: E402
-from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
+from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
+from modelmaker.tiny_model import build_tiny_model, ensure_tiny_model  # noqa: E402
 
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -47,7 +48,7 @@ def write_checkpoint(shape: str, out: Path, with_weights: bool, weight_format: s
     cfg = opt_config(**OPT_SHAPES[shape])
     write_opt_checkpoint(out, cfg, seed=seed, weight_format=weight_format if with_weights else "none",
                          dtype=getattr(torch, dtype))
-    tiny = default_model_dir()
+    tiny = ensure_tiny_model()
     for name in TOKENIZER_FILES:
         if (tiny / name).exists():
             shutil.copyfile(tiny / name, out / name)

@@ -40,11 +40,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.default_model import default_model_dir  # noqa: E402
 from engine.executor.local import LocalExecutor  # noqa: E402
 from engine.job_profiler import FULL_GRID, QUICK_GRID, profile_executor, profile_key  # noqa: E402
 from engine.model.config import OPTConfig  # noqa: E402
 from engine.profiles import profile_dir, profile_filename  # noqa: E402
+from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_model.py: error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
+    model_dir = Path(args.model) if args.model else ensure_tiny_model()
     cfg = OPTConfig.from_model_dir(model_dir)
     grid = grid.clipped(cfg.max_position_embeddings)
     executor = LocalExecutor(model_dir, cfg, dtype=args.dtype, device=args.device, block_size=args.block_size,

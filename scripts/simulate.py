@@ -36,7 +36,7 @@ from loadgen_tokenizer import choose_counter, mismatch_warning  # noqa: E402  (s
 from workload import DATASETS, load_workload  # noqa: E402
 
 from engine.config import KV_POLICIES  # noqa: E402
-from engine.model_maker import OPT_SHAPES  # noqa: E402
+from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
 from scheduler.policy import PolicyName  # noqa: E402
 
 POLICIES = [p.value for p in PolicyName]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
 from scheduler.cost_model import PROFILE_SCHEMA
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -29,7 +29,7 @@ def shared_dataset(relpath: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The built-in tiny model (tokenizer + weights), built once per session."""
-    from engine.default_model import build_tiny_model
+    from modelmaker.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-opt")
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import CheckpointError
-from engine.model_maker import opt_config, write_opt_checkpoint
+from modelmaker.opt_checkpoint import opt_config, write_opt_checkpoint
 from tests.server_fixtures import QUICK_ARGS, post_json, start_server
 
 SHAPE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, ffn_dim=128,

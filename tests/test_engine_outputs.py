@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams, ValidationError
-from engine.model_maker import TINY_SHAPE
+from modelmaker.opt_checkpoint import TINY_SHAPE
 
 PROMPTS = [
     "The quick brown fox",

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 from engine.errors import CheckpointError
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
-from engine.model_maker import opt_config, write_opt_checkpoint
 from engine.parallel import ParallelLayout, TensorParallelGroup
+from modelmaker.opt_checkpoint import opt_config, write_opt_checkpoint
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
 
 

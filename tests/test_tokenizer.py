@@ -1,4 +1,4 @@
-"""Tests of engine/tokenizer.py and engine/tiny_tokenizer.py, with transformers as the oracle.
+"""Tests of engine/tokenizer.py and modelmaker/tiny_tokenizer.py, with transformers as the oracle.
 
 Ids must equal transformers' on GPT-2's real vocabulary and real prompts, OPT's "</s>" BOS must be prepended
 like AutoTokenizer does, every loading path must agree, streaming must never break a character, and training
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from engine.tiny_tokenizer import train_tiny_tokenizer
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from modelmaker.tiny_tokenizer import train_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -262,7 +262,7 @@ def test_training_is_deterministic(tiny_dir: Path, tmp_path: Path):
     train_tiny_tokenizer(tmp_path / "again")
     # A fresh process with one thread and another hash seed must write the same bytes too.
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "123"}
-    code = f"import engine.tiny_tokenizer as t; t.train_tiny_tokenizer({str(tmp_path / 'proc')!r})"
+    code = f"import modelmaker.tiny_tokenizer as t; t.train_tiny_tokenizer({str(tmp_path / 'proc')!r})"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True)
     for other in ("again", "proc"):
         match, mismatch, errors = filecmp.cmpfiles(tiny_dir, tmp_path / other, TINY_FILES, shallow=False)

@@ -6,7 +6,8 @@ corpus in scripts/data/tiny_corpus.txt and writes it in OPT's Hugging Face layou
 Training is deterministic: the same files, byte for byte, on every run and machine.
 
 What this is not: a tokenizer for real text (the corpus is ~26 KB; OPT checkpoints ship their own), and
-not the loader (engine/tokenizer.py).
+not the loader (engine/tokenizer.py), which the engine uses; this module is development tooling
+(modelmaker/), outside the engine's imports.
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""The built-in tiny model: building it, and building it when missing.
+
+`python server.py` with no --model (and `make model`, `make serve`) build it here; the engine itself only
+loads it from engine.config.DEFAULT_MODEL_DIR (`LLM(model=None)`, EngineConfig(model=None)) and never
+builds it. It is a random-weight OPT of ~5M parameters (2048-token context) with its own byte-level BPE
+tokenizer, written deterministically by modelmaker/opt_checkpoint.py and modelmaker/tiny_tokenizer.py
+(scripts/make_tiny_model.py is the CLI).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.config import DEFAULT_MODEL_DIR
+from modelmaker.opt_checkpoint import TINY_SHAPE, opt_config, write_opt_checkpoint
+from modelmaker.tiny_tokenizer import train_tiny_tokenizer
+
+TINY_SEED = 0
+
+
+def build_tiny_model(out_dir: str | Path) -> Path:
+    """Write the tiny model (tokenizer + config + weights) into out_dir, atomically."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-opt-", dir=out.parent))
+    try:
+        tok = train_tiny_tokenizer(tmp)
+        write_opt_checkpoint(tmp, opt_config(vocab_size=tok.vocab_size, **TINY_SHAPE), seed=TINY_SEED)
+        if out.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def ensure_tiny_model(out_dir: str | Path = DEFAULT_MODEL_DIR) -> Path:
+    """out_dir (default: where the engine looks for the built-in model), built first if it has no config.json."""
+    out = Path(out_dir)
+    if not (out / "config.json").is_file():
+        build_tiny_model(out)
+    return out
