@@ -407,7 +407,7 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
         add_get(app, path, handler)
     app.cleanup_ctx.append(_engine_ctx)
-    app[DEVICES] = devices = NvmlProbe()
+    app[DEVICES] = devices = NvmlProbe(async_engine.engine.executor.worker_devices())
     add_dashboard(app, async_engine, cfg.served_model_names[0], devices)
     add_fallback_route(app)  # last: unknown paths and methods get 404 / 405 bodies
     app.on_shutdown.append(drain)

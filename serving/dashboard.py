@@ -35,8 +35,10 @@ A sample:
   latency       window_s (60), count (stop/length requests finished in the window), ttft_s and
                 per_token_s: {p50, p90, p99} (linear interpolation, as numpy.percentile), null when count=0
   totals        finished {stop, length, abort, error}, generated_tokens (cumulative since start)
-  devices       one row per device: id, name, worker (null; under TP/PP the executor's rows carry
-                {rank, tp_rank, pp_stage}), memory_used_bytes, memory_total_bytes, utilization_pct, error
+  devices       one row per device NVML sees: id (NVML's index), name, worker ({rank, tp_rank, pp_stage,
+                cuda_device} of the executor's rank that runs on this GPU, matched by UUID or PCI address; null
+                for a GPU no rank uses), memory_used_bytes, memory_total_bytes, utilization_pct, error,
+                temperature_c, pcie_tx_bytes_per_s, pcie_rx_bytes_per_s
 """
 
 from __future__ import annotations

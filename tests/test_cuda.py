@@ -58,3 +58,19 @@ def test_cuda_half_precision_serves(tiny_model_dir, dtype):
     assert llm.engine.executor.num_device_blocks > 1000  # sized from gpu_memory_utilization
     outs = llm.generate(PROMPTS * 4, greedy())
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+def test_the_gpu_row_the_engine_runs_on_carries_rank_0(tiny_model_dir):
+    """The executor's own description of its GPU matches exactly one of NVML's rows (by UUID or PCI id)."""
+    from serving.gpu_probe import NvmlProbe
+
+    llm = LLM(model=str(tiny_model_dir), device="cuda", num_gpu_blocks_override=64, profile="analytic")
+    (gpu,) = llm.engine.executor.worker_devices()
+    assert gpu.cuda_device == torch.cuda.current_device() and (gpu.uuid or gpu.pci_bus_id)
+    probe = NvmlProbe(llm.engine.executor.worker_devices())
+    if probe.note is not None:
+        pytest.skip(f"NVML unavailable: {probe.note}")
+    labelled = [r for r in probe.rows() if r["worker"] is not None]
+    assert [r["worker"] for r in labelled] == [{"rank": 0, "tp_rank": 0, "pp_stage": 0,
+                                                "cuda_device": gpu.cuda_device}]
+    assert labelled[0]["name"] == torch.cuda.get_device_name(gpu.cuda_device)

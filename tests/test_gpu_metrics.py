@@ -4,6 +4,7 @@ here), and simply none when NVML is missing or sees no GPU."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import types
 
@@ -80,3 +81,40 @@ def test_no_gpu_means_no_gpu_series_and_nothing_fails(engine, monkeypatch, nvml)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     samples, health = scrape(engine)
     assert samples == {} and "gpus" not in health and health["status"] == "ok"
+
+
+def test_worker_ranks_label_the_rows_of_their_gpus(monkeypatch):
+    """Under TP/PP the rows of the GPUs the ranks run on carry their rank: matched by UUID (NVML writes
+    "GPU-..."), else by PCI address, never by index; a GPU no rank uses, and ranks on another host, stay apart.
+    NVML (a stand-in: no GPU here) lists 4 GPUs; the ranks' CUDA numbering differs from NVML's."""
+    from engine.executor.device_identity import WorkerDevice
+    from serving.gpu_probe import NvmlProbe
+
+    uuids = ["GPU-AAAA0000-0000", "GPU-BBBB0000-0000", "GPU-CCCC0000-0000", "GPU-DDDD0000-0000"]
+    nvml = fake_nvml(4)
+    nvml.nvmlDeviceGetUUID = lambda h: uuids[h]
+    nvml.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=f"00000000:{0x18 + h:02X}:00.0".encode())
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    here = socket.gethostname()
+    workers = [  # tp 2 x pp 2; CUDA_VISIBLE_DEVICES=3,1,... renumbered the devices in the workers
+        WorkerDevice(0, 0, 0, here, 0, "NVIDIA H200", "dddd0000-0000", "0000:1b:00"),  # NVML's GPU 3, by UUID
+        WorkerDevice(1, 1, 0, here, 1, "NVIDIA H200", None, "0000:19:00"),  # GPU 1: no UUID from torch, by PCI
+        WorkerDevice(2, 0, 1, here, 2, "NVIDIA H200", "ffff0000-0000", "0000:18:00"),  # a MIG instance of GPU 0
+        WorkerDevice(3, 1, 1, "other-node", 0, "NVIDIA H200", "cccc0000-0000", "0000:1a:00"),  # not this machine
+    ]
+    rows = NvmlProbe(workers).rows()
+    assert [r["worker"] for r in rows] == [
+        {"rank": 2, "tp_rank": 0, "pp_stage": 1, "cuda_device": 2},
+        {"rank": 1, "tp_rank": 1, "pp_stage": 0, "cuda_device": 1},
+        None,  # GPU 2: the other node's rank has its UUID but NVML here sees this machine only
+        {"rank": 0, "tp_rank": 0, "pp_stage": 0, "cuda_device": 0},
+    ]
+    assert NvmlProbe().rows()[3]["worker"] is None  # no executor, no labels
+
+
+def test_bus_ids_and_uuids_compare_in_one_form():
+    from engine.executor.device_identity import normalize_uuid, pci_key, pci_key_of_bus_id
+
+    assert pci_key_of_bus_id(b"00000000:1B:00.0") == pci_key_of_bus_id("0000:1b:00.0") == pci_key(0, 0x1B, 0)
+    assert pci_key_of_bus_id("garbage") is None
+    assert normalize_uuid(b"GPU-5Bd1-77") == normalize_uuid("5bd1-77") == "5bd1-77" and normalize_uuid(None) is None

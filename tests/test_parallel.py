@@ -346,6 +346,10 @@ def test_workers_end_with_the_llm_and_with_a_killed_controller(tiny_model_dir, t
     with LLM(str(tiny_model_dir), tensor_parallel_size=2, num_gpu_blocks_override=64, profile="analytic") as llm:
         pids = list(llm.engine.executor.worker_pids().values())
         assert all(alive(p) for p in pids)
+        gpus = llm.engine.executor.worker_devices()  # what the dashboard labels NVML's rows with
+        on_cuda = llm.engine.executor.device.type == "cuda"
+        assert [(d.rank, d.tp_rank, d.pp_stage, d.cuda_device) for d in gpus] == ([(0, 0, 0, 0), (1, 1, 0, 1)]
+                                                                                   if on_cuda else [])
     assert wait_gone(pids) == []
     # A controller killed with SIGKILL: its workers notice their parent is gone and exit.
     script = tmp_path / "controller.py"

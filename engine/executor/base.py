@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from engine.batch import BatchResult, ModelBatch
+from engine.executor.device_identity import WorkerDevice
 from memory.transfers import TransferBackend
 
 
@@ -49,6 +50,11 @@ class Executor(ABC):
 
     def release(self, job_ids: list[str]) -> None:  # noqa: B027 - executors without per-job state keep nothing
         """Forget per-job state of jobs that finished or were aborted."""
+
+    def worker_devices(self) -> list[WorkerDevice]:
+        """The GPU of each rank that runs on one, by rank (the dashboard labels NVML's rows with them); [] on CPU
+        and in the simulator."""
+        return []
 
     @property
     def error(self) -> str | None:

@@ -16,6 +16,7 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch
 from engine.executor.base import Executor
+from engine.executor.device_identity import WorkerDevice, describe_cuda_device
 from engine.kv_cache import blocks_that_fit
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
@@ -68,6 +69,7 @@ class LocalExecutor(Executor):
         self.num_device_blocks = num_gpu_blocks_override
         self.runner.allocate_kv_cache(self.num_device_blocks)
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
+        self._gpu = describe_cuda_device(0, 0, 0, self.device)  # rank 0 of a 1 x 1 layout; None on CPU
 
     @property
     def model(self):
@@ -76,6 +78,9 @@ class LocalExecutor(Executor):
     @property
     def swapper(self) -> Swapper | None:
         return self.runner.swapper
+
+    def worker_devices(self) -> list[WorkerDevice]:
+        return [self._gpu] if self._gpu is not None else []
 
     def attach_host_tier(self, num_host_blocks: int) -> Swapper:
         return self.runner.attach_host_tier(num_host_blocks)

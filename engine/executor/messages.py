@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.batch import SequenceResult
+from engine.executor.device_identity import WorkerDevice
 from engine.sampling_params import SamplingParams
 from memory.transfers import Direction
 
@@ -55,6 +56,7 @@ class Ready:
     blocks_that_fit: int
     kv_block_bytes: int  # this rank's slice of one block
     device_name: str
+    gpu: WorkerDevice | None = None  # the GPU this rank runs on (None on CPU): the dashboard labels its row
 
 
 @dataclass

@@ -56,6 +56,7 @@ from engine.batch import BatchResult, ModelBatch
 from engine.config import EngineConfig
 from engine.executor import messages as m
 from engine.executor.base import Executor, ExecutorDeadError
+from engine.executor.device_identity import WorkerDevice
 from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
 from engine.model.config import OPTConfig
@@ -213,6 +214,7 @@ class MultiprocExecutor(Executor):
                 ready[msg.rank] = msg
             self._check_started(deadline, "load the model")
         self.kv_block_bytes = max(r.kv_block_bytes for r in ready.values())
+        self._worker_devices = [ready[r].gpu for r in sorted(ready) if ready[r].gpu is not None]
         self.num_device_blocks = config.num_gpu_blocks_override or min(r.blocks_that_fit for r in ready.values())
         self._broadcast(m.AllocateKV(self.num_device_blocks))
         log.info("%d workers (tp %d x pp %d) ready on %s; %d KV blocks per rank", self.world, self.tp, self.pp,
@@ -227,6 +229,10 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"workers did not {doing} within {STARTUP_TIMEOUT_S:.0f} s")
 
     # -- the Executor interface ---------------------------------------------------------------------
+    def worker_devices(self) -> list[WorkerDevice]:
+        """Each CUDA rank's GPU as the rank reported it in its Ready message ([] for CPU workers)."""
+        return list(self._worker_devices)
+
     def attach_host_tier(self, num_host_blocks: int) -> MultiprocExecutor:
         self._broadcast(m.AttachHost(num_host_blocks))
         return self

@@ -41,6 +41,7 @@ import torch
 
 from engine.batch import ModelBatch, SequenceWork
 from engine.executor import messages as m
+from engine.executor.device_identity import describe_cuda_device
 from engine.kv_cache import blocks_that_fit
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
@@ -95,7 +96,8 @@ class Worker:
             peak = self.runner.measure_peak_memory(s.max_num_batched_tokens, s.max_model_len)
             fit = blocks_that_fit(self.runner.kv_block_bytes, self.device, s.gpu_memory_utilization, peak)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return m.Ready(self.rank, fit, self.runner.kv_block_bytes, name)
+        gpu = describe_cuda_device(self.rank, self.layout.tp_rank, self.layout.pp_rank, self.device)
+        return m.Ready(self.rank, fit, self.runner.kv_block_bytes, name, gpu)
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> None:

@@ -189,7 +189,7 @@ function renderDevices(rows) {
   table.replaceChildren(head, ...rows.map((d, i) => {
     const tr = el("tr");
     tr.append(field("td", `now.devices.${i}.id`, "int"), field("td", `now.devices.${i}.name`, "text"),
-              el("td", {}, d.worker ? `rank ${d.worker.rank} (tp ${d.worker.tp_rank}, pp ${d.worker.pp_stage})` : "–"),
+              el("td", {}, d.worker ? `rank ${d.worker.rank} (tp ${d.worker.tp_rank}, pp ${d.worker.pp_stage}, cuda:${d.worker.cuda_device})` : "–"),
               field("td", `now.devices.${i}.memory_used_bytes`, "mib"),
               field("td", `now.devices.${i}.memory_total_bytes`, "mib"),
               field("td", `now.devices.${i}.utilization_pct`, "pct"), field("td", `now.devices.${i}.error`, "text"));
