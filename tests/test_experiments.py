@@ -1,4 +1,5 @@
-"""Helpers of scripts/experiments.py and scripts/bench_sim_vs_live.py on tiny inputs (not the full run)."""
+"""Helpers of scripts/experiments.py (in scripts/experiment_sections/common.py) and scripts/bench_sim_vs_live.py
+on tiny inputs (not the full run)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_sim_vs_live import make_trace  # noqa: E402
-from experiments import KVUsageTracker, clip_trace, throughput_at_slo  # noqa: E402
+from experiment_sections.common import KVUsageTracker, clip_trace, throughput_at_slo  # noqa: E402
 
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
 from memory.kv_manager import blocks_needed  # noqa: E402
@@ -88,3 +89,11 @@ def test_kv_usage_tracker_sums_concurrent_jobs_and_queueing_share(sim_model):
                                      max_num_seqs=1), trace)
     assert one.summary()["queueing_share"] > res.summary()["queueing_share"]
     assert 0.0 <= res.summary()["queueing_share"] < 1.0
+
+
+def test_every_registered_section_has_its_function_and_runs_in_order():
+    from experiment_sections import RUN_FIRST, SECTIONS, run_order, section
+
+    assert all(callable(section(name)) for name in SECTIONS)
+    assert run_order(list(SECTIONS)) == [*RUN_FIRST, *(n for n in SECTIONS if n not in RUN_FIRST)]
+    assert run_order(["live", "fig1", "slo"]) == ["slo", "fig1", "live"]

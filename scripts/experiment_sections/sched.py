@@ -1,5 +1,5 @@
 """Sections of `make experiments` on scheduling past capacity and on the KV
-ranking (scripts/experiments.py registers them; each takes its Ctx):
+ranking (registered in experiment_sections/__init__.py; each takes its Ctx):
 
 - overload: skip-join MLFQ vs FCFS from 0.5x to 2x of capacity, with the
   overload remedies on (the defaults) and with the paper's rules;
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 
-from experiments import MAIN, Ctx, _plt, _save, clip_trace
+from experiment_sections.common import MAIN, Ctx, _plt, _save, clip_trace
 from workload import load_workload
 
 # Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT

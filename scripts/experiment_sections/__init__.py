@@ -1,0 +1,43 @@
+"""The sections of docs/experiments.md (`make experiments`, scripts/experiments.py): one module per section
+or group of sections, each exposing `section_<name>(ctx: Ctx) -> str` (its markdown, from a "## " heading;
+figures go to ctx.figdir). What they share (scales, Ctx, the SLO table, plotting) is in common.py.
+
+Adding a section: write `section_<name>` in a new module here (or in the module of its group), then add one
+line to SECTIONS below, at the place the section goes in the document; its flags, if any, go in
+scripts/experiments.py's parser (read back as ctx.args.<flag>). Modules are imported only when their section runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+# section name -> the module under experiment_sections/ that defines section_<name>; in the document's order.
+SECTIONS: dict[str, str] = {
+    "fig1": "fig1",
+    "fig5": "fig5",
+    "fig8": "fig8",
+    "fig14": "fig14",
+    "fig15": "fig15",
+    "slo": "slo",
+    "overload": "sched",
+    "enst_ablation": "sched",
+    "alpha": "sched",
+    "robustness": "sched",
+    "live_slo": "live_slo",
+    "live": "live",
+}
+# Sections run before the others, whatever their place in the document: the SLO table gives the figures
+# their load scale (common.slo_table caches it, so it is computed once either way).
+RUN_FIRST = ("slo",)
+
+
+def run_order(names: list[str] | tuple[str, ...]) -> list[str]:
+    """`names` in the order they run: RUN_FIRST, then the document's order."""
+    return [n for n in RUN_FIRST if n in names] + [n for n in SECTIONS if n in names and n not in RUN_FIRST]
+
+
+def section(name: str) -> Callable:
+    """The function that writes section `name` (its module is imported now)."""
+    module = importlib.import_module(f"experiment_sections.{SECTIONS[name]}")
+    return getattr(module, f"section_{name}")
