@@ -9,8 +9,8 @@ blocks. A bucket's graph is captured the first time a step of that bucket
 runs, after one eager warm-up run on a side stream, into a memory pool all
 graphs share (they replay one at a time, on one stream, and each graph's
 output stays referenced here, so no capture hands out memory another
-graph's output lives in). If a capture runs out of memory, that bucket runs
-eagerly from then on.
+graph's output lives in). If a capture fails (out of memory, or an attention
+kernel that waits on the host), that bucket runs eagerly from then on.
 
 Steps with a prefill or a chunk of prompt run eagerly (ModelRunner.prepare);
 so does everything when graphs are off: --enforce-eager, on CPU (CUDA graphs
@@ -34,7 +34,7 @@ import torch
 from engine.batch import ModelBatch
 from engine.decode_inputs import DecodeInputs
 from engine.model.opt import OPTStage
-from kernels.paged_attention import AttentionMetadata
+from kernels.paged_attention import AttentionMetadata, Workspace
 
 log = logging.getLogger("fastserve.cuda_graphs")
 
@@ -51,8 +51,9 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, model: OPTStage, kv_cache: Callable[[], torch.Tensor], buffers: DecodeInputs,
-                 capture: bool) -> None:
+                 capture: bool, workspace: Workspace | None = None) -> None:
         self.model, self._kv_cache, self.buffers, self.capture = model, kv_cache, buffers, capture
+        self._workspace = None if capture else workspace  # eager runs reuse the runner's gather buffers
         self._graphs: dict[tuple[int, int], _Captured | None] = {}  # bucket -> its graph; None: runs eagerly
         self._pool = None  # the memory pool every graph allocates from
 
@@ -82,10 +83,13 @@ class DecodeGraphs:
         captured.graph.replay()
         return captured.output[:num_seqs]
 
+    def metadata(self, bucket: tuple[int, int]) -> AttentionMetadata:
+        return self._inputs(bucket)[2]
+
     def _inputs(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         b, width = bucket
         x = self.buffers.token_ids(b) if self.model.is_first else self.buffers.hidden[:b]  # [B] or [B, E]
-        return x, self.buffers.positions(b), self.buffers.metadata(b, width)
+        return x, self.buffers.positions(b), self.buffers.metadata(b, width, self._workspace)
 
     def _eager(self, bucket: tuple[int, int]) -> torch.Tensor:  # [B, E]
         x, positions, meta = self._inputs(bucket)
@@ -104,9 +108,9 @@ class DecodeGraphs:
             # thread_local: the engine thread may queue swap copies on its copy streams meanwhile
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 output = self.model(x, positions, kv, meta)
-        except torch.cuda.OutOfMemoryError:
-            log.warning("no memory to capture the decode graph of batch %d x %d blocks; that bucket runs eagerly",
-                        *bucket)
+        except RuntimeError as e:  # out of memory, or a kernel that cannot be captured (a host sync)
+            log.warning("cannot capture the decode graph of batch %d x %d blocks (%s); that bucket runs eagerly",
+                        *bucket, str(e).splitlines()[0] if str(e) else type(e).__name__)
             torch.cuda.empty_cache()
             return None
         if self._pool is None:

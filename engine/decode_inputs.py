@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from engine.batch import ModelBatch
-from kernels.paged_attention import AttentionMetadata
+from kernels.paged_attention import AttentionMetadata, Workspace
 
 _IDS, _POSITIONS, _SLOT_BLOCKS, _SLOT_OFFSETS, _CONTEXT_LENS = range(5)  # rows of the [5, B] integer inputs
 
@@ -133,8 +133,9 @@ class DecodeInputs:
     def fill_hidden(self, hidden: torch.Tensor) -> None:  # [S, E] from the previous stage
         self.hidden[: hidden.shape[0]].copy_(hidden)
 
-    def metadata(self, bucket: int, width: int) -> AttentionMetadata:
-        """Views of the buffers for one bucket: the same addresses every step of that bucket."""
+    def metadata(self, bucket: int, width: int, workspace: Workspace | None = None) -> AttentionMetadata:
+        """Views of the buffers for one bucket: the same addresses every step of that bucket. No workspace
+        under capture: a graph allocates its gathers from its own memory pool."""
         return AttentionMetadata(
             slot_blocks=self.ints[_SLOT_BLOCKS, :bucket],
             slot_offsets=self.ints[_SLOT_OFFSETS, :bucket],
@@ -143,7 +144,7 @@ class DecodeInputs:
             decode_block_tables=self.block_tables[:bucket, :width],
             decode_context_lens=self.ints[_CONTEXT_LENS, :bucket],
             partial=[],
-            workspace=None,  # a graph allocates its gathers from its own memory pool
+            workspace=workspace,
         )
 
     def token_ids(self, bucket: int) -> torch.Tensor:  # [bucket] long

@@ -91,7 +91,7 @@ class ModelRunner:
         buffers = DecodeInputs(max_num_seqs, max_model_len, self.block_size, self.scratch_block,
                                self.model.cfg.hidden_size, self.dtype, self.device,
                                hidden_input=not self.model.is_first)
-        self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture)
+        self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
 
     def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
         """The host tier (pinned on CUDA) and the Swapper that moves this rank's block slices to and from it."""
@@ -171,6 +171,10 @@ class ModelRunner:
                                                              seq.params.prompt_logprobs)
         return results
 
+    def stop_decode_graphs(self) -> None:
+        """Every step eager again (benchmarks compare the two on the same batches)."""
+        self.decode_graphs, self._decode_settings = None, None
+
     def prepare(self, batch: ModelBatch) -> StepInputs:
         """The step's inputs: in the persistent decode buffers when it is decode-only and they are in use,
         else built for it (prepare_eager)."""
@@ -180,7 +184,7 @@ class ModelRunner:
         bucket = graphs.prepare(batch)
         b, width = bucket
         buffers = graphs.buffers
-        return StepInputs(buffers.token_ids(b), buffers.positions(b), buffers.metadata(b, width),
+        return StepInputs(buffers.token_ids(b), buffers.positions(b), graphs.metadata(bucket),
                           buffers.rows[: len(batch.seqs)], {}, decode_bucket=bucket)
 
     def prepare_eager(self, batch: ModelBatch) -> StepInputs:
