@@ -238,6 +238,20 @@ def bench_swap(runner: ModelRunner, jobs: int, blocks_per_job: int, repeat: int)
     return r
 
 
+def goals(results: dict) -> list[str]:
+    """The issue's targets, met or not, from this run's ratios."""
+    out = []
+    for r in results["decode"]:
+        if r["batch"] == 1 and r["mode"] in ("graphs", "eager"):
+            out.append(f"decode batch 1, {r['backend']} {r['mode']}: {r['vs_floor']:.2f}x the floor (goal <= 1.3x): "
+                       + ("met" if r["vs_floor"] <= 1.3 else "not met"))
+    for key in ("offload_contiguous", "upload_contiguous", "offload_fragmented", "upload_fragmented"):
+        frac = results["swap"][f"{key}_vs_memcpy"]
+        out.append(f"swap {key.replace('_', ' ')}: {frac:.0%} of one memcpy (goal >= 80%): "
+                   + ("met" if frac >= 0.8 else "not met"))
+    return out
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 def build_runner(shape: str, device: torch.device, dtype: torch.dtype, block_size: int, tmp: Path) -> ModelRunner:
     model_dir = write_opt_checkpoint(tmp / shape, opt_config(**OPT_SHAPES[shape]), weight_format="none")
@@ -291,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = runner.model.cfg.max_position_embeddings
 
     bw = copy_bandwidth(dev, (2 << 30) if cuda else (256 << 20), repeat)
+    if cuda:
+        torch.cuda.empty_cache()  # the copy's buffers: mem_get_info counts cached memory as used
     results["copy_bandwidth_gb_s"] = bw / 1e9
     print(f"\n## device-to-device copy: {bw / 1e9:.1f} GB/s (read + write)", flush=True)
 
@@ -314,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     results["swap"] = bench_swap(runner, s_jobs, s_blocks, repeat)
 
+    results["goals"] = goals(results)
+    print("\n## goals")
+    for line in results["goals"]:
+        print(line)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
