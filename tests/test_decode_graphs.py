@@ -11,8 +11,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.batch import ModelBatch, SequenceWork
+from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, graphs_wanted
 from engine.decode_inputs import DecodeInputs, block_table_widths, decode_batch_sizes
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelLayout, TensorParallelGroup
 
 PROMPTS = [[2, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100], [2, 7], [2] + list(range(100, 140)), [2, 5, 9],
            [2, 300, 301, 302, 303]]
@@ -71,6 +76,49 @@ def test_padded_decode_on_cpu_gives_the_eager_outputs_and_writes_padding_to_scra
     assert b[128].abs().sum() > 0 and a[128].abs().sum() == 0  # the padding rows wrote there, and only there
 
 
+def _two_stages(model_dir, padded: bool) -> list[ModelRunner]:
+    cfg = OPTConfig.from_model_dir(model_dir)
+    runners = []
+    for rank in (0, 1):
+        stage = load_model_stage(model_dir, cfg, TensorParallelGroup(ParallelLayout(1, 2, 0, rank)), "float32", "cpu")
+        runner = ModelRunner(stage, torch.device("cpu"), torch.float32, block_size=4)
+        runner.allocate_kv_cache(32)
+        if padded:
+            runner.use_decode_graphs(max_num_seqs=8, max_model_len=64, capture=False)
+        runners.append(runner)
+    return runners
+
+
+def _pipeline_step(runners: list[ModelRunner], batch: ModelBatch) -> tuple[list[int], torch.Tensor]:
+    first, last = runners
+    inputs = first.prepare(batch)
+    hidden = first.forward(inputs)
+    assert hidden.shape[0] == inputs.num_tokens == batch.num_tokens  # what goes to the next stage: no padding
+    inputs = last.prepare(batch)
+    hidden = last.forward(inputs, hidden)
+    return [r.token_id for r in last.sample(hidden, inputs, batch)], hidden
+
+
+def test_padded_decode_on_a_later_pipeline_stage_takes_the_hidden_states_in(tiny_model_dir):
+    eager, padded = _two_stages(tiny_model_dir, False), _two_stages(tiny_model_dir, True)
+    prompts = [[2, 10, 20, 30, 40], [2, 7], [2, 50, 60]]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0)
+    seqs = [SequenceWork(f"j{i}", p, 0, tables[i], greedy, None, 0) for i, p in enumerate(prompts)]
+    want, _ = _pipeline_step(eager, ModelBatch(seqs, None))
+    got, _ = _pipeline_step(padded, ModelBatch(seqs, None))
+    assert got == want
+    contexts = [len(p) for p in prompts]
+    for _ in range(4):  # decode: 3 sequences padded to 4 rows on both stages
+        seqs = [SequenceWork(f"j{i}", [want[i]], contexts[i], tables[i], greedy, None, 1) for i in range(3)]
+        want, h_eager = _pipeline_step(eager, ModelBatch(seqs, None))
+        got, h_padded = _pipeline_step(padded, ModelBatch(seqs, None))
+        assert got == want
+        torch.testing.assert_close(h_padded, h_eager, rtol=1e-5, atol=1e-5)
+        contexts = [c + 1 for c in contexts]
+    assert padded[1].prepare(ModelBatch(seqs, None)).decode_bucket == (4, 4)
+
+
 def test_graphs_are_off_on_cpu_and_with_enforce_eager():
     assert not graphs_wanted(False, torch.device("cpu"))
     assert not graphs_wanted(True, torch.device("cuda"))
@@ -83,17 +131,29 @@ def test_graphs_are_off_on_cpu_and_with_enforce_eager():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+# The attention backends of this tree (--attention-backend arrives with the Triton kernels; until then, the one).
+BACKENDS = ["torch", "triton"] if "attention_backend" in EngineConfig.field_names() else [None]
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_model_dir, dtype):
+def test_cuda_graphs_give_the_eager_greedy_outputs_with_every_backend(tiny_model_dir, dtype):
     kw = dict(model=str(tiny_model_dir), device="cuda", dtype=dtype, block_size=4, num_gpu_blocks_override=256,
               profile="analytic", max_num_seqs=16)
-    graphs = LLM(**kw)
-    eager = LLM(**kw, enforce_eager=True)
-    assert eager.engine.executor.runner.decode_graphs is None
-    assert _generate(graphs) == _generate(eager)
-    assert graphs.engine.executor.runner.decode_graphs.num_captured >= 3  # 8, 4, 2, 1 rows at least
+    reference = None
+    for backend in BACKENDS:
+        extra = {} if backend is None else {"attention_backend": backend}
+        graphs = LLM(**kw, **extra)
+        eager = LLM(**kw, **extra, enforce_eager=True)
+        assert eager.engine.executor.runner.decode_graphs is None
+        with_graphs = _generate(graphs)
+        assert with_graphs == _generate(eager), backend
+        assert graphs.engine.executor.runner.decode_graphs.num_captured >= 3  # 8, 4, 2, 1 rows at least
+        reference = reference or with_graphs
+        assert with_graphs == reference, backend  # and the backends agree
+        graphs.close()
+        eager.close()
 
 
 @pytest.mark.cuda
