@@ -88,10 +88,12 @@ class DecodeInputs:
         return self.batch_sizes[-1]
 
     def accepts(self, batch: ModelBatch) -> bool:
-        """Decode only: every sequence computes one token after a cached prefix, asks for no prompt logprobs,
-        and the batch fits the largest bucket."""
+        """Decode only: every sequence computes one token after a cached prefix (within max_model_len), asks
+        for no prompt logprobs, and the batch fits the largest bucket."""
+        limit = self.max_blocks * self.block_size  # positions the block tables can hold
         return (0 < len(batch.seqs) <= self.max_num_seqs and
-                all(len(s.token_ids) == 1 and s.start_pos > 0 and not s.want_prompt_logprobs for s in batch.seqs))
+                all(len(s.token_ids) == 1 and 0 < s.start_pos < limit and not s.want_prompt_logprobs
+                    for s in batch.seqs))
 
     def bucket_of(self, batch: ModelBatch) -> tuple[int, int]:
         """(padded batch size, padded block-table width) of a batch this accepts."""
