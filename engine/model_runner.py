@@ -182,8 +182,7 @@ class ModelRunner:
         if graphs is None or not graphs.accepts(batch):
             return self.prepare_eager(batch)
         bucket = graphs.prepare(batch)
-        b, width = bucket
-        buffers = graphs.buffers
+        b, buffers = bucket[0], graphs.buffers
         return StepInputs(buffers.token_ids(b), buffers.positions(b), graphs.metadata(bucket),
                           buffers.rows[: len(batch.seqs)], {}, decode_bucket=bucket)
 
