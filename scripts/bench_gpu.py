@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if args.device == "auto" else args.device))
     cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: --device cuda, but torch sees no CUDA device (run without --device for the "
+                         "CPU parts)")
     shape = args.shape or ("opt-13b" if cuda else "opt-125m")
     dtype = getattr(torch, args.dtype or ("float16" if cuda else "float32"))
     batches = [int(b) for b in (args.batches or ("1,32,256" if cuda else "1,8,32")).split(",")]
