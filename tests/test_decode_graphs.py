@@ -126,6 +126,14 @@ def test_graphs_are_off_on_cpu_and_with_enforce_eager():
     assert graphs_wanted(False, torch.device("cuda"))
     llm = LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic")
     assert llm.engine.executor.runner.decode_graphs is None
+    assert LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic",
+               enforce_eager=True).engine.config.enforce_eager
+    # The server's switch (vLLM's flag): off by default, on when given.
+    import server
+
+    assert server.build_parser().parse_args([]).enforce_eager is False
+    args = server.build_parser().parse_args(["--enforce-eager"])
+    assert server._configs(args)[0].enforce_eager is True
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
