@@ -22,7 +22,9 @@ the same run on the same device:
    GEMM is the model's fc1 shape, tokens x E x F, timed and scaled);
 4. swaps: a batched offload and upload of many jobs' blocks through the
    Swapper (copy streams, pinned host tier) / one pinned memcpy of the same
-   bytes; goal at least 80%.
+   bytes; goal at least 80%;
+5. (CUDA) sampling a mixed batch on the device / copying the logits to the
+   host and sampling there (the path it replaced).
 
 On CPU, CUDA graphs and Triton do not run: the decode rows compare the
 padded persistent-buffer path (what a graph replays) with the eager one,
@@ -255,6 +257,27 @@ def goals(results: dict) -> list[str]:
     return out
 
 
+# -- 5. sampling -------------------------------------------------------------------------------------------------
+def bench_sampling(runner: ModelRunner, batch: int, repeat: int) -> dict:
+    """The sampler where the logits are vs the host path it replaced (all logits copied to the host, sampled
+    there by the same code): a mixed batch, half greedy, half top-p at temperature 0.8, some asking logprobs."""
+    from engine.sampler import Sampler
+
+    dev, vocab = runner.device, runner.model.cfg.vocab_size
+    logits = torch.randn(batch, vocab, device=dev) * 4  # float32, as compute_logits returns them
+    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=0.8, top_p=0.9, logprobs=5 if i % 16 == 1 else None)
+              for i in range(batch)]
+    seqs = [SequenceWork(f"s{i}", [0], 1, [0], p, None, 1) for i, p in enumerate(params)]
+    sampler = Sampler(seed=0)
+    on_device = median_time(lambda: sampler(logits, seqs, None), dev, repeat)
+    on_host = median_time(lambda: sampler(logits.cpu(), seqs, None), dev, repeat)
+    r = {"batch": batch, "vocab": vocab, "device_ms": on_device * 1e3, "host_ms": on_host * 1e3,
+         "host_vs_device": on_host / on_device}
+    print(f"sampling batch {batch} x {vocab}: on the device {r['device_ms']:.2f} ms   logits to the host and sampled "
+          f"there {r['host_ms']:.2f} ms   ({r['host_vs_device']:.2f}x)", flush=True)
+    return r
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 def build_runner(shape: str, device: torch.device, dtype: torch.dtype, block_size: int, tmp: Path) -> ModelRunner:
     model_dir = write_opt_checkpoint(tmp / shape, opt_config(**OPT_SHAPES[shape]), weight_format="none")
@@ -335,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## swaps vs one memcpy of the same bytes" + ("" if cuda else " (CPU: copy threads, unpinned)"),
           flush=True)
     results["swap"] = bench_swap(runner, s_jobs, s_blocks, repeat)
+
+    if cuda:
+        print("\n## sampling on the device vs on the host", flush=True)
+        results["sampling"] = bench_sampling(runner, max(batches), repeat)
 
     results["goals"] = goals(results)
     print("\n## goals")
