@@ -453,6 +453,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                       "device caches; 'none' = no limit (the paper)", None),
     "profile": ("'analytic' or a job-profile JSON (default: a stored matching profile, else measured)", None),
     "max_queued_requests": ("most requests waiting to start; beyond, 503 + Retry-After (default: no limit)", None),
+    "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "
+                      "CUDA, with one tensor-parallel rank; on CPU every step is eager anyway)", None),
 }
 
 
@@ -484,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         doc, choices = ENGINE_HELP.get(f.name, (f"engine setting {f.name} (see engine/config.py)", None))
+        if hints[f.name] is bool:  # a switch: --enforce-eager
+            p.add_argument("--" + f.name.replace("_", "-"), help=doc, action="store_true", default=f.default)
+            continue
         flag("--" + f.name.replace("_", "-"), doc, type=_flag_type(hints[f.name]), default=f.default,
              choices=choices)
     srv = ServerConfig()

@@ -53,6 +53,9 @@ class EngineConfig:
     # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour).
     kv_overcommit: float | None = 2.0
     profile: str | None = None  # a job-profile JSON (scripts/profile_model.py)
+    # Decode steps replay CUDA graphs captured per batch bucket (engine/cuda_graphs.py) unless this is set;
+    # on CPU, and on tensor-parallel workers, they always run eagerly.
+    enforce_eager: bool = False
     max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:

@@ -14,6 +14,8 @@ min_p filters the tempered distribution (before top-k and top-p).
 Logprobs are not affected: the sampler reports the raw model distribution,
 as vLLM does by default (its "raw_logprobs" mode).
 
+Every function runs on the device of the logits it is given.
+
 What this is not: the draw (engine/sampler.py). Every function leaves rows of
 sequences that do not use it untouched and returns its input when no row does.
 
@@ -38,7 +40,9 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Te
     if not rows:
         return logits
     logits = logits.clone()
-    logits[rows, cols] += torch.tensor(values, dtype=logits.dtype)
+    dev = logits.device
+    logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] += torch.tensor(
+        values, dtype=logits.dtype, device=dev)
     return logits
 
 
@@ -47,15 +51,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Ten
     if not wanted:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[1]
+    vocab, dev = logits.shape[1], logits.device
     for i in wanted:
         s, row = seqs[i], logits[i]  # row: [V], a view
-        out_ids = torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long)
+        out_ids = torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long, device=dev)
         counts = torch.bincount(out_ids, minlength=vocab).to(logits.dtype)  # [V]
         p = s.params
         if p.repetition_penalty != 1.0:
             seen = counts > 0  # [V]
-            seen[torch.tensor([t for t in s.prompt_token_ids if t < vocab], dtype=torch.long)] = True
+            seen[torch.tensor([t for t in s.prompt_token_ids if t < vocab], dtype=torch.long, device=dev)] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, scaled, row))
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -67,5 +71,6 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:  # [R
     if not any(min_p):
         return logits
     probs = logits.softmax(dim=-1)  # [R, V]
-    threshold = torch.tensor(min_p, dtype=probs.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values  # [R, 1]
+    scale = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]  # [R, 1]
+    threshold = scale * probs.max(dim=-1, keepdim=True).values  # [R, 1]
     return logits.masked_fill(probs < threshold, float("-inf"))

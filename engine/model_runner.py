@@ -9,6 +9,11 @@ the same way:
     hidden = runner.forward(inputs, hidden)  # this stage's layers (hidden=None on the first stage)
     results = runner.sample(hidden, inputs, batch)   # last stage only: logits -> tokens
 
+Decode-only steps go through persistent buffers padded to a bucket and, on
+CUDA, replay a captured graph (use_decode_graphs; engine/cuda_graphs.py);
+other steps run eagerly on inputs built for them. The KV cache has one
+scratch block past the KV manager's ids, where padding rows write.
+
 What it is not: the transport between stages or ranks (the worker's job) or
 the choice of jobs (scheduler/).
 """
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ModelBatch, SequenceResult, SequenceWork
+from engine.cuda_graphs import DecodeGraphs
+from engine.decode_inputs import DecodeInputs
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
 from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
@@ -37,10 +44,14 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] long: the row of each sequence's last token
     prompt_rows: dict[int, torch.Tensor]  # sequence index -> [P] rows of its prompt (prompt logprobs)
+    # A decode-only step in the persistent buffers: its (batch, block-table width) bucket; token_ids, positions
+    # and meta are then views padded to the bucket. None: an eager step, no padding.
+    decode_bucket: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return self.token_ids.shape[0]
+        """Tokens of the batch (without padding): the rows of the hidden states between stages."""
+        return self.sample_rows.shape[0] if self.decode_bucket is not None else self.token_ids.shape[0]
 
 
 class ModelRunner:
@@ -52,6 +63,8 @@ class ModelRunner:
         self.swapper: Swapper | None = None
         self.sampler = Sampler(seed)
         self.workspace = Workspace()
+        self.decode_graphs: DecodeGraphs | None = None
+        self._decode_settings: tuple[int, int, bool] | None = None  # (max_num_seqs, max_model_len, capture)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -59,8 +72,26 @@ class ModelRunner:
         return kv_block_bytes(self.model.cfg, self.layout, self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = allocate_kv_cache(num_blocks, self.model.cfg, self.layout, self.block_size, self.dtype,
+        """Blocks 0 .. num_blocks - 1 for the KV manager, and the scratch block num_blocks (padding rows)."""
+        self.kv_cache = allocate_kv_cache(num_blocks + 1, self.model.cfg, self.layout, self.block_size, self.dtype,
                                           self.device)
+        if self._decode_settings is not None:  # graphs captured over the old cache would write into freed memory
+            self.use_decode_graphs(*self._decode_settings)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.kv_cache.shape[0] - 1
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run decode-only steps of up to max_num_seqs sequences through persistent input buffers padded to
+        buckets; with capture (CUDA only), as CUDA graphs captured per bucket. Call after allocate_kv_cache."""
+        if capture and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; on CPU use capture=False (the padded path alone)")
+        self._decode_settings = (max_num_seqs, max_model_len, capture)
+        buffers = DecodeInputs(max_num_seqs, max_model_len, self.block_size, self.scratch_block,
+                               self.model.cfg.hidden_size, self.dtype, self.device,
+                               hidden_input=not self.model.is_first)
+        self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
 
     def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
         """The host tier (pinned on CUDA) and the Swapper that moves this rank's block slices to and from it."""
@@ -98,7 +129,7 @@ class ModelRunner:
         saved, self.kv_cache = self.kv_cache, allocate_kv_cache(next_block, self.model.cfg, self.layout, bs,
                                                                  self.dtype, self.device)
         try:
-            inputs = self.prepare(batch)
+            inputs = self.prepare_eager(batch)
             hidden = None
             if not self.model.is_first:
                 hidden = torch.zeros(inputs.num_tokens, self.model.cfg.hidden_size, dtype=self.dtype,
@@ -120,8 +151,12 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
     def forward(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's layers: token ids (first stage) or the previous stage's hidden [T, E] -> [T, E]."""
-        x = inputs.token_ids if self.model.is_first else hidden
         with torch.inference_mode():
+            if inputs.decode_bucket is not None:
+                out = self.decode_graphs.forward(inputs.decode_bucket, inputs.num_tokens, hidden)
+                # a view the next replay rewrites: a copy for the next stage, whose send may still be pending
+                return out if self.model.is_last else out.clone()
+            x = inputs.token_ids if self.model.is_first else hidden
             return self.model(x, inputs.positions, self.kv_cache, inputs.meta)
 
     def sample(self, hidden: torch.Tensor, inputs: StepInputs, batch: ModelBatch) -> list[SequenceResult]:
@@ -136,7 +171,22 @@ class ModelRunner:
                                                              seq.params.prompt_logprobs)
         return results
 
+    def stop_decode_graphs(self) -> None:
+        """Every step eager again (benchmarks compare the two on the same batches)."""
+        self.decode_graphs, self._decode_settings = None, None
+
     def prepare(self, batch: ModelBatch) -> StepInputs:
+        """The step's inputs: in the persistent decode buffers when it is decode-only and they are in use,
+        else built for it (prepare_eager)."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.accepts(batch):
+            return self.prepare_eager(batch)
+        bucket = graphs.prepare(batch)
+        b, buffers = bucket[0], graphs.buffers
+        return StepInputs(buffers.token_ids(b), buffers.positions(b), graphs.metadata(bucket),
+                          buffers.rows[: len(batch.seqs)], {}, decode_bucket=bucket)
+
+    def prepare_eager(self, batch: ModelBatch) -> StepInputs:
         """Flatten the batch: every sequence's new tokens concatenated (no padding), their positions,
         the attention metadata from the block tables, and the rows to sample from."""
         bs = self.block_size

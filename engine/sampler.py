@@ -1,4 +1,4 @@
-"""Sampler: next tokens from logits, per sequence.
+"""Sampler: next tokens from logits, per sequence, on the device the logits are on.
 
 logit_bias and the repetition/frequency/presence penalties first
 (engine/logits_processors.py), then greedy (temperature 0 or top_k 1), or
@@ -8,10 +8,22 @@ draw from the engine's generator (seeded by --seed). min_tokens masks EOS and
 stop_token_ids until enough tokens exist. Logprobs are of the model's raw
 distribution (log_softmax of the logits), as vLLM reports them.
 
-Legend: S sequences, V vocab.
+Everything runs where the logits are (CPU, or the GPU that computed them):
+only the sampled ids, and the logprobs a request asked for (the sampled
+token's and the top-k alternatives'), cross to the host. A seeded sequence's
+generator is a host torch.Generator (the engine or a worker makes it from the
+seed); on another device the sampler keeps a twin on that device, seeded from
+the same seed, for as long as the host generator lives. On CPU the draws are
+the very ones the host sampler made before (tests/test_device_sampler.py
+keeps that sampler as the reference).
+
+Legend: S sequences, V vocab, R rows being sampled, W rows asking for logprobs.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -19,32 +31,73 @@ from engine.batch import SequenceResult, SequenceWork
 from engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
 
 
-def _top_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> dict[int, float]:
-    out = {token: float(logprobs_row[token])}
-    if k > 0:
-        vals, ids = logprobs_row.topk(k)
-        for v, i in zip(vals.tolist(), ids.tolist()):
+@dataclass
+class _HostLogprobs:
+    """Per-row logprobs moved to the host: of one chosen token and of the row's top k (k = the most any row
+    asked for; each row keeps its own first k)."""
+
+    chosen: list[float]  # [W]
+    top_values: list[list[float]]  # [W][k]
+    top_ids: list[list[int]]  # [W][k]
+
+    def as_dict(self, row: int, token: int, k: int) -> dict[int, float]:
+        """{token: its logprob, then the top-k ids: theirs}, the sampled (or prompt) token first."""
+        out = {token: self.chosen[row]}
+        for v, i in zip(self.top_values[row][:k], self.top_ids[row][:k]):
             out.setdefault(i, v)
-    return out
+        return out
+
+
+def _logprobs_to_host(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> _HostLogprobs:
+    """logprobs [W, V] and chosen [W] long (on the device) -> the chosen tokens' values and the top k per row."""
+    chosen_values = logprobs.gather(1, chosen[:, None])[:, 0]  # [W]
+    if k > 0:
+        values, ids = logprobs.topk(k, dim=-1)  # [W, k] each, largest first
+        return _HostLogprobs(chosen_values.tolist(), values.tolist(), ids.tolist())
+    return _HostLogprobs(chosen_values.tolist(), [[] for _ in range(chosen.shape[0])], [[] for _ in range(
+        chosen.shape[0])])
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)  # the engine's, on CPU
+        self._engine_generators: dict[torch.device, torch.Generator] = {}  # the engine's, on other devices
+        # host generator of a seeded sequence -> its twin on a device; dropped with the sequence's generator
+        self._twins: weakref.WeakKeyDictionary[torch.Generator, torch.Generator] = weakref.WeakKeyDictionary()
+
+    def _generator(self, seq: SequenceWork, device: torch.device) -> torch.Generator:
+        """The generator a row draws from, on `device`."""
+        if device.type == "cpu":
+            return seq.generator or self.generator
+        if seq.generator is None:
+            gen = self._engine_generators.get(device)
+            if gen is None:
+                gen = self._engine_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            return gen
+        twin = self._twins.get(seq.generator)
+        if twin is None:
+            twin = self._twins[seq.generator] = torch.Generator(device=device).manual_seed(
+                seq.generator.initial_seed())
+        return twin
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[SequenceWork], eos_token_id: int | None
-    ) -> list[SequenceResult]:  # logits [S, V] float32
-        logits = logits.float().cpu()
+    ) -> list[SequenceResult]:  # logits [S, V], on any device
+        logits = logits.float()
         masked = self._mask_min_tokens(logits, seqs, eos_token_id)
         adjusted = apply_penalties(apply_logit_bias(masked, seqs), seqs)
-        tokens = self._sample(adjusted, seqs)
-        results = [SequenceResult(t) for t in tokens]
+        tokens = self._sample(adjusted, seqs)  # [S] long, on the device
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        host_lp = None
         if wanted:
-            logprobs = torch.log_softmax(logits[wanted], dim=-1)  # [W, V], the raw model distribution
-            for row, i in enumerate(wanted):
-                results[i].logprobs = _top_logprobs(logprobs[row], tokens[i], seqs[i].params.logprobs)
+            rows = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+            logprobs = torch.log_softmax(logits[rows], dim=-1)  # [W, V], the raw model distribution
+            host_lp = _logprobs_to_host(logprobs, tokens[rows], max(seqs[i].params.logprobs for i in wanted))
+        token_ids = tokens.tolist()  # [S]: the step's one wait on the device
+        results = [SequenceResult(t) for t in token_ids]
+        for row, i in enumerate(wanted):
+            results[i].logprobs = host_lp.as_dict(row, token_ids[i], seqs[i].params.logprobs)
         return results
 
     @staticmethod
@@ -60,43 +113,58 @@ class Sampler:
                 cols += banned
         if rows:
             logits = logits.clone()
-            logits[rows, cols] = float("-inf")
+            dev = logits.device
+            logits[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, seqs: list[SequenceWork]) -> list[int]:
-        greedy = logits.argmax(dim=-1).tolist()
+    def _sample(self, logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:  # [S, V] -> [S] long
+        greedy = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:
             return greedy
-        idx = torch.tensor(random_rows)
+        dev = logits.device
+        idx = torch.tensor(random_rows, dtype=torch.long, device=dev)
         rows = logits[idx]  # [R, V]
-        temp = torch.tensor([seqs[i].params.temperature for i in random_rows])[:, None]
+        temp = torch.tensor([seqs[i].params.temperature for i in random_rows], dtype=rows.dtype, device=dev)[:, None]
         probs = self._filter(rows / temp, [seqs[i].params for i in random_rows]).softmax(dim=-1)
+        noise = self._exponential_noise(probs, [seqs[i] for i in random_rows])
         # Exponential race (Gumbel-max in probability space): argmax(p / q), q ~ Exp(1).
+        drawn = (probs / noise).argmax(dim=-1)  # [R]
+        return greedy.index_copy(0, idx, drawn)
+
+    def _exponential_noise(self, probs: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:
+        """Exp(1) noise [R, V]: a seeded row from its own generator; the other rows in one draw, in row order,
+        from the engine's generator (on CPU the same numbers as one draw per row)."""
         noise = torch.empty_like(probs)
-        for r, i in enumerate(random_rows):
-            noise[r].exponential_(generator=seqs[i].generator or self.generator)
-        drawn = (probs / noise).argmax(dim=-1).tolist()
-        for r, i in enumerate(random_rows):
-            greedy[i] = drawn[r]
-        return greedy
+        shared = [r for r, s in enumerate(seqs) if s.generator is None]
+        for r, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[r].exponential_(generator=self._generator(s, probs.device))
+        if len(shared) == len(seqs):
+            return noise.exponential_(generator=self._generator(seqs[0], probs.device))
+        if shared:
+            draw = torch.empty((len(shared), probs.shape[1]), dtype=probs.dtype, device=probs.device)
+            draw.exponential_(generator=self._generator(seqs[shared[0]], probs.device))
+            noise[torch.tensor(shared, dtype=torch.long, device=probs.device)] = draw
+        return noise
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list) -> torch.Tensor:
         """min_p, top-k then top-p per row: [R, V] -> [R, V] with dropped tokens at -inf."""
         logits = apply_min_p(logits, [p.min_p for p in params])
-        ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        vocab, dev = logits.shape[1], logits.device
+        ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         ps = [p.top_p for p in params]
-        if all(k >= logits.shape[1] for k in ks) and all(p >= 1.0 for p in ps):
+        if all(k >= vocab for k in ks) and all(p >= 1.0 for p in ps):
             return logits
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V]
-        rank = torch.arange(logits.shape[1])[None, :]
-        drop = rank >= torch.tensor(ks)[:, None]
+        rank = torch.arange(vocab, device=dev)[None, :]
+        drop = rank >= torch.tensor(ks, device=dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= torch.tensor(ps)[:, None]
+        drop = mass_before >= torch.tensor(ps, dtype=probs.dtype, device=dev)[:, None]
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
@@ -104,10 +172,15 @@ class Sampler:
 
 def prompt_logprobs(
     logits: torch.Tensor, prompt_ids: list[int], k: int
-) -> list[dict[int, float] | None]:  # logits [P, V] at prompt positions 0..P-1
-    """Logprob of each prompt token given the tokens before it (None for the first)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+) -> list[dict[int, float] | None]:  # logits [P, V] at prompt positions 0..P-1, on any device
+    """Logprob of each prompt token given the tokens before it (None for the first); computed where the logits
+    are, only the values asked for moved to the host."""
     out: list[dict[int, float] | None] = [None]
-    for pos in range(1, len(prompt_ids)):
-        out.append(_top_logprobs(lp[pos - 1], prompt_ids[pos], k))
+    if len(prompt_ids) < 2:
+        return out
+    lp = torch.log_softmax(logits[: len(prompt_ids) - 1].float(), dim=-1)  # [P-1, V]: row p predicts token p+1
+    targets = torch.tensor(prompt_ids[1:], dtype=torch.long, device=lp.device)
+    host = _logprobs_to_host(lp, targets, k)
+    for row, token in enumerate(prompt_ids[1:]):
+        out.append(host.as_dict(row, token, k))
     return out

@@ -1,6 +1,7 @@
 """LocalExecutor: the whole model in this process (tp = pp = 1), on CPU or one GPU.
 
-Owns one ModelRunner (model, device KV cache, sampler). A step runs on the
+Owns one ModelRunner (model, device KV cache, sampler; on CUDA, unless
+--enforce-eager, CUDA graphs of decode steps). A step runs on the
 executor's own thread, so submit() returns at once and the event loop never
 waits on compute (torch releases the GIL; on CUDA the thread waits for the
 step's results).
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.batch import BatchResult, ModelBatch
+from engine.cuda_graphs import graphs_wanted
 from engine.executor.base import Executor
 from engine.executor.device_identity import WorkerDevice, describe_cuda_device
 from engine.kv_cache import blocks_that_fit
@@ -54,6 +56,8 @@ class LocalExecutor(Executor):
         max_model_len: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        max_num_seqs: int = 256,
+        enforce_eager: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -68,6 +72,9 @@ class LocalExecutor(Executor):
             num_gpu_blocks_override = blocks_that_fit(self.kv_block_bytes, self.device, gpu_memory_utilization, peak)
         self.num_device_blocks = num_gpu_blocks_override
         self.runner.allocate_kv_cache(self.num_device_blocks)
+        if graphs_wanted(enforce_eager, self.device):
+            self.runner.use_decode_graphs(max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
+                                          capture=True)
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
         self._gpu = describe_cuda_device(0, 0, 0, self.device)  # rank 0 of a 1 x 1 layout; None on CPU
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from engine.batch import ModelBatch, SequenceWork
+from engine.cuda_graphs import graphs_wanted
 from engine.executor import messages as m
 from engine.executor.device_identity import describe_cuda_device
 from engine.kv_cache import blocks_that_fit
@@ -110,6 +111,9 @@ class Worker:
                 self._step(msg)
             elif isinstance(msg, m.AllocateKV):
                 self.runner.allocate_kv_cache(msg.num_blocks)
+                s = self.setup
+                if self.runner.decode_graphs is None and graphs_wanted(s.enforce_eager, self.device, s.tp_size):
+                    self.runner.use_decode_graphs(s.max_num_seqs, s.max_model_len, capture=True)
             elif isinstance(msg, m.AttachHost):
                 self.runner.attach_host_tier(msg.num_blocks)
             elif isinstance(msg, m.Shutdown):

@@ -1,0 +1,156 @@
+"""DecodeInputs: persistent input buffers for decode-only steps, padded to a bucketed batch size.
+
+A CUDA graph replays the kernels it captured on the same memory, so a
+decode step that runs through a graph must find its inputs at fixed
+addresses. These buffers are that memory: token ids, positions, KV slots,
+context lengths and block tables (and, on a later pipeline stage, the hidden
+states coming in), each sized for the largest batch and the longest context.
+Each step fills the first `bucket` rows (the batch padded up to the next
+bucket size) and the first `width` columns of the block tables (the longest
+table padded up to a power of two), from a host staging copy of the integer
+inputs (pinned on CUDA, copied with non-blocking copies).
+
+Padding rows are harmless by construction: a padded row's token sits at
+position 0 of the scratch block, one block past the KV manager's block ids
+(ModelRunner allocates it; no job ever owns it), with a context of that one
+token, so it writes its K/V only there and reads only what it wrote. Block
+table columns past a sequence's own blocks also point at the scratch block
+and lie past its context length, so attention masks them.
+
+What it is not: the capture and replay of graphs (engine/cuda_graphs.py) or
+the eager, unpadded inputs of other steps (ModelRunner.prepare).
+
+Legend: B the largest bucket, MB blocks of the longest context, E hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch import ModelBatch
+from kernels.paged_attention import AttentionMetadata, Workspace
+
+_IDS, _POSITIONS, _SLOT_BLOCKS, _SLOT_OFFSETS, _CONTEXT_LENS = range(5)  # rows of the [5, B] integer inputs
+
+
+def decode_batch_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's capture sizes: 1, 2, 4, then every multiple of 8, up to the first that holds max_num_seqs."""
+    sizes = [1, 2, 4]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(8 * (sizes[-1] // 8 + 1))
+    return [s for s in sizes if s < max_num_seqs] + [next(s for s in sizes if s >= max_num_seqs)]
+
+
+def block_table_widths(max_blocks: int) -> list[int]:
+    """Powers of two below max_blocks, then max_blocks itself."""
+    widths = [1]
+    while widths[-1] < max_blocks:
+        widths.append(min(2 * widths[-1], max_blocks))
+    return widths
+
+
+class DecodeInputs:
+    """The buffers, and the verbs that fill them from a decode-only ModelBatch."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, scratch_block: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_input: bool) -> None:
+        self.batch_sizes = decode_batch_sizes(max_num_seqs)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.widths = block_table_widths(self.max_blocks)
+        self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
+        b, mb = self.batch_sizes[-1], self.max_blocks
+        self.ints = torch.zeros((5, b), dtype=torch.long, device=device)  # [5, B]: ids, positions, slots, lens
+        self.block_tables = torch.zeros((b, mb), dtype=torch.long, device=device)  # [B, MB]
+        self.rows = torch.arange(b, dtype=torch.long, device=device)  # [B]: decode token i is flat row i
+        # [B, E]: a later pipeline stage's incoming hidden states (None on the first stage)
+        self.hidden = torch.zeros((b, hidden_size), dtype=dtype, device=device) if hidden_input else None
+        cuda = device.type == "cuda"
+        self._staged_ints = torch.zeros((5, b), dtype=torch.long, pin_memory=cuda) if cuda else None
+        self._staged_tables = torch.zeros((b, mb), dtype=torch.long, pin_memory=cuda) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None  # the last host-to-device copy of the staging
+        self._copy_pending = False
+        self.fill_padding()
+
+    def fill_padding(self) -> None:
+        """Every row a padding row (what a capture ahead of any step runs its warm-up on)."""
+        if self._copy_pending:
+            self._copied.synchronize()
+        self.ints.zero_()
+        self.ints[_SLOT_BLOCKS] = self.scratch_block
+        self.ints[_CONTEXT_LENS] = 1
+        self.block_tables.fill_(self.scratch_block)
+        if self._staged_ints is not None:
+            self._staged_ints.copy_(self.ints)
+            self._staged_tables.copy_(self.block_tables)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.batch_sizes[-1]
+
+    def accepts(self, batch: ModelBatch) -> bool:
+        """Decode only: every sequence computes one token after a cached prefix (within max_model_len), asks
+        for no prompt logprobs, and the batch fits the largest bucket."""
+        limit = self.max_blocks * self.block_size  # positions the block tables can hold
+        return (0 < len(batch.seqs) <= self.max_num_seqs and
+                all(len(s.token_ids) == 1 and 0 < s.start_pos < limit and not s.want_prompt_logprobs
+                    for s in batch.seqs))
+
+    def bucket_of(self, batch: ModelBatch) -> tuple[int, int]:
+        """(padded batch size, padded block-table width) of a batch this accepts."""
+        n = len(batch.seqs)
+        blocks = max(s.start_pos // self.block_size + 1 for s in batch.seqs)
+        return (next(b for b in self.batch_sizes if b >= n), next(w for w in self.widths if w >= blocks))
+
+    def fill(self, batch: ModelBatch) -> tuple[int, int]:
+        """Write the batch's inputs into the buffers, padded to its bucket; returns the bucket."""
+        bucket, width = self.bucket_of(batch)
+        n, bs, scratch = len(batch.seqs), self.block_size, self.scratch_block
+        pad = bucket - n
+        ints = [[s.token_ids[0] for s in batch.seqs] + [0] * pad,
+                [s.start_pos for s in batch.seqs] + [0] * pad,
+                [s.block_table[s.start_pos // bs] for s in batch.seqs] + [scratch] * pad,
+                [s.start_pos % bs for s in batch.seqs] + [0] * pad,
+                [s.start_pos + 1 for s in batch.seqs] + [1] * pad]
+        tables = []
+        for s in batch.seqs:
+            own = s.block_table[: s.start_pos // bs + 1]
+            tables.append(own + [scratch] * (width - len(own)))
+        tables += [[scratch] * width] * pad
+        ints_t = torch.tensor(ints, dtype=torch.long)  # [5, bucket]
+        tables_t = torch.tensor(tables, dtype=torch.long)  # [bucket, width]
+        if self._copied is None:  # CPU: the buffers are host memory already
+            self.ints[:, :bucket] = ints_t
+            self.block_tables[:bucket, :width] = tables_t
+            return bucket, width
+        if self._copy_pending:
+            self._copied.synchronize()  # the previous step's copy has read the staging
+        self._staged_ints[:, :bucket] = ints_t
+        self._staged_tables[:bucket, :width] = tables_t
+        self.ints.copy_(self._staged_ints, non_blocking=True)
+        self.block_tables[:bucket].copy_(self._staged_tables[:bucket], non_blocking=True)
+        self._copied.record()
+        self._copy_pending = True
+        return bucket, width
+
+    def fill_hidden(self, hidden: torch.Tensor) -> None:  # [S, E] from the previous stage
+        self.hidden[: hidden.shape[0]].copy_(hidden)
+
+    def metadata(self, bucket: int, width: int, workspace: Workspace | None = None) -> AttentionMetadata:
+        """Views of the buffers for one bucket: the same addresses every step of that bucket. No workspace
+        under capture: a graph allocates its gathers from its own memory pool."""
+        return AttentionMetadata(
+            slot_blocks=self.ints[_SLOT_BLOCKS, :bucket],
+            slot_offsets=self.ints[_SLOT_OFFSETS, :bucket],
+            fresh_spans=[],
+            decode_token_index=self.rows[:bucket],
+            decode_block_tables=self.block_tables[:bucket, :width],
+            decode_context_lens=self.ints[_CONTEXT_LENS, :bucket],
+            partial=[],
+            workspace=workspace,
+        )
+
+    def token_ids(self, bucket: int) -> torch.Tensor:  # [bucket] long
+        return self.ints[_IDS, :bucket]
+
+    def positions(self, bucket: int) -> torch.Tensor:  # [bucket] long
+        return self.ints[_POSITIONS, :bucket]

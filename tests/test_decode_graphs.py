@@ -1,0 +1,179 @@
+"""Decode steps through the persistent, padded input buffers (engine/decode_inputs.py, engine/cuda_graphs.py).
+
+On CPU the padded path runs eagerly (no capture): greedy outputs equal the ordinary path's, the padding
+rows write only the scratch block past the KV manager's ids, and the buckets are vLLM's. On CUDA
+(device_check.sh): greedy outputs are identical with graphs on and off, and graphs really are replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.batch import ModelBatch, SequenceWork
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graphs_wanted
+from engine.decode_inputs import DecodeInputs, block_table_widths, decode_batch_sizes
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelLayout, TensorParallelGroup
+
+PROMPTS = [[2, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100], [2, 7], [2] + list(range(100, 140)), [2, 5, 9],
+           [2, 300, 301, 302, 303]]
+MAX_TOKENS = [14, 9, 12, 5, 3]  # sequences finish at different steps: the batch shrinks through several buckets
+
+
+def params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+
+
+def test_buckets_are_vllms_and_cover_the_limits():
+    assert decode_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and decode_batch_sizes(256)[-1] == 256
+    assert decode_batch_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert decode_batch_sizes(1) == [1]
+    assert block_table_widths(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert block_table_widths(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_padding_rows_point_only_at_the_scratch_block():
+    buffers = DecodeInputs(max_num_seqs=8, max_model_len=64, block_size=4, scratch_block=99, hidden_size=8,
+                           dtype=torch.float32, device=torch.device("cpu"), hidden_input=False)
+    seqs = [SequenceWork("a", [5], 9, [3, 4, 7], None, None, 1), SequenceWork("b", [6], 4, [1, 2], None, None, 1),
+            SequenceWork("c", [7], 1, [0], None, None, 1)]
+    batch = ModelBatch(seqs, None)
+    assert buffers.accepts(batch)
+    assert buffers.fill(batch) == (4, 4)  # 3 rows -> bucket 4; 3 blocks -> width 4
+    meta = buffers.metadata(4, 4)
+    assert buffers.token_ids(4).tolist() == [5, 6, 7, 0]
+    assert buffers.positions(4).tolist() == [9, 4, 1, 0]
+    assert meta.slot_blocks.tolist() == [7, 2, 0, 99] and meta.slot_offsets.tolist() == [1, 0, 1, 0]
+    assert meta.decode_context_lens.tolist() == [10, 5, 2, 1]
+    assert meta.decode_block_tables.tolist() == [[3, 4, 7, 99], [1, 2, 99, 99], [0, 99, 99, 99], [99] * 4]
+    prefill = ModelBatch([SequenceWork("d", [1, 2], 0, [5], None, None, 0)], None)
+    assert not buffers.accepts(prefill)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params())]
+
+
+def test_padded_decode_on_cpu_gives_the_eager_outputs_and_writes_padding_to_scratch(tiny_model_dir, monkeypatch):
+    kw = dict(model=str(tiny_model_dir), device="cpu", block_size=4, num_gpu_blocks_override=128, profile="analytic")
+    eager, padded = LLM(**kw), LLM(**kw)
+    runner = padded.engine.executor.runner
+    runner.use_decode_graphs(max_num_seqs=8, max_model_len=padded.engine.max_model_len, capture=False)
+    buckets = []
+    forward = DecodeGraphs.forward
+    monkeypatch.setattr(DecodeGraphs, "forward", lambda self, bucket, n, h: buckets.append((bucket, n))
+                        or forward(self, bucket, n, h))
+    assert _generate(padded) == _generate(eager)
+    assert {(b, n) for (b, _), n in buckets} >= {(8, 5), (4, 4), (4, 3), (2, 2), (1, 1)}  # padded and exact
+    # Every block the KV manager hands out holds the same K/V either way; only the scratch block differs.
+    a, b = eager.engine.executor.runner.kv_cache, runner.kv_cache
+    assert runner.scratch_block == 128 and b.shape[0] == 129
+    torch.testing.assert_close(a[:128], b[:128], rtol=1e-5, atol=1e-5)
+    assert b[128].abs().sum() > 0 and a[128].abs().sum() == 0  # the padding rows wrote there, and only there
+
+
+def _two_stages(model_dir, padded: bool) -> list[ModelRunner]:
+    cfg = OPTConfig.from_model_dir(model_dir)
+    runners = []
+    for rank in (0, 1):
+        stage = load_model_stage(model_dir, cfg, TensorParallelGroup(ParallelLayout(1, 2, 0, rank)), "float32", "cpu")
+        runner = ModelRunner(stage, torch.device("cpu"), torch.float32, block_size=4)
+        runner.allocate_kv_cache(32)
+        if padded:
+            runner.use_decode_graphs(max_num_seqs=8, max_model_len=64, capture=False)
+        runners.append(runner)
+    return runners
+
+
+def _pipeline_step(runners: list[ModelRunner], batch: ModelBatch) -> tuple[list[int], torch.Tensor]:
+    first, last = runners
+    inputs = first.prepare(batch)
+    hidden = first.forward(inputs)
+    assert hidden.shape[0] == inputs.num_tokens == batch.num_tokens  # what goes to the next stage: no padding
+    inputs = last.prepare(batch)
+    hidden = last.forward(inputs, hidden)
+    return [r.token_id for r in last.sample(hidden, inputs, batch)], hidden
+
+
+def test_padded_decode_on_a_later_pipeline_stage_takes_the_hidden_states_in(tiny_model_dir):
+    eager, padded = _two_stages(tiny_model_dir, False), _two_stages(tiny_model_dir, True)
+    prompts = [[2, 10, 20, 30, 40], [2, 7], [2, 50, 60]]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0)
+    seqs = [SequenceWork(f"j{i}", p, 0, tables[i], greedy, None, 0) for i, p in enumerate(prompts)]
+    want, _ = _pipeline_step(eager, ModelBatch(seqs, None))
+    got, _ = _pipeline_step(padded, ModelBatch(seqs, None))
+    assert got == want
+    contexts = [len(p) for p in prompts]
+    for _ in range(4):  # decode: 3 sequences padded to 4 rows on both stages
+        seqs = [SequenceWork(f"j{i}", [want[i]], contexts[i], tables[i], greedy, None, 1) for i in range(3)]
+        want, h_eager = _pipeline_step(eager, ModelBatch(seqs, None))
+        got, h_padded = _pipeline_step(padded, ModelBatch(seqs, None))
+        assert got == want
+        torch.testing.assert_close(h_padded, h_eager, rtol=1e-5, atol=1e-5)
+        contexts = [c + 1 for c in contexts]
+    assert padded[1].prepare(ModelBatch(seqs, None)).decode_bucket == (4, 4)
+
+
+def test_graphs_are_off_on_cpu_and_with_enforce_eager():
+    assert not graphs_wanted(False, torch.device("cpu"))
+    assert not graphs_wanted(True, torch.device("cuda"))
+    assert not graphs_wanted(False, torch.device("cuda"), tensor_parallel_size=2)
+    assert graphs_wanted(False, torch.device("cuda"))
+    llm = LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic")
+    assert llm.engine.executor.runner.decode_graphs is None
+    assert LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic",
+               enforce_eager=True).engine.config.enforce_eager
+    # The server's switch (vLLM's flag): off by default, on when given.
+    import server
+
+    assert server.build_parser().parse_args([]).enforce_eager is False
+    args = server.build_parser().parse_args(["--enforce-eager"])
+    assert server._configs(args)[0].enforce_eager is True
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# The attention backends of this tree (--attention-backend arrives with the Triton kernels; until then, the one).
+BACKENDS = ["torch", "triton"] if "attention_backend" in EngineConfig.field_names() else [None]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cuda_graphs_give_the_eager_greedy_outputs_with_every_backend(tiny_model_dir, dtype):
+    kw = dict(model=str(tiny_model_dir), device="cuda", dtype=dtype, block_size=4, num_gpu_blocks_override=256,
+              profile="analytic", max_num_seqs=16)
+    reference = None
+    for backend in BACKENDS:
+        extra = {} if backend is None else {"attention_backend": backend}
+        graphs = LLM(**kw, **extra)
+        eager = LLM(**kw, **extra, enforce_eager=True)
+        assert eager.engine.executor.runner.decode_graphs is None
+        with_graphs = _generate(graphs)
+        assert with_graphs == _generate(eager), backend
+        assert graphs.engine.executor.runner.decode_graphs.num_captured >= 3  # 8, 4, 2, 1 rows at least
+        reference = reference or with_graphs
+        assert with_graphs == reference, backend  # and the backends agree
+        graphs.close()
+        eager.close()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_capture_all_writes_only_the_scratch_block(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", block_size=4, num_gpu_blocks_override=64,
+              profile="analytic", max_num_seqs=8)
+    runner = llm.engine.executor.runner
+    runner.kv_cache.zero_()
+    with torch.inference_mode():
+        n = runner.decode_graphs.capture_all()
+    assert n == len(runner.decode_graphs.buffers.batch_sizes) * len(runner.decode_graphs.buffers.widths)
+    assert runner.kv_cache[:64].abs().sum() == 0
+    outs = llm.generate(PROMPTS, params())
+    assert [len(o.outputs[0].token_ids) for o in outs] == MAX_TOKENS
