@@ -50,12 +50,12 @@ import torch  # noqa: E402
 from engine.batch import ModelBatch, SequenceWork  # noqa: E402
 from engine.loader import load_model_stage  # noqa: E402
 from engine.model.config import OPTConfig  # noqa: E402
-from engine.model_maker import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.parallel import ParallelLayout, TensorParallelGroup  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
 from memory.transfers import Direction  # noqa: E402
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -297,7 +297,7 @@ def fitting_batches(runner: ModelRunner, batches: list[int], context: int, reser
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--shape", help="model shape (engine/model_maker.py OPT_SHAPES); default opt-13b on CUDA, "
+    ap.add_argument("--shape", help="model shape (modelmaker/opt_checkpoint.py OPT_SHAPES); default opt-13b on CUDA, "
                     "opt-125m on CPU")
     ap.add_argument("--dtype", help="default float16 on CUDA, float32 on CPU")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,32,256 on CUDA, 1,8,32 on CPU)")
