@@ -446,8 +446,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "kv_policy": ("how device KV memory is freed when it runs low", list(KV_POLICIES)),
     "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
     "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
-    "fresh_starvation_factor": ("past capacity, a job that never ran is promoted after max(alpha, this x the "
-                                "recent wait to a first run); 'none' = alpha for all (the paper)", None),
+    "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
+                          "to a first run), so promotions do not churn the batch; 'none' = alpha (the paper)", None),
     "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
     "kv_overcommit": ("past capacity, new jobs wait while started jobs' KV (device + host) exceeds this many "
                       "device caches; 'none' = no limit (the paper)", None),

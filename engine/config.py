@@ -46,12 +46,12 @@ class EngineConfig:
     seed: int = 0
     kv_policy: str = "proactive"
     starvation_threshold: float | None = 0.3  # alpha, seconds
-    fresh_starvation_factor: float | None = None  # overload: see scheduler/policy.py; None = the paper's rule
+    starvation_factor: float | None = 0.5  # overload: promotion after max(alpha, f x W); None = the paper's rule
     quantum_ratio: float = 2.0
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;
     # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour).
-    kv_overcommit: float | None = 2.0
+    kv_overcommit: float | None = 4.0
     profile: str | None = None  # a job-profile JSON (scripts/profile_model.py)
     # Decode steps replay CUDA graphs captured per batch bucket (engine/cuda_graphs.py) unless this is set;
     # on CPU, and on tensor-parallel workers, they always run eagerly.
@@ -92,8 +92,8 @@ class EngineConfig:
         need(self.kv_policy in KV_POLICIES,
              f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {self.kv_policy!r}")
         need(self.starvation_threshold is None or self.starvation_threshold > 0, "starvation_threshold must be > 0")
-        need(self.fresh_starvation_factor is None or self.fresh_starvation_factor > 0,
-             "fresh_starvation_factor must be > 0 (or none)")
+        need(self.starvation_factor is None or self.starvation_factor > 0,
+             "starvation_factor must be > 0 (or none)")
         need(self.quantum_ratio > 1, "quantum_ratio must be > 1")
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
         need(self.kv_overcommit is None or self.kv_overcommit >= 1, "kv_overcommit must be >= 1 (or none)")

@@ -87,7 +87,7 @@ class Engine:
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
-                fresh_starvation_factor=config.fresh_starvation_factor,
+                starvation_factor=config.starvation_factor,
                 max_prompt_len=self.max_model_len,
             ),
             self.cost_model,

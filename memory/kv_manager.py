@@ -29,9 +29,10 @@ KV, grows without bound; once it outgrows the host, evictions become drops and
 every promotion rebuilds a whole context. So a job with no KV anywhere (new,
 or dropped) starts only while the KV of every started job plus its own stays
 within `max_started_blocks` (device and host together; None = no limit, the
-paper's behaviour), and while the policy says it is backlogged (jobs wait
-longer than alpha to start), within the device alone; beyond it, it waits
-where it is in the policy's order.
+paper's behaviour; the default is 4 device caches); beyond it, it waits
+where it is in the policy's order. The limit is what parking costs: every
+started job the batch does not hold sits on the host, and each swap of it
+out and back takes batch room while the copy is in flight.
 
 Nothing here ever waits on a copy: the engine's event loop must not block.
 evict() starts an offload and the device blocks free when it completes (poll);
@@ -129,17 +130,13 @@ class KVManager:
     def can_fit(self, job, num_new_tokens: int) -> bool:
         return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
 
-    def may_start(self, job, num_new_tokens: int, backlogged: bool = False) -> bool:
+    def may_start(self, job, num_new_tokens: int) -> bool:
         """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or
         host) may always go on; one with none starts only while every started job's KV plus its own stays
-        within max_started_blocks, counted on both tiers, and while the policy is backlogged (past
-        capacity), within the device alone: then a new job waits for a job to finish rather than push
-        started ones to the host, where under the churn of promotions they would shuttle back and forth."""
+        within max_started_blocks, counted on both tiers."""
         limit = self.max_started_blocks
         if limit is None:
             return True
-        if backlogged:
-            limit = min(limit, self.device.num_blocks)
         kv = self._jobs.get(job.job_id)
         if kv is not None and (kv.device or kv.host):
             return True

@@ -75,9 +75,8 @@ class KVAdmission(Protocol):
         """Whether other jobs may be evicted to make room for this one (False: it waits for room)."""
         ...
 
-    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
-        """Overload admission, for a job with no KV (new, or dropped): whether it may start now (backlogged:
-        the policy's queue is past capacity, so started jobs' KV should fit the device alone)."""
+    def may_start(self, job: Job, num_new_tokens: int) -> bool:
+        """Overload admission, for a job with no KV (new, or dropped): whether it may start now."""
         ...
 
     def evict(self, job: Job) -> None:
@@ -93,11 +92,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
-    # Overload: a job that never ran is promoted only once it has waited max(alpha, this x the recent
-    # wait of jobs at their first run) (an EMA); below capacity that wait is ~0, so this is alpha. None =
-    # alpha for every job (the paper's rule; the default: see docs/experiments.md, "Past capacity", for
-    # what a factor trades). See scheduler/skip_join_mlfq.py.
-    fresh_starvation_factor: float | None = None
+    # Overload: a job is promoted only once it has waited max(alpha, this x the recent wait of jobs at
+    # their first run) (an EMA); below capacity that wait is under alpha, so this is alpha. None = alpha
+    # (the paper's rule, this unit's default; the engine's default is 0.5, engine/config.py). See
+    # scheduler/skip_join_mlfq.py and docs/benchmarks.md, "Past capacity".
+    starvation_factor: float | None = None
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init
@@ -109,8 +108,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.starvation_threshold is not None and not self.starvation_threshold > 0:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
-        if self.fresh_starvation_factor is not None and not self.fresh_starvation_factor > 0:
-            raise ValueError(f"fresh_starvation_factor must be > 0, got {self.fresh_starvation_factor}")
+        if self.starvation_factor is not None and not self.starvation_factor > 0:
+            raise ValueError(f"starvation_factor must be > 0, got {self.starvation_factor}")
         if not self.quantum_ratio > 1:
             raise ValueError(f"quantum_ratio must be > 1, got {self.quantum_ratio}")
         if self.demotion_step < 1:

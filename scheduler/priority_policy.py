@@ -16,8 +16,7 @@ output token:
   evicted this tick does not run this tick);
 - a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
   (overload admission: the started jobs' KV must fit within what memory/
-  allows; while the policy is backlogged, W > alpha below, within the device
-  alone);
+  allows);
 - fresh jobs (never run yet) are looked at only while it can matter: once
   admission refuses one, no other fresh job starts this tick; after the token
   budget has refused max_num_seqs fresh jobs, no further fresh job is tried
@@ -70,11 +69,6 @@ class PriorityPolicy(SchedulingPolicy):
         self._classes: Counter[int] = Counter()  # request class -> unfinished jobs
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
-
-    @property
-    def backlogged(self) -> bool:
-        """Past capacity: jobs wait longer than alpha (or 0.3 s without alpha) to start, on average (W)."""
-        return self.start_wait_ema > (self.config.starvation_threshold or 0.3)
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -139,7 +133,7 @@ class PriorityPolicy(SchedulingPolicy):
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate = victims.evicted, kv.can_fit, kv.allocate  # hot loop: bound once
         tokens = 0
-        gate, over_budget, backlogged = Gate(), 0, self.backlogged
+        gate, over_budget = Gate(), 0
         for job in self._walk(gate):
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
@@ -154,7 +148,7 @@ class PriorityPolicy(SchedulingPolicy):
             if not job.ready:
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0 and not kv.may_start(job, n, backlogged):
+            if job.num_computed == 0 and not kv.may_start(job, n):
                 if fresh:
                     gate.fresh = False
                 continue

@@ -14,13 +14,15 @@ Rule, on the engine's clock, with every time a *profiled* cost:
 - Starvation prevention: a job not in the batch whose starve time exceeds
   alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
   its service reset. A job already in Q1 stays where it is.
-- Overload (fresh_starvation_factor f; default None = the rule above): a
-  job that has never run is promoted only once it has waited
-  max(alpha, f x W), W the recent wait of jobs at their first run (an
-  exponential average over started jobs). Below capacity W is ~0 and this
-  is alpha. Past capacity every waiting job is older than alpha, and
-  promoting them all to Q1 turns the order of admission into arrival order
-  (FCFS); with f, admission stays skip-join's (short prompts first) while a
+- Overload (starvation_factor f; default 0.5, None = the rule above): a
+  job is promoted only once it has waited max(alpha, f x W), W the recent
+  wait of jobs at their first run (an exponential average over started
+  jobs). Below capacity W is under alpha and this is the paper's rule.
+  Past capacity every waiting job is older than alpha: promoting them all
+  to Q1 every alpha turns admission into arrival order (FCFS) and the batch
+  into round robin over every started job, each rotation a swap out and in
+  (the copies cost batch room, so throughput). With f the promotions slow
+  as the wait grows: admission stays skip-join's (short prompts first), a
   job that waited f times the going wait goes ahead of the rest, in order.
 - Request classes (Job.priority, lower first): each class has its own queues
   Q1..Qn (a band), and every queue of a more urgent class comes before any
@@ -183,7 +185,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         fresh = job.first_scheduled_time is None  # (a job that ran elsewhere before comes in started)
         self._place(job, job.priority, self.entry_queue(job.prompt_len), fresh)
         self._count_in(job)
-        if fresh and self.config.fresh_starvation_factor is not None and self.config.starvation_threshold is not None:
+        if fresh and self.config.starvation_factor is not None and self.config.starvation_threshold is not None:
             heapq.heappush(self._fresh_starving, (job.last_scheduled_time, next(self._seq), job))
         else:
             self._wait_from(job.last_scheduled_time, [job])  # its arrival
@@ -262,9 +264,16 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         for since, group in by_time.items():
             self._wait_from(since, group)
 
+    def promotion_threshold(self) -> float | None:
+        """How long a job waits before it is promoted: alpha, or max(alpha, f x W) with a starvation factor."""
+        alpha, f = self.config.starvation_threshold, self.config.starvation_factor
+        if alpha is None or f is None:
+            return alpha
+        return max(alpha, f * self.start_wait_ema)
+
     def _before_schedule(self, now: float) -> None:
-        """Promote every job that has waited longer than alpha to the tail of Q1 (of the most urgent class)."""
-        alpha = self.config.starvation_threshold
+        """Promote every job that has waited longer than the promotion threshold to the tail of Q1 (of the
+        most urgent class)."""
         heap, running, band_of = self._starving, self._running, self._band_of
         promoted = 0
         top = min(self._classes) if self._classes else 0
@@ -277,9 +286,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     job.num_promotions += 1
                     promoted += 1
         self._held_top = top
+        limit = self.promotion_threshold()
         fresh_heap = self._fresh_starving
         if fresh_heap:  # jobs that never ran: promoted after max(alpha, f x W), in arrival order
-            limit = max(alpha, self.config.fresh_starvation_factor * self.start_wait_ema)
             while fresh_heap and now - fresh_heap[0][0] > limit:
                 job = heapq.heappop(fresh_heap)[2]
                 if job.first_scheduled_time is not None or job not in band_of:
@@ -290,10 +299,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     job.num_promotions += 1
                     promoted += 1
                 held[job] = None
-        if heap and now - heap[0][0] > alpha:  # alpha None: the heap stays empty
+        if heap and now - heap[0][0] > limit:  # alpha None: the heap stays empty
             bands, entry, seq = self._bands, self._entry, self._seq
             q1 = self._band(top)
-            while heap and now - heap[0][0] > alpha:
+            while heap and now - heap[0][0] > limit:
                 since, _, group = heapq.heappop(heap)
                 for job in group:  # _unplace and _place inlined: this loop can touch every waiting job
                     if job.last_scheduled_time != since or job in running:
@@ -368,5 +377,5 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if waits is None:
             waits = self._queue_waits = self._execute_waits()
         t_execute = waits[(self._band_of[job], job.queue)]
-        alpha = self.config.starvation_threshold
+        alpha = self.promotion_threshold()
         return t_execute if alpha is None else min(alpha - job.starve_time(now), t_execute)

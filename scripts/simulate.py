@@ -68,11 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--starvation-threshold", type=float, default=0.3)
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
-    ap.add_argument("--kv-overcommit", type=none_or_float, default=2.0,
+    ap.add_argument("--kv-overcommit", type=none_or_float, default=4.0,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
                          "(the paper)")
-    ap.add_argument("--fresh-starvation-factor", type=none_or_float, default=None,
-                    help="a job that never ran is promoted after max(alpha, this x the recent wait to a first run); "
+    ap.add_argument("--starvation-factor", type=none_or_float, default=0.5,
+                    help="a waiting job is promoted after max(alpha, this x the recent wait to a first run); "
                          "'none' = alpha (the paper)")
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
     ap.add_argument("--pipeline-parallel-size", type=int, default=None,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                               starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
-                              fresh_starvation_factor=args.fresh_starvation_factor,
+                              starvation_factor=args.starvation_factor,
                               pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight)
     limit = engine.max_model_len
     trace = [(it.arrival_s, max(1, min(it.prompt_len, limit - 1)), max(1, min(it.output_len, limit - it.prompt_len)))

@@ -54,7 +54,7 @@ class FakeKV:
     def may_evict_for(self, job: Job) -> bool:
         return True
 
-    def may_start(self, job: Job, num_new_tokens: int, backlogged: bool = False) -> bool:
+    def may_start(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:

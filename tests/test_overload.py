@@ -1,6 +1,6 @@
 """The overload remedies, with hand-computed schedules: admission of new jobs
 by the KV that started jobs hold (memory/kv_manager.py may_start), and the
-fresh-job starvation factor (scheduler/skip_join_mlfq.py).
+starvation factor (scheduler/skip_join_mlfq.py).
 
 Costs as in test_scheduler_rules.py: t_init(L) = L/8 s, t_dec = 1 s, quanta
 [1, 2, 4, 8]; 8 tokens -> Q1, 64 -> Q4. A job is demoted when its service in
@@ -20,8 +20,7 @@ def job(job_id: str, prompt_len: int = 7, output: int = 1, arrival: float = 0.0)
 
 def test_may_start_counts_the_kv_of_started_jobs_on_both_tiers():
     """8 device + 8 host blocks of 4 tokens, at most 12 started blocks. Started: a (6 blocks, then on the
-    host) and b (4 blocks on the device): 10. A new job of 2 blocks may start (12), one of 3 may not (13);
-    backlogged, the limit is the device's 8 blocks: neither."""
+    host) and b (4 blocks on the device): 10. A new job of 2 blocks may start (12), one of 3 may not (13)."""
     kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", max_started_blocks=12)
     a, b = job("a", 24), job("b", 16)
     kv.allocate(a, 24)
@@ -32,8 +31,9 @@ def test_may_start_counts_the_kv_of_started_jobs_on_both_tiers():
     b.num_computed = 16
     assert kv.started_blocks() == 10
     assert kv.may_start(job("c", 8), 8) and not kv.may_start(job("d", 9), 9)
-    assert not kv.may_start(job("c", 8), 8, backlogged=True)
-    assert kv.may_start(a, 1, backlogged=True)  # a job that holds KV may always go on
+    assert kv.may_start(a, 1)  # a job that holds KV may always go on
+    kv.allocate(job("f", 8), 8)  # now 12 blocks are started: nothing new fits
+    assert not kv.may_start(job("c", 8), 8) and kv.may_start(b, 1)
     assert KVManager(8, 4, max_started_blocks=None).may_start(job("e", 999), 999)  # the paper: no limit
 
 
@@ -54,13 +54,13 @@ def test_admission_holds_new_jobs_until_started_ones_finish():
     assert step(policy, kv, t)[0] == ["d", "e"]
 
 
-def test_fresh_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
+def test_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
     """One slot, alpha 1 s. x (8-token prompt, long output) runs from t=0; y (64 tokens: Q4) waits.
     Paper's rule: y has waited > alpha at t=2 and is promoted to Q1 ahead of x (now in Q2): it runs at
     t=2. With factor 2 and a recent wait to first run W = 5 s, y is promoted only after 10 s; x sinks
     (2 iterations in Q1, 3 in Q2, 5 in Q3) and reaches Q4 behind y at t=10: y runs then, unpromoted."""
     for factor, first_run, promotions in ((None, 2.0, 1), (2.0, 10.0, 0)):
-        policy = mlfq(max_num_seqs=1, starvation_threshold=1.0, fresh_starvation_factor=factor)
+        policy = mlfq(max_num_seqs=1, starvation_threshold=1.0, starvation_factor=factor)
         x, y = job("x", 8, output=100), job("y", 64, output=1)
         policy.add(x, 0.0)
         policy.add(y, 0.0)
@@ -70,6 +70,30 @@ def test_fresh_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
                 policy.start_wait_ema = 5.0  # as if jobs had recently waited 5 s to start (x waited 0)
             _, t = step(policy, _Roomy(), t)
         assert (y.first_scheduled_time, y.num_promotions) == (first_run, promotions), factor
+
+
+def test_starvation_factor_holds_back_promotion_of_preempted_jobs():
+    """One slot, alpha 1 s. x (64-token prompt: Q4, quantum 8, t_init 8 s) runs from t=0 to 8; y (8 tokens:
+    Q1) arrives at t=0.5 and takes the slot at t=8 (ends 9). x last ran at t=0. Paper's rule: at t=9 x has
+    waited 9 s > alpha and goes to the tail of Q1, behind y, which runs at 9 (service 2 > quantum 1: to
+    Q2); x runs at t=10, promoted once. With factor 2 and W = 10 s (set once y started), x is promoted only
+    after 20 s; y sinks: Q1 (t=8, 9), Q2 (10, 11, 12: service 3 > 2), Q3 (13..17: service 5 > 4), and
+    enters Q4 behind x at t=18: x runs at t=18, unpromoted."""
+    for factor, resumed, promotions in ((None, 10.0, 1), (2.0, 18.0, 0)):
+        policy = mlfq(max_num_seqs=1, starvation_threshold=1.0, starvation_factor=factor)
+        x, y = job("x", 64, output=100), job("y", 8, output=100, arrival=0.5)
+        policy.add(x, 0.0)
+        assert step(policy, _Roomy(), 0.0) == (["x"], 8.0)
+        policy.add(y, 0.5)
+        assert step(policy, _Roomy(), 8.0) == (["y"], 9.0)
+        policy.start_wait_ema = 10.0  # as if jobs had recently waited 10 s to start
+        t = 9.0
+        while True:
+            ids, t_next = step(policy, _Roomy(), t)
+            if ids == ["x"]:
+                break
+            t = t_next
+        assert (t, x.num_promotions) == (resumed, promotions), factor
 
 
 class _Roomy:
@@ -84,7 +108,7 @@ class _Roomy:
     def may_evict_for(self, job):
         return True
 
-    def may_start(self, job, n, backlogged=False):
+    def may_start(self, job, n):
         return True
 
     def wait_for_room(self, job, n):

@@ -31,7 +31,7 @@ def workloads(draw) -> list[Spec]:
 
 
 @st.composite
-def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0), fresh_factors=(None, 2.0)):
+def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0), factors=(None, 0.5, 2.0)):
     specs = draw(workloads())
     largest = max(-(-(s.prompt_len + s.output_len) // BLOCK) for s in specs)  # so every job can fit
     config = SchedulerConfig(
@@ -39,7 +39,7 @@ def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0), fresh_fact
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(16, 128)),
         starvation_threshold=draw(st.sampled_from(alphas)),
-        fresh_starvation_factor=draw(st.sampled_from(fresh_factors)),
+        starvation_factor=draw(st.sampled_from(factors)),
         demotion_step=draw(st.integers(1, 2)),
         max_prompt_len=64,
     )
@@ -90,9 +90,9 @@ def test_no_job_joins_a_queue_whose_quantum_is_shorter_than_its_prefill(setup) -
 
 
 @SETTINGS
-@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0), fresh_factors=(None,)))
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0), factors=(None,)))
 def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
-    """(The paper's rule: fresh_starvation_factor None; request classes drawn 0..2.)
+    """(The paper's rule: starvation_factor None; request classes drawn 0..2.)
     Precondition, checked on each tick after promotion: the ready jobs of Q1
     fit one batch: at most max_num_seqs of them, their new tokens within
     max_num_batched_tokens (or just one job), their KV within the device
