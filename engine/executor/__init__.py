@@ -19,7 +19,7 @@ def make_executor(config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, m
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, seed=config.seed,
-            load_format=config.load_format,
+            load_format=config.load_format, attention_backend=config.attention_backend,
         )
     from engine.executor.multiproc import MultiprocExecutor
 

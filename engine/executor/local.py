@@ -53,13 +53,14 @@ class LocalExecutor(Executor):
         max_model_len: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        attention_backend: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
         model = load_model_stage(model_dir, model_cfg, TensorParallelGroup(ParallelLayout()), self.dtype, self.device,
                                  load_format, seed)
-        self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed)
+        self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed, attention_backend)
         self.kv_block_bytes = self.runner.kv_block_bytes
         if num_gpu_blocks_override is None:  # two phases: peak of the largest batch, then what fits
             peak = self.runner.measure_peak_memory(max_num_batched_tokens,

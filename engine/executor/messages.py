@@ -47,6 +47,7 @@ class WorkerSetup:
     max_num_batched_tokens: int
     max_model_len: int
     gpu_memory_utilization: float
+    attention_backend: str  # "torch" | "triton", resolved by the controller
 
 
 @dataclass
