@@ -70,6 +70,8 @@ def attention_function(backend: str, device: torch.device) -> AttentionFn:
     if device.type == "cpu" and not module.INTERPRETED:
         # Triton fixes interpreter-or-compiler when a kernel is decorated: rebuild the kernels for the interpreter.
         module = importlib.reload(module)
-        if not module.INTERPRETED:
-            raise AttentionBackendError("attention_backend triton on CPU needs TRITON_INTERPRET=1")
+    if device.type == "cpu" and not module.interpreter_ready():
+        raise AttentionBackendError(
+            "attention_backend triton on CPU: triton was imported before TRITON_INTERPRET=1 was set; set it in the "
+            "environment before the process starts")
     return module.paged_attention

@@ -3,8 +3,9 @@
 What it is: the fast path of kernels/paged_attention.py (same layout, same
 AttentionMetadata, same results up to float rounding), for CUDA. On CPU the
 same kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before
-this module is imported: triton decides at decoration time), which is how
-tests/test_triton_kernels.py checks them against the reference. What it is
+triton is first imported: it decides at decoration time, for its own library
+too), which is how tests/triton_interpreter_cases.py checks them against the
+reference. What it is
 not: the choice of backend (kernels/attention_backend.py).
 
 Legend (as in kernels/paged_attention.py)
@@ -40,6 +41,12 @@ from kernels.paged_attention import AttentionMetadata
 
 # True when this module's kernels were built for Triton's interpreter (CPU tensors); fixed at import.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+def interpreter_ready() -> bool:
+    """Whether kernels can run under the interpreter: triton's own library (tl.zeros, tl.sum, ...) is decorated
+    when triton is first imported, so TRITON_INTERPRET=1 must already have been set then, not only here."""
+    return INTERPRETED and type(tl.zeros).__name__ == "InterpretedFunction"
 
 # A decode row's context is cut into splits of this many tokens (flash-decoding); each split is one program.
 DEFAULT_TOKENS_PER_SPLIT = 512
@@ -196,7 +203,7 @@ def _prefill_kernel(
         run_sum = run_sum * correction + tl.sum(probs, axis=1)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         run_max = new_max
-    out = acc / run_sum[:, None]
+    out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]  # 0 only in tiles past the queries (not stored)
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=i_ok[:, None] & d_ok[None, :])
 
