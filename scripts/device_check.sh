@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command to run on a GPU machine: the CUDA tests and the engine benchmark,
+# The one command to run on a GPU machine: the CUDA tests, the attention and engine benchmarks,
 # with that machine's own python3 and torch (nothing installed, no network), in
 # under five minutes. Results go to $OUT (the device tool's folder) or results/device.
 #
@@ -22,6 +22,10 @@ PY=${PYTHON:-python3}
 timeout 200 $PY -m pytest -q -p no:cacheprovider -m "cuda" tests/test_cuda.py 2>&1 | tee "$OUT/tests_cuda.log"
 timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_model_reference.py tests/test_paged_attention.py \
   2>&1 | tee "$OUT/tests_reference.log"
+# The compiled Triton kernels against the reference, and their speed against it (same run, same inputs).
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m "cuda" tests/test_triton_kernels.py 2>&1 | tee "$OUT/tests_triton.log"
+timeout 120 $PY scripts/bench_attention.py --shape opt-13b --dtype float16 --json "$OUT/bench_attention.json" \
+  2>&1 | tee "$OUT/bench_attention.log"
 
 # The engine benchmark on an opt-125m-shaped checkpoint, in float16 on the GPU and in float32.
 timeout 150 $PY scripts/bench_engine.py --device cuda --dtype float16 --model /tmp/opt-125m-random \
