@@ -273,7 +273,7 @@ def decode_attention(
     part_acc = torch.empty(s_d * h * splits, dp, dtype=torch.float32, device=q.device)  # [S_d * H * P, Dp]
     part_max = torch.empty(s_d * h * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    block_n = 16 if INTERPRETED else 64
+    block_n = decode_tile()
     _decode_split_kernel[(s_d, h, splits)](
         q, kv_cache, block_tables, context_lens, rows, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), block_tables.stride(0),
@@ -314,6 +314,20 @@ class PrefillRows:
                 self.block_tables[i, : table.shape[0]] = table
 
 
+def prefill_tile(dtype: torch.dtype, padded_head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel: queries and keys per tile."""
+    if INTERPRETED:
+        return 16, 16
+    if dtype == torch.float32 or padded_head_dim > 64:  # float32 or D = 128 tiles: shared memory and registers
+        return 32, 32
+    return 64, 64  # a [64, 64] float32 accumulator over 4 warps: 32 registers a thread
+
+
+def decode_tile() -> int:
+    """BLOCK_N of the decode kernel: context tokens per tile."""
+    return 16 if INTERPRETED else 64
+
+
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]
@@ -331,10 +345,7 @@ def prefill_attention(
     _, _, _, bs, h, d = kv_cache.shape
     k, v = _unit_last(k), _unit_last(v)
     dp = _padded_head_dim(d)
-    if INTERPRETED:
-        block_m = block_n = 16
-    else:
-        block_m, block_n = 64, (64 if dp <= 64 else 32)
+    block_m, block_n = prefill_tile(q.dtype, dp)
     _prefill_kernel[(seqs.num_seqs, h, triton.cdiv(seqs.max_len, block_m))](
         q, k, v, out, kv_cache, seqs.block_tables, seqs.q_starts, seqs.q_lens, seqs.prefix_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

@@ -12,6 +12,7 @@ requirement: a missing triton fails these tests, it does not skip them."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -64,6 +65,60 @@ def test_triton_asked_for_but_not_installed_is_one_clear_error(monkeypatch):
     with pytest.raises(AttentionBackendError, match="triton package is not installed"):
         resolve_attention_backend("triton", CPU)
     assert resolve_attention_backend("auto", torch.device("cuda")) == "torch"  # auto falls back
+
+
+def compile_for(target_arch: int, dtype: torch.dtype, d: int, bs: int = 16) -> dict[str, int]:
+    """Compile every kernel as the host code would launch it (head dim d, block size bs) for an NVIDIA GPU of
+    compute capability target_arch, with no GPU: triton's front end, PTX and ptxas. Returns each kernel's
+    shared memory in bytes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = sys.modules.get("kernels.triton_attention") or importlib.import_module("kernels.triton_attention")
+    if module.INTERPRETED:
+        module = importlib.reload(module)
+    assert not module.INTERPRETED, "unset TRITON_INTERPRET to compile the kernels"
+    ty = {torch.float16: "fp16", torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    dp = module._padded_head_dim(d)
+    block_m, block_n = module.prefill_tile(dtype, dp)
+    data, long, acc = f"*{ty}", "*i64", "*fp32"
+    kernels = [
+        (module._write_kv_kernel, dict(k_ptr=data, v_ptr=data, cache_ptr=data, slot_blocks_ptr=long,
+                                       slot_offsets_ptr=long), dict(BLOCK_H=16, BLOCK_D=triton.next_power_of_2(d))),
+        (module._decode_split_kernel, dict(q_ptr=data, cache_ptr=data, tables_ptr=long, lens_ptr=long, rows_ptr=long,
+                                           part_acc_ptr=acc, part_max_ptr=acc, part_sum_ptr=acc, scale="fp32"),
+         dict(BS=bs, BLOCK_N=module.decode_tile(), BLOCK_D=dp, TOKENS_PER_SPLIT=module.DEFAULT_TOKENS_PER_SPLIT)),
+        (module._decode_reduce_kernel, dict(part_acc_ptr=acc, part_max_ptr=acc, part_sum_ptr=acc, out_ptr=data,
+                                            rows_ptr=long), dict(BLOCK_P=4, BLOCK_D=dp)),
+        (module._prefill_kernel, dict(q_ptr=data, k_ptr=data, v_ptr=data, out_ptr=data, cache_ptr=data, tables_ptr=long,
+                                      q_starts_ptr=long, q_lens_ptr=long, prefix_lens_ptr=long, scale="fp32"),
+         dict(BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dp)),
+    ]
+    shared = {}
+    for kernel, types, constexprs in kernels:
+        names = inspect.signature(kernel.fn).parameters
+        signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", target_arch, 32))
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        shared[kernel.fn.__name__] = compiled.metadata.shared
+    return shared
+
+
+def test_kernels_compile_for_an_h100_class_gpu_without_one():
+    """The compiled path cannot run here; this checks that it builds: float16, head dim 128, sm_90."""
+    shared = compile_for(90, torch.float16, 128)
+    assert set(shared) == {"_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"}
+    assert max(shared.values()) < 100 * 1024  # fits an A100's and an H100's shared memory per block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize(("dtype", "d"), [(torch.float16, 64), (torch.float16, 80), (torch.float32, 64),
+                                          (torch.float32, 128), (torch.bfloat16, 128)])
+def test_kernels_compile_for_each_dtype_head_dim_and_arch(arch, dtype, d):
+    shared = compile_for(arch, dtype, d)
+    assert max(shared.values()) < 160 * 1024
 
 
 @pytest.mark.cuda

@@ -22,6 +22,7 @@ from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.swapper import Swapper
+from kernels.attention_backend import resolve_attention_backend
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,6 +58,7 @@ class LocalExecutor(Executor):
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        attention_backend = resolve_attention_backend(attention_backend, self.device)  # fails before loading weights
         self.block_size = block_size
         model = load_model_stage(model_dir, model_cfg, TensorParallelGroup(ParallelLayout()), self.dtype, self.device,
                                  load_format, seed)
