@@ -5,8 +5,7 @@ AttentionMetadata, same results up to float rounding), for CUDA. On CPU the
 same kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before
 triton is first imported: it decides at decoration time, for its own library
 too), which is how tests/triton_interpreter_cases.py checks them against the
-reference. What it is
-not: the choice of backend (kernels/attention_backend.py).
+reference. What it is not: the choice of backend (kernels/attention_backend.py).
 
 Legend (as in kernels/paged_attention.py)
     T   tokens in the flattened batch
@@ -20,7 +19,7 @@ sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
 cache in place through the block table (no gather): a tile of tokens looks up
 each token's block, so any block size works and a tile may span blocks.
 
-Three kernels:
+The kernels:
     _write_kv_kernel        this step's K/V into their slots            grid (T, 2)
     _decode_split_kernel    one new token per sequence, the context cut  grid (S_d, H, P)
       + _decode_reduce_kernel  into P splits, then the splits combined   grid (S_d, H)
