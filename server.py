@@ -49,7 +49,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
-from engine.config import KV_POLICIES, LOAD_FORMATS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, KV_POLICIES, LOAD_FORMATS, EngineConfig
 from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
 from scheduler.policy import PolicyName
@@ -428,6 +428,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "device": ("where the model runs", ["auto", "cpu", "cuda"]),
     "tensor_parallel_size": ("GPUs per pipeline stage (tensor parallelism)", None),
     "pipeline_parallel_size": ("pipeline stages", None),
+    "attention_backend": ("attention kernels: triton on CUDA when it imports, else the plain-torch reference; "
+                          "triton on CPU only under TRITON_INTERPRET=1 (tests)", list(ATTENTION_BACKENDS)),
     "nnodes": ("nodes the tp x pp workers span; start the other nodes' workers with "
                "`python -m engine.executor.node` (README)", None),
     "master_addr": ("address of the workers' torch.distributed rendezvous and of this controller's worker port",

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from kernels.attention_backend import ATTENTION_BACKENDS
 from scheduler.policy import PolicyName
 
 # Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
@@ -29,6 +30,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto: the model directory's weights | dummy: random weights from config.json
     device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto (triton on CUDA when it imports, else torch) | torch | triton
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     nnodes: int = 1  # nodes the workers span (the controller runs on the first; see README "Many GPUs")
@@ -66,6 +68,8 @@ class EngineConfig:
         need(self.dtype in ("auto", "float32", "float16", "bfloat16"),
              f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         need(self.load_format in LOAD_FORMATS,
              f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")

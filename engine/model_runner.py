@@ -32,6 +32,7 @@ from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.swapper import Swapper, allocate_host_cache
+from kernels.attention_backend import attention_function, resolve_attention_backend
 from kernels.paged_attention import AttentionMetadata, Workspace
 
 
@@ -56,8 +57,10 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: OPTStage, device: torch.device, dtype: torch.dtype, block_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str = "auto") -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
+        self.attention_backend = resolve_attention_backend(attention_backend, device)  # "torch" | "triton"
+        model.use_attention(attention_function(self.attention_backend, device))
         self.layout = model.layout
         self.kv_cache: torch.Tensor | None = None
         self.swapper: Swapper | None = None

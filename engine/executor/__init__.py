@@ -20,6 +20,7 @@ def make_executor(config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, m
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, seed=config.seed,
             load_format=config.load_format, max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+            attention_backend=config.attention_backend,
         )
     from engine.executor.multiproc import MultiprocExecutor
 

@@ -25,6 +25,7 @@ from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.swapper import Swapper
+from kernels.attention_backend import resolve_attention_backend
 
 
 def resolve_device(device: str) -> torch.device:
@@ -58,13 +59,15 @@ class LocalExecutor(Executor):
         load_format: str = "auto",
         max_num_seqs: int = 256,
         enforce_eager: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        attention_backend = resolve_attention_backend(attention_backend, self.device)  # fails before loading weights
         self.block_size = block_size
         model = load_model_stage(model_dir, model_cfg, TensorParallelGroup(ParallelLayout()), self.dtype, self.device,
                                  load_format, seed)
-        self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed)
+        self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed, attention_backend)
         self.kv_block_bytes = self.runner.kv_block_bytes
         if num_gpu_blocks_override is None:  # two phases: peak of the largest batch, then what fits
             peak = self.runner.measure_peak_memory(max_num_batched_tokens,

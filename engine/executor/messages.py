@@ -48,6 +48,7 @@ class WorkerSetup:
     max_num_batched_tokens: int
     max_model_len: int
     gpu_memory_utilization: float
+    attention_backend: str  # "torch" | "triton", resolved by the controller
     max_num_seqs: int = 256
     enforce_eager: bool = False  # else decode steps replay CUDA graphs where engine/cuda_graphs.py allows
 

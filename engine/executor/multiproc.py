@@ -60,6 +60,7 @@ from engine.executor.device_identity import WorkerDevice
 from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
 from engine.model.config import OPTConfig
+from kernels.attention_backend import resolve_attention_backend
 from memory.transfers import Direction
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class MultiprocExecutor(Executor):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_layout(model_cfg, tp, pp, self.device, config.nnodes)
+        # Resolved here, so a backend that cannot run fails before any worker starts.
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.max_in_flight = pp
         self._error: str | None = None
@@ -203,7 +206,7 @@ class MultiprocExecutor(Executor):
             measure_kv=config.num_gpu_blocks_override is None,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
-            enforce_eager=config.enforce_eager)
+            enforce_eager=config.enforce_eager, attention_backend=self.attention_backend)
         for conn in self._conns.values():
             conn.send(setup)
         ready: dict[int, m.Ready] = {}

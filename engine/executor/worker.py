@@ -83,7 +83,7 @@ class Worker:
         tp_group = TensorParallelGroup(self.layout, groups[self.layout.pp_rank] if groups else None)
         cfg = OPTConfig.from_model_dir(setup.model_dir)
         model = load_model_stage(setup.model_dir, cfg, tp_group, dtype, self.device, setup.load_format, setup.seed)
-        self.runner = ModelRunner(model, self.device, dtype, setup.block_size, setup.seed)
+        self.runner = ModelRunner(model, self.device, dtype, setup.block_size, setup.seed, setup.attention_backend)
         self.is_sampler = self.layout.is_last_stage and self.layout.tp_rank == 0
         self.jobs: dict[int, _Job] = {}
         self.copies: dict[int, object] = {}  # transfer id -> handle, until done

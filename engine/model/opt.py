@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel import TensorParallelGroup
+from kernels.attention_backend import AttentionFn
 from kernels.paged_attention import AttentionMetadata, paged_attention
 
 
@@ -39,13 +40,14 @@ class OPTAttention(nn.Module):
         # One matmul for q, k, v: rows [q | k | v], each this rank's heads.
         self.qkv_proj = ColumnParallelLinear(e, 3 * e, cfg.enable_bias, tp)
         self.out_proj = RowParallelLinear(e, e, cfg.enable_bias, tp)
+        self.attention = paged_attention  # or the Triton kernels' (OPTStage.use_attention)
 
     def forward(
         self, x: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, E] -> [T, E]
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        out = paged_attention(q, k, v, kv_cache, layer, meta, self.scale)  # [T, H, D]
+        out = self.attention(q, k, v, kv_cache, layer, meta, self.scale)  # [T, H, D]
         return self.out_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -101,6 +103,11 @@ class OPTStage(nn.Module):
             )
             self.project_out = nn.Linear(e, p, bias=False) if cfg.has_projections else None
         self.requires_grad_(False)
+
+    def use_attention(self, attention: AttentionFn) -> None:
+        """Run every layer's attention with `attention` (kernels/attention_backend.py)."""
+        for layer in self.layers:
+            layer.self_attn.attention = attention
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,389 @@
+"""Attention over a paged KV cache, and the cache write: Triton kernels.
+
+What it is: the fast path of kernels/paged_attention.py (same layout, same
+AttentionMetadata, same results up to float rounding), for CUDA. On CPU the
+same kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before
+triton is first imported: it decides at decoration time, for its own library
+too), which is how tests/triton_interpreter_cases.py checks them against the
+reference. What it is not: the choice of backend (kernels/attention_backend.py).
+
+Legend (as in kernels/paged_attention.py)
+    T   tokens in the flattened batch
+    S   sequences in the batch (S_d: decode rows, S_p: prefill rows)
+    H   attention heads on this rank, D head dim (Dp: D rounded up to a power of two, >= 16)
+    NB  blocks in the cache, bs block size, MB max blocks per sequence, L layers of the stage
+    P   context splits of a decode row (flash-decoding)
+
+KV cache layout, block-major: kv_cache[NB, L, 2, bs, H, D]; token t of a
+sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
+cache in place through the block table (no gather): a tile of tokens looks up
+each token's block, so any block size works and a tile may span blocks.
+
+The kernels:
+    _write_kv_kernel        this step's K/V into their slots            grid (T, 2)
+    _decode_split_kernel    one new token per sequence, the context cut  grid (S_d, H, P)
+      + _decode_reduce_kernel  into P splits, then the splits combined   grid (S_d, H)
+    _prefill_kernel         several new tokens after a cached prefix     grid (S_p, H, ceil(n / BLOCK_M))
+                            (prefix from the cache, then the new tokens
+                            causally from k/v; fresh prefill = empty prefix)
+Softmax is online (running max and sum), accumulated in float32 whatever the
+cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import AttentionMetadata
+
+# True when this module's kernels were built for Triton's interpreter (CPU tensors); fixed at import.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+
+def interpreter_ready() -> bool:
+    """Whether kernels can run under the interpreter: triton's own library (tl.zeros, tl.sum, ...) is decorated
+    when triton is first imported, so TRITON_INTERPRET=1 must already have been set then, not only here."""
+    return INTERPRETED and type(tl.zeros).__name__ == "InterpretedFunction"
+
+# A decode row's context is cut into splits of this many tokens (flash-decoding); each split is one program.
+DEFAULT_TOKENS_PER_SPLIT = 512
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_blocks_ptr, slot_offsets_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
+    H, D,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)  # 0: K, 1: V
+    block = tl.load(slot_blocks_ptr + t)
+    offset = tl.load(slot_offsets_ptr + t)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < H) & (d < D)
+    if which == 0:
+        x = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    else:
+        x = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = cache_ptr + block * stride_cb + layer_offset + which * stride_ckv + offset * stride_co + h * stride_ch + d
+    tl.store(dst, x, mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, tables_ptr, lens_ptr, rows_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    stride_qt, stride_qh, stride_ts,
+    stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
+    scale, H, D, P,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.program_id(2)
+    context_len = tl.load(lens_ptr + s)
+    row = tl.load(rows_ptr + s)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + row * stride_qt + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)  # [Dp]
+    start = p * TOKENS_PER_SPLIT
+    end = tl.minimum(start + TOKENS_PER_SPLIT, context_len)
+    run_max = tl.zeros([1], dtype=tl.float32) - float("inf")
+    run_sum = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions; pos[0] < end, so the tile has a live token
+        live = pos < end
+        block = tl.load(tables_ptr + s.to(tl.int64) * stride_ts + pos // BS, mask=live, other=0)
+        base = cache_ptr + block * stride_cb + layer_offset + (pos % BS) * stride_co + h * stride_ch  # [BLOCK_N]
+        tile_mask = live[:, None] & d_ok[None, :]
+        k = tl.load(base[:, None] + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_N, Dp]
+        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
+        scores = tl.where(live, scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=0))  # [1]
+        correction = tl.exp(run_max - new_max)
+        probs = tl.exp(scores - new_max)  # [BLOCK_N]
+        v = tl.load(base[:, None] + stride_ckv + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        run_sum = run_sum * correction + tl.sum(probs, axis=0)
+        acc = acc * correction + tl.sum(probs[:, None] * v, axis=0)
+        run_max = new_max
+    part = (s * H + h) * P + p
+    tl.store(part_acc_ptr + part.to(tl.int64) * BLOCK_D + d, acc)
+    one = tl.arange(0, 1)
+    tl.store(part_max_ptr + part + one, run_max)  # -inf and 0 for a split past the context
+    tl.store(part_sum_ptr + part + one, run_sum)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows_ptr,
+    stride_ot, stride_oh,
+    H, D, P,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(rows_ptr + s)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < P
+    first = (s * H + h) * P
+    maxes = tl.load(part_max_ptr + first + p, mask=p_ok, other=float("-inf"))  # [BLOCK_P]; split 0 is never empty
+    sums = tl.load(part_sum_ptr + first + p, mask=p_ok, other=0.0)
+    weights = tl.exp(maxes - tl.max(maxes, axis=0))  # 0 for empty splits
+    d = tl.arange(0, BLOCK_D)
+    accs = tl.load(part_acc_ptr + (first + p).to(tl.int64)[:, None] * BLOCK_D + d[None, :], mask=p_ok[:, None],
+                   other=0.0)  # [BLOCK_P, Dp]
+    out = tl.sum(weights[:, None] * accs, axis=0) / tl.sum(weights * sums, axis=0)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cache_ptr, tables_ptr, q_starts_ptr, q_lens_ptr, prefix_lens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ts,
+    stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
+    scale, D,
+    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_start = tl.load(q_starts_ptr + s)
+    q_len = tl.load(q_lens_ptr + s)
+    prefix_len = tl.load(prefix_lens_ptr + s)
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence's new tokens
+    i_ok = i < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
+                other=0.0)  # [BLOCK_M, Dp]
+    run_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    live_tile = mb * BLOCK_M < q_len  # programs past the sequence's queries do nothing
+    # 1. The cached prefix: every new token sees all of it.
+    prefix_end = tl.where(live_tile, prefix_len, 0)
+    for n0 in range(0, prefix_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        live = pos < prefix_len
+        block = tl.load(tables_ptr + s.to(tl.int64) * stride_ts + pos // BS, mask=live, other=0)
+        base = cache_ptr + block * stride_cb + layer_offset + (pos % BS) * stride_co + h * stride_ch  # [BLOCK_N]
+        tile_mask = live[:, None] & d_ok[None, :]
+        k = tl.load(base[:, None] + d[None, :], mask=tile_mask, other=0.0)  # [BLOCK_N, Dp]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        correction = tl.exp(run_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        v = tl.load(base[:, None] + stride_ckv + d[None, :], mask=tile_mask, other=0.0)
+        run_sum = run_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        run_max = new_max
+    # 2. This step's tokens, causally (up to the diagonal of this query tile).
+    self_end = tl.where(live_tile, tl.minimum(q_len, (mb + 1) * BLOCK_M), 0)
+    for n0 in range(0, self_end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        live = j < q_len
+        krows = (q_start + j).to(tl.int64)
+        tile_mask = live[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + krows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        scores = tl.where(live[None, :] & (j[None, :] <= i[:, None]), scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        correction = tl.exp(run_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        v = tl.load(v_ptr + krows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+        run_sum = run_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        run_max = new_max
+    out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]  # 0 only in tiles past the queries (not stored)
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=i_ok[:, None] & d_ok[None, :])
+
+
+# -- host side -------------------------------------------------------------------------------------
+
+
+def _padded_head_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot needs >= 16 on GPUs
+
+
+def _cache_strides(kv_cache: torch.Tensor, layer: int) -> tuple[int, int, int, int, int]:
+    """(block, k/v, offset, head) strides and the layer's offset, in elements."""
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache's head dim must be contiguous")
+    sb, sl, skv, so, sh, _ = kv_cache.stride()
+    return sb, skv, so, sh, layer * sl
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    slot_blocks: torch.Tensor,  # [T] long
+    slot_offsets: torch.Tensor,  # [T] long
+) -> None:
+    """Store each new token's K and V at (slot_blocks[t], layer, slot_offsets[t])."""
+    t, h, d = k.shape
+    if t == 0:
+        return
+    k, v = _unit_last(k), _unit_last(v)
+    _write_kv_kernel[(t, 2)](
+        k, v, kv_cache, slot_blocks, slot_offsets,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *_cache_strides(kv_cache, layer),
+        h, d, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [T, H, D]: the flat batch's queries (only the decode rows are read)
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], this step's K/V already written
+    layer: int,
+    rows: torch.Tensor,  # [S_d] long: the decode rows of q (and of out)
+    block_tables: torch.Tensor,  # [S_d, MB] long
+    context_lens: torch.Tensor,  # [S_d] long, >= 1
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]: rows `rows` are written
+    tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
+) -> None:
+    """Attention of one new token per sequence to its whole context, read through the block table.
+
+    The context (at most MB * bs tokens) is cut into P = ceil(MB * bs / tokens_per_split) splits; each split
+    keeps its own softmax max, sum and weighted values, and a second kernel combines them."""
+    s_d = rows.shape[0]
+    if s_d == 0:
+        return
+    _, _, _, bs, h, d = kv_cache.shape
+    mb = block_tables.shape[1]
+    splits = max(1, triton.cdiv(mb * bs, tokens_per_split))
+    dp = _padded_head_dim(d)
+    part_acc = torch.empty(s_d * h * splits, dp, dtype=torch.float32, device=q.device)  # [S_d * H * P, Dp]
+    part_max = torch.empty(s_d * h * splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    block_n = decode_tile()
+    _decode_split_kernel[(s_d, h, splits)](
+        q, kv_cache, block_tables, context_lens, rows, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        *_cache_strides(kv_cache, layer),
+        scale, h, d, splits,
+        BS=bs, BLOCK_N=block_n, BLOCK_D=dp, TOKENS_PER_SPLIT=tokens_per_split,
+    )
+    _decode_reduce_kernel[(s_d, h)](
+        part_acc, part_max, part_sum, out, rows, out.stride(0), out.stride(1), h, d, splits,
+        BLOCK_P=triton.next_power_of_2(splits), BLOCK_D=dp,
+    )
+
+
+class PrefillRows:
+    """The sequences of a step that bring several new tokens (fresh prefills and chunked prefills), as tensors."""
+
+    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        starts, lens, prefixes, tables = [], [], [], []
+        for start, end in meta.fresh_spans:
+            starts.append(start)
+            lens.append(end - start)
+            prefixes.append(0)
+            tables.append(None)
+        for start, end, table, context_len in meta.partial:
+            starts.append(start)
+            lens.append(end - start)
+            prefixes.append(context_len - (end - start))
+            tables.append(table)
+        self.num_seqs = len(starts)
+        self.max_len = max(lens, default=0)
+        self.q_starts = torch.tensor(starts, dtype=torch.long, device=device)  # [S_p]
+        self.q_lens = torch.tensor(lens, dtype=torch.long, device=device)  # [S_p]
+        self.prefix_lens = torch.tensor(prefixes, dtype=torch.long, device=device)  # [S_p]
+        width = max((t.shape[0] for t in tables if t is not None), default=1)
+        self.block_tables = torch.zeros(max(1, self.num_seqs), width, dtype=torch.long, device=device)  # [S_p, MB]
+        for i, table in enumerate(tables):
+            if table is not None:
+                self.block_tables[i, : table.shape[0]] = table
+
+
+def prefill_tile(dtype: torch.dtype, padded_head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel: queries and keys per tile."""
+    if INTERPRETED:
+        return 16, 16
+    if dtype == torch.float32 or padded_head_dim > 64:  # float32 or D = 128 tiles: shared memory and registers
+        return 32, 32
+    return 64, 64  # a [64, 64] float32 accumulator over 4 warps: 32 registers a thread
+
+
+def decode_tile() -> int:
+    """BLOCK_N of the decode kernel: context tokens per tile."""
+    return 16 if INTERPRETED else 64
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    seqs: PrefillRows,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]: the rows of seqs are written
+) -> None:
+    """Each new token of seqs attends to its sequence's cached prefix (through the block table) and causally
+    to the sequence's new tokens (from k and v)."""
+    if seqs.num_seqs == 0:
+        return
+    _, _, _, bs, h, d = kv_cache.shape
+    k, v = _unit_last(k), _unit_last(v)
+    dp = _padded_head_dim(d)
+    block_m, block_n = prefill_tile(q.dtype, dp)
+    _prefill_kernel[(seqs.num_seqs, h, triton.cdiv(seqs.max_len, block_m))](
+        q, k, v, out, kv_cache, seqs.block_tables, seqs.q_starts, seqs.q_lens, seqs.prefix_lens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        seqs.block_tables.stride(0),
+        *_cache_strides(kv_cache, layer),
+        scale, d,
+        BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dp,
+    )
+
+
+# The last step's PrefillRows: every layer of a step shares one AttentionMetadata, so it is built once a step.
+_last_prefill: tuple[AttentionMetadata, PrefillRows] | None = None
+
+
+def _prefill_rows(meta: AttentionMetadata, device: torch.device) -> PrefillRows:
+    global _last_prefill
+    last = _last_prefill
+    if last is not None and last[0] is meta:
+        return last[1]
+    rows = PrefillRows(meta, device)
+    _last_prefill = (meta, rows)
+    return rows
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, H, D]
+    v: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """kernels.paged_attention.paged_attention, on Triton kernels: write this step's K/V into the cache,
+    then attend every new token to its sequence's context (causally)."""
+    q = _unit_last(q)
+    write_kv(kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    decode_attention(q, kv_cache, layer, meta.decode_token_index, meta.decode_block_tables, meta.decode_context_lens,
+                     scale, out)
+    prefill_attention(q, k, v, kv_cache, layer, _prefill_rows(meta, q.device), scale, out)
+    return out

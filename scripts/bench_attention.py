@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache: the Triton kernels against the plain-torch
+reference, measured in the same run on the same inputs (CUDA only: on CPU the
+kernels run under Triton's interpreter, which says nothing about speed).
+
+Three cases at an OPT layer's shape (heads, head dim from --shape), one layer:
+decode (a batch of sequences, one new token each, long contexts), prefill (fresh
+prompts) and chunked prefill (new tokens after a cached prefix). Prints the
+milliseconds of each and the speedup (reference time / triton time), and checks
+that the two agree.
+
+    python scripts/bench_attention.py --shape opt-13b --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import paged_attention as ref  # noqa: E402
+
+SHAPES = {"opt-125m": (12, 64), "opt-1.3b": (32, 64), "opt-2.7b": (32, 80), "opt-13b": (40, 128)}
+
+
+def build(seqs: list[tuple[int, int]], h: int, d: int, bs: int, dtype, device, seed: int = 0):
+    """q, k, v, a block-major cache holding each sequence's cached tokens, and the metadata (as model_runner
+    builds it) for seqs = (cached, new) per sequence, on shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(c + n) // bs) for c, n in seqs]
+    perm = torch.randperm(sum(blocks_needed), generator=g).tolist()
+    kv = torch.randn(len(perm), 1, 2, bs, h, d, dtype=dtype, device=device)
+    t, tables, slots, offsets, fresh, dec_idx, dec_tables, dec_lens, partial = 0, [], [], [], [], [], [], [], []
+    for (c, n), nb in zip(seqs, blocks_needed):
+        table = [perm.pop() for _ in range(nb)]
+        tables.append(table)
+        slots += [table[p // bs] for p in range(c, c + n)]
+        offsets += [p % bs for p in range(c, c + n)]
+        if c == 0:
+            fresh.append((t, t + n))
+        elif n == 1:
+            dec_idx.append(t)
+            dec_tables.append(table)
+            dec_lens.append(c + n)
+        else:
+            partial.append((t, t + n, torch.tensor(table, device=device), c + n))
+        t += n
+    mb = max((len(x) for x in dec_tables), default=0)
+    meta = ref.AttentionMetadata(
+        torch.tensor(slots, device=device), torch.tensor(offsets, device=device), fresh,
+        torch.tensor(dec_idx, dtype=torch.long, device=device),
+        torch.tensor([x + [0] * (mb - len(x)) for x in dec_tables], dtype=torch.long,
+                     device=device).reshape(len(dec_tables), mb),
+        torch.tensor(dec_lens, dtype=torch.long, device=device), partial, ref.Workspace(),
+    )
+    qkv = torch.randn(t, 3, h, d, dtype=dtype, device=device)  # [T, 3, H, D], as the fused projection gives
+    q, k, v = qkv.unbind(1)
+    return q, k, v, kv, meta
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="opt-13b")
+    ap.add_argument("--dtype", choices=["float16", "float32"], default="float16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA device (on CPU the Triton kernels only run interpreted)")
+    from kernels.attention_backend import attention_function
+
+    device = torch.device("cuda")
+    triton_attention = attention_function("triton", device)
+    dtype = getattr(torch, args.dtype)
+    h, d = SHAPES[args.shape]
+    cases = {
+        "decode 64 x 1024 ctx": [(1023, 1)] * 64,
+        "decode 8 x 4096 ctx (splits)": [(4095, 1)] * 8,
+        "prefill 8 x 512": [(0, 512)] * 8,
+        "chunked prefill 4 x (1024 cached + 256)": [(1024, 256)] * 4,
+    }
+    results = {}
+    print(f"{args.shape}: {h} heads x {d}, {args.dtype}, block size {args.block_size}")
+    for name, seqs in cases.items():
+        q, k, v, kv, meta = build(seqs, h, d, args.block_size, dtype, device)
+        scale = d**-0.5
+        kv_ref = kv.clone()
+        out_ref = ref.paged_attention(q, k, v, kv_ref, 0, meta, scale)
+        out_tri = triton_attention(q, k, v, kv, 0, meta, scale)
+        err = (out_ref.float() - out_tri.float()).abs().max().item()
+        t_ref = time_ms(lambda: ref.paged_attention(q, k, v, kv_ref, 0, meta, scale), args.iters)  # noqa: B023
+        t_tri = time_ms(lambda: triton_attention(q, k, v, kv, 0, meta, scale), args.iters)  # noqa: B023
+        results[name] = {"torch_ms": t_ref, "triton_ms": t_tri, "speedup": t_ref / t_tri, "max_abs_diff": err}
+        print(f"  {name:42s} torch {t_ref:8.3f} ms  triton {t_tri:8.3f} ms  speedup {t_ref / t_tri:5.2f}x"
+              f"  max |diff| {err:.2e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"shape": args.shape, "dtype": args.dtype, "cases": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

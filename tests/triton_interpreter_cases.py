@@ -1,0 +1,117 @@
+"""The Triton kernels (kernels/triton_attention.py) against the plain-torch
+reference (kernels/paged_attention.py) on CPU, under Triton's interpreter: the
+cache write, decode attention through shuffled block tables (contexts of 1,
+on and just past block boundaries, ragged, cut into several splits), prefill
+and chunked prefill in mixed batches, float32 and float16; and the whole
+engine on attention_backend="triton" against transformers' logprobs.
+
+Not collected by the suite (no test_ prefix): tests/test_triton_kernels.py
+runs it in a fresh pytest process with TRITON_INTERPRET=1 set before triton is
+first imported (triton decorates its own library then, interpreter or
+compiler, once per process), so no other test module's imports can change it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py (TRITON_INTERPRET=1)"
+
+import triton  # noqa: E402, F401  (a test requirement: its absence is a failure, not a skip)
+
+from engine import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from kernels import paged_attention as ref  # noqa: E402
+from kernels import triton_attention as tri  # noqa: E402
+from tests.conftest import SMALL_PRE_LN  # noqa: E402
+from tests.paged_batches import make_batch, tol  # noqa: E402
+from tests.test_model_reference import hf_logprobs, run_staggered  # noqa: E402
+
+
+def test_kernels_are_interpreted():
+    assert tri.interpreter_ready()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_stores_each_token_in_its_slot_like_the_reference(dtype):
+    q, k, v, kv, meta, _ = make_batch([(0, 5), (6, 1), (3, 4)], h=3, d=24, bs=4, dtype=dtype)
+    expected = kv.clone()
+    ref.write_kv(expected, 1, k, v, meta)
+    tri.write_kv(kv, 1, k, v, meta.slot_blocks, meta.slot_offsets)
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(16, torch.float32), (24, torch.float16), (32, torch.float32)])
+# 24: a head dim that is not a power of two
+def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, d):
+    bs = 4
+    # Contexts (cached + 1): 1 (a lone token), 4 = bs, 5 = bs + 1, 8, 13, 41, 67 (several 16-token splits).
+    seqs = [(0, 1), (3, 1), (4, 1), (7, 1), (12, 1), (40, 1), (66, 1)]
+    q, k, v, kv, meta, tables = make_batch(seqs, h=2, d=d, bs=bs, dtype=dtype)
+    # The reference takes the context-1 row as a fresh span; the kernel takes every row as a decode row.
+    rows = torch.arange(len(seqs))
+    mb = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
+    lens = torch.tensor([c + n for c, n in seqs])
+    expected_kv = kv.clone()
+    expected = ref.paged_attention(q, k, v, expected_kv, 1, meta, d**-0.5)
+    tri.write_kv(kv, 1, k, v, meta.slot_blocks, meta.slot_offsets)
+    for tokens_per_split in (16, 512):  # 67 tokens in 5 splits; everything in one
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        tri.decode_attention(q.contiguous(), kv, 1, rows, block_tables, lens, d**-0.5, out, tokens_per_split)
+        torch.testing.assert_close(out, expected, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dtype):
+    bs, d = 4, 16
+    seqs = [
+        (0, 1),  # a one-token prompt
+        (0, 21),  # a fresh prompt longer than one 16-query tile
+        (9, 1),  # decode
+        (3, 6),  # chunked prefill: a prefix ending mid-block, new tokens crossing blocks
+        (8, 18),  # a prefix of exactly 2 blocks, 18 new tokens (two query tiles)
+        (0, 5),
+        (30, 1),
+    ]
+    q, k, v, kv, meta, _ = make_batch(seqs, h=2, d=d, bs=bs, dtype=dtype, seed=3)
+    expected_kv = kv.clone()
+    expected = ref.paged_attention(q, k, v, expected_kv, 1, meta, d**-0.5)
+    out = tri.paged_attention(q, k, v, kv, 1, meta, d**-0.5)
+    assert torch.equal(kv, expected_kv)
+    torch.testing.assert_close(out, expected, **tol(dtype))
+
+
+def test_engine_on_triton_kernels_matches_transformers(small_checkpoint):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, seed=0,
+                                 profile="analytic", device="cpu", attention_backend="triton"))
+    assert engine.executor.runner.attention_backend == "triton"
+    g = torch.Generator().manual_seed(1)
+    prompt = lambda n: torch.randint(3, SMALL_PRE_LN["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=3, ignore_eos=True)
+    done = run_staggered(engine, {
+        0: [("a", prompt(13), params), ("b", prompt(4), params)],
+        2: [("c", prompt(9), params)],  # a prefill beside two decodes
+    })
+    assert sorted(done) == ["a", "b", "c"]
+    for rid, out in done.items():
+        comp = out.outputs[0]
+        full = out.prompt_token_ids + comp.token_ids
+        hf = hf_logprobs(model_dir, full)  # [len, V]
+        p = len(out.prompt_token_ids)
+        checked = 0
+        for pos in range(1, p):
+            for tok, lp in out.prompt_logprobs[pos].items():
+                assert abs(lp - float(hf[pos - 1, tok])) < 1e-3, f"{rid} prompt pos {pos} token {tok}"
+                checked += 1
+        for j, tok in enumerate(comp.token_ids):
+            assert tok == int(hf[p + j - 1].argmax()), f"{rid} step {j}: greedy token differs from transformers"
+            for t, lp in comp.logprobs[j].items():
+                assert abs(lp - float(hf[p + j - 1, t])) < 1e-3, f"{rid} step {j} token {t}"
+                checked += 1
+        assert checked >= 3 * (p - 1 + len(comp.token_ids))
