@@ -48,7 +48,7 @@ class EngineConfig:
     seed: int = 0
     kv_policy: str = "proactive"
     starvation_threshold: float | None = 0.3  # alpha, seconds
-    starvation_factor: float | None = 0.5  # overload: promotion after max(alpha, f x W); None = the paper's rule
+    starvation_factor: float | None = 1.0  # overload: promotion after max(alpha, f x W); None = the paper's rule
     quantum_ratio: float = 2.0
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;

@@ -94,7 +94,7 @@ class SchedulerConfig:
     starvation_threshold: float | None = 0.3  # alpha, seconds on the engine clock; None = off
     # Overload: a job is promoted only once it has waited max(alpha, this x the recent wait of jobs at
     # their first run) (an EMA); below capacity that wait is under alpha, so this is alpha. None = alpha
-    # (the paper's rule, this unit's default; the engine's default is 0.5, engine/config.py). See
+    # (the paper's rule, this unit's default; the engine's default is 1, engine/config.py). See
     # scheduler/skip_join_mlfq.py and docs/benchmarks.md, "Past capacity".
     starvation_factor: float | None = None
     quantum_ratio: float = 2.0

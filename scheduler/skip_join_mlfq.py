@@ -14,7 +14,7 @@ Rule, on the engine's clock, with every time a *profiled* cost:
 - Starvation prevention: a job not in the batch whose starve time exceeds
   alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
   its service reset. A job already in Q1 stays where it is.
-- Overload (starvation_factor f; default 0.5, None = the rule above): a
+- Overload (starvation_factor f; default 1 in the engine, None = the rule above): a
   job is promoted only once it has waited max(alpha, f x W), W the recent
   wait of jobs at their first run (an exponential average over started
   jobs). Below capacity W is under alpha and this is the paper's rule.

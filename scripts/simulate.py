@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-overcommit", type=none_or_float, default=4.0,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
                          "(the paper)")
-    ap.add_argument("--starvation-factor", type=none_or_float, default=0.5,
+    ap.add_argument("--starvation-factor", type=none_or_float, default=1.0,
                     help="a waiting job is promoted after max(alpha, this x the recent wait to a first run); "
                          "'none' = alpha (the paper)")
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
