@@ -163,6 +163,11 @@ class KVManager:
         if kv.residency is Residency.NONE:
             kv.residency = Residency.DEVICE
 
+    @property
+    def victims_by_priority(self) -> bool:
+        """Recompute drops what it evicts: the policy takes the lowest-priority job first (vLLM's rule)."""
+        return self.policy is KVPolicy.RECOMPUTE
+
     def may_evict_for(self, job) -> bool:
         """Proactive: a job whose KV is on the host runs when there is free room (or after its prefetch),
         never by pushing resident jobs out; that would trade one swap for two and, under the churn of

@@ -52,6 +52,11 @@ class CostModel(Protocol):
 class KVAdmission(Protocol):
     """The verbs a policy may use on memory/ (implemented by memory.KVManager)."""
 
+    # Which started job an eviction takes first. True (recompute: an evicted job loses its whole context,
+    # so vLLM's rule): the job of lowest priority in the policy's order. False (swapping: the job comes
+    # back when it is due): the job with the largest estimated wait (ENST), lowest priority on ties.
+    victims_by_priority: bool
+
     def can_fit(self, job: Job, num_new_tokens: int) -> bool:
         """Whether the job's KV can grow by num_new_tokens on the device now
         (counting the allocations already made this tick)."""

@@ -44,6 +44,8 @@ class AlwaysFits:
     def allocate(self, job: Job, num_new_tokens: int) -> None:
         pass
 
+    victims_by_priority = False
+
     def may_evict_for(self, job: Job) -> bool:
         return True
 

@@ -29,8 +29,9 @@ class FakeKV:
     """Device KV of `num_blocks` blocks of `block_size` tokens. evict() drops the
     job's KV (recompute), as memory/ does under --kv-policy recompute."""
 
-    def __init__(self, num_blocks: int, block_size: int = 4) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 4, victims_by_priority: bool = False) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.victims_by_priority = victims_by_priority  # False: largest ENST first (memory/'s swapping rule)
         self.held: dict[Job, int] = {}  # job -> blocks reserved
         self.num_evictions = 0
 

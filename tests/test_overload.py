@@ -99,6 +99,8 @@ def test_starvation_factor_holds_back_promotion_of_preempted_jobs():
 class _Roomy:
     """KV admission that always fits (the fresh-factor test is about order only)."""
 
+    victims_by_priority = False
+
     def can_fit(self, job, n):
         return True
 

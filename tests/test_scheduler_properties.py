@@ -132,7 +132,8 @@ def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
 def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
     """The policy keeps T_execute per queue between changes of the queues; after any mix of arrivals,
     promotions, demotions and finishes it must equal DESIGN.md's formula computed from scratch (with
-    request classes: a job of a more urgent class in Q_a adds q_a + ... + q_max(a,b))."""
+    request classes: a job of a more urgent class in Q_a adds q_a + ... + q_max(a,b)). With a starvation
+    factor f, alpha in the formula is the promotion threshold max(alpha, f x W) of that moment."""
     config, specs, kv = setup
     policy = make_policy(config, COST)
     assert isinstance(policy, SkipJoinMLFQPolicy)
@@ -146,7 +147,11 @@ def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
             same = sum(sum(quanta[a:b]) for other in jobs if band[other] == band[job] and (a := other.queue) < b)
             ahead = sum(sum(quanta[other.queue:max(other.queue, b) + 1]) for other in jobs if band[other] < band[job])
             t_exec = (same + ahead) / seqs
-            want = t_exec if alpha is None else min(alpha - (now - job.last_scheduled_time), t_exec)
+            threshold = policy.promotion_threshold()
+            if alpha is not None:
+                assert threshold == (alpha if config.starvation_factor is None else
+                                     max(alpha, config.starvation_factor * policy.start_wait_ema))
+            want = t_exec if alpha is None else min(threshold - (now - job.last_scheduled_time), t_exec)
             got = policy.estimated_wait(job, now)
             assert got == 0.0 if job in policy._running else abs(got - want) <= 1e-9 * max(1.0, abs(want))
 

@@ -257,6 +257,27 @@ def test_a_high_priority_job_evicts_lower_priority_kv_largest_wait_first() -> No
     assert kv.num_evictions == 1
 
 
+def test_recompute_evicts_the_lowest_priority_job_swapping_the_largest_enst() -> None:
+    """Alpha 12 s. q4 (Q4, 16 blocks) last ran at -11.5 s: due for promotion in 0.5 s, so its ENST is 0.5;
+    q3 (Q3, 8 blocks) last ran at 0: ENST = q1 + q2 = 3. A new Q1 job needs 2 blocks, 1 is free. Swapping
+    (memory/ offloads the victim; it comes back when due) evicts the largest ENST: q3. Recompute (the victim
+    loses its whole context) evicts as vLLM does, the lowest priority: q4."""
+    for by_priority, victim, kept in ((False, "q3", "q4"), (True, "q4", "q3")):
+        policy = mlfq(max_num_seqs=1, starvation_threshold=12.0)
+        kv = FakeKV(num_blocks=25, block_size=4, victims_by_priority=by_priority)
+        jobs = {"q3": job("q3", 32), "q4": job("q4", 64)}
+        for j, last in ((jobs["q4"], -11.5), (jobs["q3"], 0.0)):
+            j.first_scheduled_time = j.last_scheduled_time = last
+            policy.add(j, 0.0)
+            kv.allocate(j, j.prompt_len)
+            j.num_computed = j.prompt_len
+        policy.add(job("new", 8), 0.0)
+        assert (policy.estimated_wait(jobs["q4"], 0.0), policy.estimated_wait(jobs["q3"], 0.0)) == (0.5, 3.0)
+        assert [j.job_id for j in policy.schedule(0.0, kv).batch] == ["new"]
+        assert jobs[victim].num_computed == 0 and jobs[kept].num_computed == jobs[kept].prompt_len, by_priority
+        assert kv.num_evictions == 1
+
+
 def test_a_job_that_cannot_fit_is_skipped_and_higher_priority_kv_is_kept() -> None:
     policy = mlfq(max_num_seqs=2)
     kv = FakeKV(num_blocks=4, block_size=4)
