@@ -61,7 +61,7 @@ class DecodeRows:
 
     k_rows: torch.Tensor  # [N] long, N = H * sum(context_len)
     row_ptr: torch.Tensor  # [S * H + 1] long: CSR row pointers of the (s, h) rows into k_rows
-    padded_index: torch.Tensor  # [N] long: where each entry sits in a padded [S, H, C] (c < context_len of s)
+    padded_index: torch.Tensor | None  # [N] long: each entry's place in a padded [S, H, C]; None: no padding
     scores: torch.Tensor  # [S, H, C]: scratch for the padded scores, -inf where no entry is
     zeros: torch.Tensor  # [N]: the sparse pattern's (unused) values
     layer_stride: int  # rows between layer l and l + 1 of one block
@@ -88,6 +88,9 @@ class DecodeRows:
         row_ptr = torch.zeros(s * h + 1, dtype=torch.long, device=dev)
         torch.cumsum(counts, 0, out=row_ptr[1:])
         n = padded_index.numel()
+        if n == s * h * c:  # every context as long as the longest: entries and padded places coincide
+            return cls(rows.reshape(-1), row_ptr, None, scores=torch.empty(0, dtype=kv_cache.dtype, device=dev),
+                       zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
         return cls(rows.reshape(-1)[padded_index], row_ptr, padded_index,
                    scores=torch.full((s, h, c), float("-inf"), dtype=kv_cache.dtype, device=dev),
                    zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
@@ -107,8 +110,11 @@ def decode_attention_in_place(
                                       check_invariants=False)
     # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order
     scores = torch.sparse.sampled_addmm(pattern, q.reshape(s * h, d), cache_rows.t(), beta=0.0, alpha=scale).values()
-    padded = rows.scores.view(-1).index_copy_(0, rows.padded_index, scores)  # [S * H * C], -inf elsewhere
-    probs = torch.softmax(padded.view(s * h, -1), dim=-1).view(-1).index_select(0, rows.padded_index)  # [N]
+    if rows.padded_index is None:
+        probs = torch.softmax(scores.view(s * h, -1), dim=-1).view(-1)  # [N]
+    else:
+        padded = rows.scores.view(-1).index_copy_(0, rows.padded_index, scores)  # [S * H * C], -inf elsewhere
+        probs = torch.softmax(padded.view(s * h, -1), dim=-1).view(-1).index_select(0, rows.padded_index)  # [N]
     out = F.embedding_bag(k_rows + rows.v_offset, cache_rows, offsets=rows.row_ptr[:-1],
                           per_sample_weights=probs, mode="sum")  # [S * H, D]
     return out.view(s, h, d)

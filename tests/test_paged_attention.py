@@ -92,11 +92,12 @@ def test_workspace_reuses_and_grows():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_in_place_decode_matches_gathered_reference(dtype):
-    """Many sequences of unequal lengths (one block, partial blocks, full blocks), scattered tables padded
-    with block 0, every layer of a multi-layer cache: the in-place path equals the gathering one."""
+@pytest.mark.parametrize("lens", [[1, 4, 5, 16, 17, 3, 30], [9, 9, 9]], ids=["unequal", "equal"])
+def test_in_place_decode_matches_gathered_reference(dtype, lens):
+    """Sequences of unequal lengths (one block, partial blocks, full blocks) or equal ones, scattered tables
+    padded with block 0, every layer of a multi-layer cache: the in-place path equals the gathering one."""
     g = torch.Generator().manual_seed(1)
-    nb, layers, lens = 64, 3, [1, 4, 5, 16, 17, 3, 30]
+    nb, layers = 64, 3
     kv = torch.randn(nb, layers, 2, BS, H, D, generator=g, dtype=dtype)
     assert supports_in_place_decode(kv)
     perm = torch.randperm(nb, generator=g).tolist()
