@@ -109,7 +109,8 @@ class Worker:
             elif isinstance(msg, m.AllocateKV):
                 self.runner.allocate_kv_cache(msg.num_blocks)
             elif isinstance(msg, m.AttachHost):
-                self.runner.attach_host_tier(msg.num_blocks)
+                # Locked in full before the next message: see MultiprocExecutor.host_blocks_ready.
+                self.runner.attach_host_tier(msg.num_blocks, wait_pinned=True)
             elif isinstance(msg, m.Shutdown):
                 return
             else:
