@@ -58,3 +58,28 @@ def test_cuda_half_precision_serves(tiny_model_dir, dtype):
     assert llm.engine.executor.num_device_blocks > 1000  # sized from gpu_memory_utilization
     outs = llm.generate(PROMPTS * 4, greedy())
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+
+
+def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
+    """The host tier starts pageable, is page-locked chunk by chunk in a thread (cudaHostRegister), copies
+    through it round-trip on the copy streams, and close() unlocks it."""
+    from engine.host_tier import HostTier
+    from engine.swapper import Swapper
+    from memory.transfers import Direction
+
+    block = (2, 2, 16, 4, 8)  # [L, 2, bs, H, D]
+    device = torch.randn(16, *block, device="cuda")
+    block_bytes = device[0].numel() * 4
+    tier = HostTier(40, block, torch.float32, pin=True, chunk_bytes=8 * block_bytes)  # 5 chunks
+    assert tier.wait_pinned(timeout=60) and tier.blocks_ready == 40
+    assert tier.blocks[0].is_pinned() and tier.blocks[39].is_pinned()
+    swapper = Swapper(device, tier)
+    pairs = [(d, 6 + d) for d in range(16)]  # host 6..21: crosses chunks at 8 and 16
+    swapper.copy(Direction.OFFLOAD, pairs).wait()
+    back = device.clone()
+    device.zero_()
+    swapper.copy(Direction.UPLOAD, [(h, d) for d, h in pairs]).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(device, back)
+    swapper.shutdown()
+    assert not tier.blocks[0].is_pinned()
