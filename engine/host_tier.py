@@ -15,7 +15,8 @@ chunk by chunk, in block order, with cudaHostRegister; `blocks_ready` counts
 the leading blocks whose chunks are locked. The KV manager hands out only
 those (memory/kv_manager.py grows its host allocator up to it), so every
 copy touches pinned memory and stays asynchronous; serving starts at once,
-with a host tier that grows to its full size within seconds. A copy is
+with a host tier that grows to its full size as the thread goes (how fast
+has not been measured on a GPU yet). A copy is
 never let across a chunk boundary (`chunk_runs`), since each chunk is its
 own registration. On the CPU nothing is pinned and every block is ready at
 once, as before.
@@ -34,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 30  # one cudaHostRegister call: about 0.1-0.3 s of page-locking
+CHUNK_BYTES = 1 << 30  # page-locked per cudaHostRegister call
 
 
 def _cuda_register(ptr: int, size: int) -> None:

@@ -62,7 +62,7 @@ class DecodeRows:
     k_rows: torch.Tensor  # [N] long, N = H * sum(context_len)
     row_ptr: torch.Tensor  # [S * H + 1] long: CSR row pointers of the (s, h) rows into k_rows
     padded_index: torch.Tensor | None  # [N] long: each entry's place in a padded [S, H, C]; None: no padding
-    scores: torch.Tensor  # [S, H, C]: scratch for the padded scores, -inf where no entry is
+    scores: torch.Tensor  # [S, H, C]: scratch for the padded scores, -inf where no entry is (empty: no padding)
     zeros: torch.Tensor  # [N]: the sparse pattern's (unused) values
     layer_stride: int  # rows between layer l and l + 1 of one block
     v_offset: int  # rows between a token's K and its V
