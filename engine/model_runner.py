@@ -27,11 +27,12 @@ import torch
 from engine.batch import ModelBatch, SequenceResult, SequenceWork
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_inputs import DecodeInputs
+from engine.host_tier import HostTier
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
 from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.swapper import Swapper, allocate_host_cache
+from engine.swapper import Swapper
 from kernels.attention_backend import attention_function, resolve_attention_backend
 from kernels.paged_attention import AttentionMetadata, Workspace
 
@@ -96,13 +97,16 @@ class ModelRunner:
                                hidden_input=not self.model.is_first)
         self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
 
-    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0) -> Swapper:
-        """The host tier (pinned on CUDA) and the Swapper that moves this rank's block slices to and from it."""
+    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0, wait_pinned: bool = False) -> Swapper:
+        """The host tier (page-locked in the background on CUDA, engine/host_tier.py; wait_pinned: until all of
+        it is) and the Swapper that moves this rank's block slices to and from it."""
         if self.swapper is not None:  # a new engine over the same workers: a fresh host tier
             self.swapper.shutdown()
         shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
-        host = allocate_host_cache(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
-        self.swapper = Swapper(self.kv_cache, host, copy_delay_s)
+        tier = HostTier(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
+        if wait_pinned:
+            tier.wait_pinned()
+        self.swapper = Swapper(self.kv_cache, tier, copy_delay_s)
         return self.swapper
 
     def shutdown(self) -> None:

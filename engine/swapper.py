@@ -7,8 +7,10 @@ piece holding every layer's K and V for block_size tokens — and returns a
 handle:
 - CUDA: the copies are queued on a copy stream of their direction (one for
   device-to-host, one for host-to-device) after the compute stream's pending
-  work (so an offload reads what compute wrote), into pinned host memory,
-  non-blocking; the handle is a CUDA event.
+  work (so an offload reads what compute wrote), into pinned host memory
+  (engine/host_tier.py: only page-locked host blocks are handed out, and no
+  copy crosses one of its chunks' boundaries), non-blocking; the handle is a
+  CUDA event.
 - CPU: a copy thread per direction runs the copies in order; the handle is its
   future.
 Either way memory/ frees the source blocks only once the handle is done, and
@@ -24,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.host_tier import HostTier
 from memory.transfers import Direction
 
 
@@ -49,12 +52,6 @@ class _EventHandle:
         self._event.synchronize()
 
 
-def allocate_host_cache(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """Uninitialised: a host block is always written by an offload before an upload reads it, so the
-    pages of a large swap space are only touched when used."""
-    return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=pin)
-
-
 def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """(source start, destination start, length) runs covering the (source, destination) block pairs: one
     copy per run instead of one per block. Blocks handed out together are mostly consecutive on both tiers,
@@ -69,9 +66,11 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 class Swapper:
-    def __init__(self, device_cache: torch.Tensor, host_cache: torch.Tensor, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, device_cache: torch.Tensor, host: torch.Tensor | HostTier, copy_delay_s: float = 0.0) -> None:
+        """host: the host tier (engine/host_tier.py), or a plain host tensor whose blocks are all usable."""
         self.device_cache = device_cache  # [NB, L, 2, bs, H, D]
-        self.host_cache = host_cache  # [NH, L, 2, bs, H, D]
+        self.tier = host if isinstance(host, HostTier) else None
+        self.host_cache = host.blocks if isinstance(host, HostTier) else host  # [NH, L, 2, bs, H, D]
         self.copy_delay_s = copy_delay_s
         self.bytes_copied = 0
         self._cuda = device_cache.is_cuda
@@ -88,28 +87,46 @@ class Swapper:
     def block_bytes(self) -> int:
         return self.device_cache[0].numel() * self.device_cache.element_size()
 
+    def host_blocks_ready(self) -> int:
+        """The TransferBackend verb: leading host blocks usable now (those already page-locked on CUDA)."""
+        return self.tier.blocks_ready if self.tier is not None else self.host_cache.shape[0]
+
+    def runs(self, direction: Direction, pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """The copies of these block pairs: contiguous runs, cut at the host tier's chunk boundaries."""
+        runs = contiguous_runs(pairs)
+        if self.tier is None:
+            return runs
+        return self.tier.chunk_runs(runs, host_side=1 if direction is Direction.OFFLOAD else 0)
+
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]):
         src, dst = ((self.device_cache, self.host_cache) if direction is Direction.OFFLOAD
                     else (self.host_cache, self.device_cache))
         self.bytes_copied += len(pairs) * self.block_bytes
+        runs = self.runs(direction, pairs)
         if self._cuda:
             stream = self._streams[direction]
             stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))  # after compute queued so far
             with torch.cuda.stream(stream):
-                for s, d, n in contiguous_runs(pairs):
+                for s, d, n in runs:
                     dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             return _EventHandle(event)
-        return _FutureHandle(self._threads[direction].submit(self._copy_blocks, src, dst, pairs))
+        return _FutureHandle(self._threads[direction].submit(self._copy_blocks, src, dst, runs))
 
-    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    def _copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
         if self.copy_delay_s:
             time.sleep(self.copy_delay_s)
-        for s, d, n in contiguous_runs(pairs):
+        for s, d, n in runs:
             dst[d : d + n].copy_(src[s : s + n])
 
     def shutdown(self) -> None:
-        if not self._cuda:
+        """Wait for the copies in flight, then release the host tier (unlocking its pages on CUDA)."""
+        if self._cuda:
+            for stream in self._streams.values():
+                stream.synchronize()
+        else:
             for thread in self._threads.values():
                 thread.shutdown(wait=True)
+        if self.tier is not None:
+            self.tier.close()

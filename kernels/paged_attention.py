@@ -2,7 +2,9 @@
 
 What it is: pure functions on tensors that run on any device (CPU here, CUDA
 where present). What it is not: a fast kernel; fused CUDA paths come later
-and are tested against these.
+and are tested against these. One exception: on the CPU, decode attention
+reads the cache in place (kernels/cpu_decode_attention.py) instead of
+gathering it; `decode_attention_gathered` stays as its reference.
 
 Legend
     T   tokens in the flattened batch (every job's new tokens, concatenated)
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +47,9 @@ class AttentionMetadata:
     # (start, end, block_table [MB] long, context_len).
     partial: list[tuple[int, int, torch.Tensor, int]]
     workspace: Workspace | None = None  # reused gather buffers (see Workspace)
+    # The decode sequences' cache rows, built by the first layer that reads the cache in place and reused by
+    # the others (kernels/cpu_decode_attention.py).
+    decode_rows: DecodeRows | None = None
 
 
 def write_kv(
@@ -131,6 +138,22 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
+    """On the CPU the context is read in place (kernels/cpu_decode_attention.py); elsewhere, the reference."""
+    if supports_in_place_decode(kv_cache):
+        if meta.decode_rows is None:
+            meta.decode_rows = DecodeRows.build(kv_cache, meta.decode_block_tables, meta.decode_context_lens)
+        return decode_attention_in_place(q, kv_cache, layer, meta.decode_rows, scale)
+    return decode_attention_gathered(q, kv_cache, layer, meta, scale)
+
+
+def decode_attention_gathered(
+    q: torch.Tensor,  # [S_d, H, D]
+    kv_cache: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [S_d, H, D]
+    """The reference: each sequence's K/V gathered out of its blocks, then SDPA over the padded context."""
     keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, C, H, D], C = MB*bs
     c = keys.shape[1]
     valid = torch.arange(c, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [S_d, C]

@@ -48,6 +48,13 @@ class BlockAllocator:
             del self._owner[b]
             self._free.append(b)
 
+    def grow(self, num_blocks: int) -> None:
+        """Add the ids from the current count up to num_blocks, free (a tier whose storage arrives over time,
+        engine/host_tier.py); no-op when it already has that many."""
+        if num_blocks > self.num_blocks:
+            self._free.extend(range(self.num_blocks, num_blocks))
+            self.num_blocks = num_blocks
+
     def owner_of(self, block: int) -> str | None:
         return self._owner.get(block)
 

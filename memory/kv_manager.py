@@ -111,8 +111,10 @@ class KVManager:
         self.policy = KVPolicy(policy)
         self.reserved_blocks = reserved_blocks
         self.device = BlockAllocator(num_device_blocks, "device")
-        self.host = BlockAllocator(num_host_blocks, "host")
         self.transfers = transfers or NoCopyBackend()
+        self.num_host_blocks = num_host_blocks  # the host tier's size once all of it is there
+        self.host = BlockAllocator(0, "host")  # grows as the backend readies host blocks (_grow_host)
+        self._grow_host()
         self._now = now  # the engine's clock: swap waits are measured on it (virtual in the simulator)
         self._jobs: dict[str, JobKV] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
@@ -346,9 +348,16 @@ class KVManager:
         have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
         return max(0, blocks_needed(job.num_computed + num_new_tokens, self.block_size) - have)
 
+    def _grow_host(self) -> None:
+        """Take in the host blocks the backend has readied since last asked (engine/host_tier.py): only
+        those are ever handed out."""
+        if self.host.num_blocks < self.num_host_blocks:
+            self.host.grow(min(self.num_host_blocks, self.transfers.host_blocks_ready()))
+
     def start_offload(self, kv: JobKV) -> bool:
         """Begin device -> host; False (nothing started) when the host tier has no room."""
         n = len(kv.device)
+        self._grow_host()
         if n > self.host.num_free:
             self.stats.host_full_fallbacks += 1
             return False

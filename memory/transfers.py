@@ -11,7 +11,10 @@ thread's future, a worker's reply read while the engine steps or polls).
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Protocol
+
+NO_LIMIT = sys.maxsize  # host_blocks_ready() of a backend whose host tier is all there
 
 
 class Direction(str, enum.Enum):
@@ -28,6 +31,12 @@ class TransferBackend(Protocol):
         """Start copying blocks: pairs of (source block, destination block)."""
         ...
 
+    def host_blocks_ready(self) -> int:
+        """How many leading host blocks (ids 0..n-1) may be used now: the host tier's storage can arrive
+        after start-up (pinned in the background on CUDA, engine/host_tier.py); NO_LIMIT when all of it is
+        there. memory/ never hands out a host block at or past this count."""
+        ...
+
 
 class CompletedTransfer:
     """A transfer that needed no copy (used when no backend is attached)."""
@@ -41,3 +50,6 @@ class NoCopyBackend:
 
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> TransferHandle:
         return CompletedTransfer()
+
+    def host_blocks_ready(self) -> int:
+        return NO_LIMIT

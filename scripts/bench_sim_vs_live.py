@@ -121,7 +121,7 @@ def run_live(model_dir: Path, profile: Path, trace, policy: str, kv_policy: str,
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", profile=str(profile),
                                  scheduling_policy=policy, kv_policy=kv_policy, max_num_seqs=max_num_seqs,
                                  num_gpu_blocks_override=device_blocks, num_host_blocks_override=4 * device_blocks))
-    blocks = {"num_device_blocks": engine.kv.device.num_blocks, "num_host_blocks": engine.kv.host.num_blocks}
+    blocks = {"num_device_blocks": engine.kv.device.num_blocks, "num_host_blocks": engine.kv.num_host_blocks}
     timed = {"execute_s": 0.0, "steps": 0}
     submit = engine.executor.submit
 

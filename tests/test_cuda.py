@@ -74,3 +74,28 @@ def test_the_gpu_row_the_engine_runs_on_carries_rank_0(tiny_model_dir):
     assert [r["worker"] for r in labelled] == [{"rank": 0, "tp_rank": 0, "pp_stage": 0,
                                                 "cuda_device": gpu.cuda_device}]
     assert labelled[0]["name"] == torch.cuda.get_device_name(gpu.cuda_device)
+
+
+def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
+    """The host tier starts pageable, is page-locked chunk by chunk in a thread (cudaHostRegister), copies
+    through it round-trip on the copy streams, and close() unlocks it."""
+    from engine.host_tier import HostTier
+    from engine.swapper import Swapper
+    from memory.transfers import Direction
+
+    block = (2, 2, 16, 4, 8)  # [L, 2, bs, H, D]
+    device = torch.randn(16, *block, device="cuda")
+    block_bytes = device[0].numel() * 4
+    tier = HostTier(40, block, torch.float32, pin=True, chunk_bytes=8 * block_bytes)  # 5 chunks
+    assert tier.wait_pinned(timeout=60) and tier.blocks_ready == 40
+    assert tier.blocks[0].is_pinned() and tier.blocks[39].is_pinned()
+    swapper = Swapper(device, tier)
+    pairs = [(d, 6 + d) for d in range(16)]  # host 6..21: crosses chunks at 8 and 16
+    swapper.copy(Direction.OFFLOAD, pairs).wait()
+    back = device.clone()
+    device.zero_()
+    swapper.copy(Direction.UPLOAD, [(h, d) for d, h in pairs]).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(device, back)
+    swapper.shutdown()
+    assert not tier.blocks[0].is_pinned()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from memory.kv_manager import KVManager, Residency
-from memory.transfers import Direction
+from memory.transfers import NO_LIMIT, Direction
 from scheduler.job import Job
 
 
@@ -35,6 +35,9 @@ class ManualBackend:
         self.handles.append(h)
         self.calls.append((direction, pairs))
         return h
+
+    def host_blocks_ready(self) -> int:
+        return NO_LIMIT
 
     def complete_all(self) -> None:
         for h in self.handles:
@@ -191,6 +194,40 @@ def test_host_full_eviction_drops():
     kv.evict(a)
     assert kv.residency("j0") is Residency.NONE and a.num_computed == 0 and a.ready
     assert kv.stats.host_full_fallbacks == 1 and kv.stats.num_drops == 1
+
+
+class GrowingHostBackend(ManualBackend):
+    """A host tier whose storage arrives over time (engine/host_tier.py on CUDA): `ready` leading blocks."""
+
+    def __init__(self, ready: int) -> None:
+        super().__init__()
+        self.ready = ready
+
+    def host_blocks_ready(self) -> int:
+        return self.ready
+
+
+def test_host_blocks_are_handed_out_only_once_the_backend_has_readied_them():
+    be = GrowingHostBackend(ready=0)
+    kv = KVManager(8, 4, num_host_blocks=6, policy="reactive", transfers=be)
+    a, b, c = job(0, 8), job(1, 8), job(2, 8)
+    for j in (a, b, c):
+        grow(kv, j, 8)  # 2 blocks each
+    kv.evict(a)  # no host block is ready yet: dropped, as with a full host tier
+    assert kv.residency("j0") is Residency.NONE and kv.stats.host_full_fallbacks == 1
+    be.ready = 3  # one chunk of 3 blocks locked
+    kv.evict(b)
+    assert kv.residency("j1") is Residency.OFFLOADING
+    assert all(h < 3 for _, pairs in be.calls for _, h in pairs)
+    kv.evict(c)  # 1 ready block left, 2 needed
+    assert kv.residency("j2") is Residency.NONE and kv.stats.host_full_fallbacks == 2
+    be.ready = 99  # all locked: the tier stops at its configured size
+    grow(kv, c, 8)
+    kv.evict(c)
+    assert kv.host.num_blocks == 6 and kv.residency("j2") is Residency.OFFLOADING
+    assert all(h < 6 for _, pairs in be.calls for _, h in pairs)
+    be.complete_all()
+    kv.check_invariants()
 
 
 def test_free_during_a_copy_holds_the_blocks_until_it_completes():

@@ -1,5 +1,7 @@
 """kernels/paged_attention against plain dense causal attention, with
-scattered (non-contiguous) block tables and contexts across block boundaries."""
+scattered (non-contiguous) block tables and contexts across block boundaries;
+the CPU decode path that reads the cache in place against the gathering
+reference."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import AttentionMetadata, Workspace, gather_kv, paged_attention
+import kernels.paged_attention as paged
+from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
+from kernels.paged_attention import AttentionMetadata, Workspace, decode_attention_gathered, gather_kv, paged_attention
 
 H, D, BS, NB, L = 3, 8, 4, 40, 2
 
@@ -19,8 +23,11 @@ def dense_causal(q, k, v, scale):  # [n, H, D] each; the last len(q) positions o
                                           attn_mask=mask, scale=scale).transpose(0, 1)
 
 
+@pytest.mark.parametrize("decode_in_place", [True, False])
 @pytest.mark.parametrize("use_workspace", [False, True])
-def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace):
+def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_in_place, monkeypatch):
+    if not decode_in_place:
+        monkeypatch.setattr(paged, "supports_in_place_decode", lambda kv_cache: False)
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(NB, generator=g).tolist()  # scattered block ids
     # (cached tokens before this step, new tokens this step)
@@ -82,3 +89,37 @@ def test_workspace_reuses_and_grows():
     assert a.data_ptr() == b.data_ptr()
     c = ws.get("x", (10, 10), like)
     assert c.shape == (10, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lens", [[1, 4, 5, 16, 17, 3, 30], [9, 9, 9]], ids=["unequal", "equal"])
+def test_in_place_decode_matches_gathered_reference(dtype, lens):
+    """Sequences of unequal lengths (one block, partial blocks, full blocks) or equal ones, scattered tables
+    padded with block 0, every layer of a multi-layer cache: the in-place path equals the gathering one."""
+    g = torch.Generator().manual_seed(1)
+    nb, layers = 64, 3
+    kv = torch.randn(nb, layers, 2, BS, H, D, generator=g, dtype=dtype)
+    assert supports_in_place_decode(kv)
+    perm = torch.randperm(nb, generator=g).tolist()
+    mb = max(-(-n // BS) for n in lens)
+    tables = []
+    for n in lens:
+        own = [perm.pop() for _ in range(-(-n // BS))]
+        tables.append(own + [0] * (mb - len(own)))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [],
+                             torch.arange(len(lens)), torch.tensor(tables), torch.tensor(lens), [])
+    rows = DecodeRows.build(kv, meta.decode_block_tables, meta.decode_context_lens)
+    assert rows.k_rows.numel() == H * sum(lens)
+    q = torch.randn(len(lens), H, D, generator=g, dtype=dtype)
+    for layer in range(layers):
+        got = decode_attention_in_place(q, kv, layer, rows, D**-0.5)
+        want = decode_attention_gathered(q, kv, layer, meta, D**-0.5)
+        torch.testing.assert_close(got, want)
+
+
+def test_in_place_decode_is_cpu_float_only():
+    """Other dtypes and non-contiguous caches take the gathering reference."""
+    kv = torch.zeros(4, 1, 2, BS, H, D)
+    assert supports_in_place_decode(kv)
+    assert not supports_in_place_decode(kv.to(torch.bfloat16))
+    assert not supports_in_place_decode(kv[::2])

@@ -31,7 +31,7 @@ import torch
 from engine.batch import BatchResult, ModelBatch, SequenceResult
 from engine.clock import VirtualClock
 from engine.executor.base import Executor
-from memory.transfers import Direction
+from memory.transfers import NO_LIMIT, Direction
 from scheduler.cost_model import ProfiledCostModel
 
 SIMULATED_TOKEN = 4  # any id that is not BOS/EOS/PAD
@@ -77,6 +77,9 @@ class SimulatedSwapper:
         heapq.heappush(self._ends, end)
         self.bytes_copied += nbytes
         return _VirtualCopy(self.clock, end)
+
+    def host_blocks_ready(self) -> int:
+        return NO_LIMIT  # a virtual host tier is all there at once
 
 
 class _VirtualStep(Future):

@@ -115,7 +115,8 @@ class Worker:
                 if self.runner.decode_graphs is None and graphs_wanted(s.enforce_eager, self.device, s.tp_size):
                     self.runner.use_decode_graphs(s.max_num_seqs, s.max_model_len, capture=True)
             elif isinstance(msg, m.AttachHost):
-                self.runner.attach_host_tier(msg.num_blocks)
+                # Locked in full before the next message: see MultiprocExecutor.host_blocks_ready.
+                self.runner.attach_host_tier(msg.num_blocks, wait_pinned=True)
             elif isinstance(msg, m.Shutdown):
                 return
             else:

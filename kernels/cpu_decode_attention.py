@@ -1,0 +1,120 @@
+"""Decode attention that reads the paged KV cache in place, once: the CPU path.
+
+What it is: attention of one new token per sequence (decode) over that
+sequence's cached K/V, computed straight from the block-major cache with two
+sparse primitives of plain torch, so no [S, MB * bs, H, D] copy of the context
+is made. What it is not: a kernel for CUDA (a later file), nor for prefill or
+chunked prefill (kernels/paged_attention.py gathers those).
+
+Why: the reference (kernels/paged_attention.py `gather_kv` + SDPA) copies each
+sequence's K and V out of their blocks and then reads the copy, so the context
+crosses memory twice (three times counting the copy's writes). On a CPU the
+decode step is memory-bound, and that copy was a quarter of the batch-32 step
+of opt-125m.
+
+How: view the cache as rows of one head's vector, rows[NB * L * 2 * bs * H, D]
+(the cache is contiguous), so K (or V) of sequence s, head h, position c is
+one row, at
+
+    row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * bs * H + (c % bs) * H + h
+
+Each (s, h) pair is one row of a ragged [S * H, rows] sparse pattern holding
+its context's K rows, so
+  - scores = torch.sparse.sampled_addmm(pattern, q, rows^T): one dot product per
+    (s, h, c), each K row read once where it lies (CSR row pointers, no padding);
+  - softmax over each (s, h)'s scores (small: S * H * C floats);
+  - out = F.embedding_bag(V rows, rows, per_sample_weights=probabilities,
+    mode="sum"): each V row read once and summed with its weight.
+Both run vectorised and in parallel across (s, h) on the CPU (float32/float64;
+other dtypes and devices use the reference).
+
+Legend as kernels/paged_attention.py: S decode sequences, H heads, D head dim,
+L layers, bs block size, C = the longest context in the batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# torch warns once that CSR tensors are "in beta"; the two ops used here are tested against the reference.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64)  # those both sparse primitives implement on the CPU
+
+
+def supports_in_place_decode(kv_cache: torch.Tensor) -> bool:
+    """Whether decode_attention_in_place can run on this cache (CPU, float32/64, contiguous)."""
+    return kv_cache.device.type == "cpu" and kv_cache.dtype in SUPPORTED_DTYPES and kv_cache.is_contiguous()
+
+
+@dataclass
+class DecodeRows:
+    """Where each decode sequence's context sits in the cache viewed as rows of D, for layer 0's K.
+
+    One step computes it once; layer `l`'s K rows are `k_rows + l * layer_stride`, its V rows those
+    plus `v_offset`. Entries are in (sequence, head, position) order, each (s, h) holding its
+    sequence's context_len positions."""
+
+    k_rows: torch.Tensor  # [N] long, N = H * sum(context_len)
+    row_ptr: torch.Tensor  # [S * H + 1] long: CSR row pointers of the (s, h) rows into k_rows
+    padded_index: torch.Tensor | None  # [N] long: each entry's place in a padded [S, H, C]; None: no padding
+    scores: torch.Tensor  # [S, H, C]: scratch for the padded scores, -inf where no entry is (empty: no padding)
+    zeros: torch.Tensor  # [N]: the sparse pattern's (unused) values
+    layer_stride: int  # rows between layer l and l + 1 of one block
+    v_offset: int  # rows between a token's K and its V
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+        block_tables: torch.Tensor,  # [S, MB] long (padded)
+        context_lens: torch.Tensor,  # [S] long
+    ) -> DecodeRows:
+        _, num_layers, _, bs, h, _ = kv_cache.shape
+        s = block_tables.shape[0]
+        dev = kv_cache.device
+        c = int(context_lens.max())
+        pos = torch.arange(c, device=dev)  # [C]
+        # [S, C]: row of (block of position c, layer 0, K, offset c % bs, head 0)
+        base = block_tables[:, pos // bs] * (num_layers * 2 * bs * h) + (pos % bs) * h
+        rows = base[:, None, :] + torch.arange(h, device=dev)[None, :, None]  # [S, H, C]
+        valid = (pos[None, :] < context_lens[:, None])[:, None, :].expand(s, h, c)  # [S, H, C]
+        padded_index = valid.reshape(-1).nonzero().squeeze(1)  # [N], in (s, h, c) order
+        counts = context_lens.repeat_interleave(h)  # [S * H]
+        row_ptr = torch.zeros(s * h + 1, dtype=torch.long, device=dev)
+        torch.cumsum(counts, 0, out=row_ptr[1:])
+        n = padded_index.numel()
+        if n == s * h * c:  # every context as long as the longest: entries and padded places coincide
+            return cls(rows.reshape(-1), row_ptr, None, scores=torch.empty(0, dtype=kv_cache.dtype, device=dev),
+                       zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
+        return cls(rows.reshape(-1)[padded_index], row_ptr, padded_index,
+                   scores=torch.full((s, h, c), float("-inf"), dtype=kv_cache.dtype, device=dev),
+                   zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
+
+
+def decode_attention_in_place(
+    q: torch.Tensor,  # [S, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], contiguous
+    layer: int,
+    rows: DecodeRows,
+    scale: float,
+) -> torch.Tensor:  # [S, H, D]
+    s, h, d = q.shape
+    cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * bs * H, D]
+    k_rows = rows.k_rows + layer * rows.layer_stride  # [N]
+    pattern = torch.sparse_csr_tensor(rows.row_ptr, k_rows, rows.zeros, size=(s * h, cache_rows.shape[0]),
+                                      check_invariants=False)
+    # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order
+    scores = torch.sparse.sampled_addmm(pattern, q.reshape(s * h, d), cache_rows.t(), beta=0.0, alpha=scale).values()
+    if rows.padded_index is None:
+        probs = torch.softmax(scores.view(s * h, -1), dim=-1).view(-1)  # [N]
+    else:
+        padded = rows.scores.view(-1).index_copy_(0, rows.padded_index, scores)  # [S * H * C], -inf elsewhere
+        probs = torch.softmax(padded.view(s * h, -1), dim=-1).view(-1).index_select(0, rows.padded_index)  # [N]
+    out = F.embedding_bag(k_rows + rows.v_offset, cache_rows, offsets=rows.row_ptr[:-1],
+                          per_sample_weights=probs, mode="sum")  # [S * H, D]
+    return out.view(s, h, d)
