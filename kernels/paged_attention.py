@@ -51,6 +51,43 @@ class AttentionMetadata:
     # the others (kernels/cpu_decode_attention.py).
     decode_rows: DecodeRows | None = None
 
+    @classmethod
+    def for_sequences(cls, seqs: list[tuple[int, int]], tables: list[list[int]], block_size: int,
+                      device: torch.device | str | None = None, workspace: Workspace | None = None,
+                      ) -> AttentionMetadata:
+        """The metadata of a flat batch in which sequence i has seqs[i] = (tokens cached before this step,
+        new tokens) and KV blocks tables[i], its new tokens laid out one sequence after another: what
+        engine/model_runner.py builds from a batch (tests and benchmarks build theirs with this)."""
+        slots, offsets, fresh, dec_idx, dec_tables, dec_lens, partial = [], [], [], [], [], [], []
+        t = 0
+        for (cached, new), table in zip(seqs, tables):
+            slots += [table[p // block_size] for p in range(cached, cached + new)]
+            offsets += [p % block_size for p in range(cached, cached + new)]
+            if cached == 0:
+                fresh.append((t, t + new))
+            elif new == 1:
+                dec_idx.append(t)
+                dec_tables.append(table)
+                dec_lens.append(cached + new)
+            else:
+                partial.append((t, t + new, torch.tensor(table, device=device), cached + new))
+            t += new
+        mb = max((len(x) for x in dec_tables), default=0)
+        longs = dict(dtype=torch.long, device=device)
+        return cls(
+            torch.tensor(slots, **longs), torch.tensor(offsets, **longs), fresh, torch.tensor(dec_idx, **longs),
+            torch.tensor([x + [0] * (mb - len(x)) for x in dec_tables], **longs).reshape(len(dec_tables), mb),
+            torch.tensor(dec_lens, **longs), partial, workspace,
+        )
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """A copy with every tensor on `device` (no workspace, no cached decode rows)."""
+        return AttentionMetadata(
+            self.slot_blocks.to(device), self.slot_offsets.to(device), self.fresh_spans,
+            self.decode_token_index.to(device), self.decode_block_tables.to(device),
+            self.decode_context_lens.to(device), [(s, e, t.to(device), c) for s, e, t, c in self.partial],
+        )
+
 
 def write_kv(
     kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]

@@ -34,29 +34,9 @@ def build(seqs: list[tuple[int, int]], h: int, d: int, bs: int, dtype, device, s
     blocks_needed = [-(-(c + n) // bs) for c, n in seqs]
     perm = torch.randperm(sum(blocks_needed), generator=g).tolist()
     kv = torch.randn(len(perm), 1, 2, bs, h, d, dtype=dtype, device=device)
-    t, tables, slots, offsets, fresh, dec_idx, dec_tables, dec_lens, partial = 0, [], [], [], [], [], [], [], []
-    for (c, n), nb in zip(seqs, blocks_needed):
-        table = [perm.pop() for _ in range(nb)]
-        tables.append(table)
-        slots += [table[p // bs] for p in range(c, c + n)]
-        offsets += [p % bs for p in range(c, c + n)]
-        if c == 0:
-            fresh.append((t, t + n))
-        elif n == 1:
-            dec_idx.append(t)
-            dec_tables.append(table)
-            dec_lens.append(c + n)
-        else:
-            partial.append((t, t + n, torch.tensor(table, device=device), c + n))
-        t += n
-    mb = max((len(x) for x in dec_tables), default=0)
-    meta = ref.AttentionMetadata(
-        torch.tensor(slots, device=device), torch.tensor(offsets, device=device), fresh,
-        torch.tensor(dec_idx, dtype=torch.long, device=device),
-        torch.tensor([x + [0] * (mb - len(x)) for x in dec_tables], dtype=torch.long,
-                     device=device).reshape(len(dec_tables), mb),
-        torch.tensor(dec_lens, dtype=torch.long, device=device), partial, ref.Workspace(),
-    )
+    tables = [[perm.pop() for _ in range(nb)] for nb in blocks_needed]
+    meta = ref.AttentionMetadata.for_sequences(seqs, tables, bs, device, ref.Workspace())
+    t = sum(n for _, n in seqs)
     qkv = torch.randn(t, 3, h, d, dtype=dtype, device=device)  # [T, 3, H, D], as the fused projection gives
     q, k, v = qkv.unbind(1)
     return q, k, v, kv, meta

@@ -28,27 +28,8 @@ def make_batch(seqs, h, d, bs, dtype, seed=0, num_blocks=None):
         for p in range(c):
             kv[table[p // bs], 1, 0, p % bs] = k[p]
             kv[table[p // bs], 1, 1, p % bs] = v[p]
-    qs, blocks, offsets, fresh, dec_idx, dec_tables, dec_lens, partial = [], [], [], [], [], [], [], []
-    t = 0
-    for (c, n), table in zip(seqs, tables):
-        qs.append(torch.randn(n, h, d, generator=g).to(dtype))
-        blocks += [table[p // bs] for p in range(c, c + n)]
-        offsets += [p % bs for p in range(c, c + n)]
-        if c == 0:
-            fresh.append((t, t + n))
-        elif n == 1:
-            dec_idx.append(t)
-            dec_tables.append(table)
-            dec_lens.append(c + n)
-        else:
-            partial.append((t, t + n, torch.tensor(table), c + n))
-        t += n
-    mb = max((len(x) for x in dec_tables), default=0)
-    meta = AttentionMetadata(
-        torch.tensor(blocks), torch.tensor(offsets), fresh, torch.tensor(dec_idx, dtype=torch.long),
-        torch.tensor([x + [0] * (mb - len(x)) for x in dec_tables], dtype=torch.long).reshape(len(dec_tables), mb),
-        torch.tensor(dec_lens, dtype=torch.long), partial,
-    )
+    qs = [torch.randn(n, h, d, generator=g).to(dtype) for _, n in seqs]
+    meta = AttentionMetadata.for_sequences(seqs, tables, bs)
     # q, k, v as the model produces them: strided views of one fused [T, 3, H, D] projection.
     k_new = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v_new = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])

@@ -44,30 +44,10 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
         for p in range(cached):
             kv[table[p // BS], layer, 0, p % BS] = k[p]
             kv[table[p // BS], layer, 1, p % BS] = v[p]
-    q_all, k_new, v_new, blocks, offsets = [], [], [], [], []
-    fresh, dec_idx, dec_tables, dec_lens, partial = [], [], [], [], []
-    t = 0
-    for (cached, new), table, k, v in zip(seqs, tables, full_k, full_v):
-        q_all.append(torch.randn(new, H, D, generator=g))
-        k_new.append(k[cached:])
-        v_new.append(v[cached:])
-        blocks += [table[p // BS] for p in range(cached, cached + new)]
-        offsets += [p % BS for p in range(cached, cached + new)]
-        if cached == 0:
-            fresh.append((t, t + new))
-        elif new == 1:
-            dec_idx.append(t)
-            dec_tables.append(table)
-            dec_lens.append(cached + new)
-        else:
-            partial.append((t, t + new, torch.tensor(table), cached + new))
-        t += new
-    mb = max(len(x) for x in dec_tables)
-    meta = AttentionMetadata(
-        torch.tensor(blocks), torch.tensor(offsets), fresh, torch.tensor(dec_idx),
-        torch.tensor([x + [0] * (mb - len(x)) for x in dec_tables]), torch.tensor(dec_lens), partial,
-        Workspace() if use_workspace else None,
-    )
+    q_all = [torch.randn(new, H, D, generator=g) for _, new in seqs]
+    k_new = [k[cached:] for (cached, _), k in zip(seqs, full_k)]
+    v_new = [v[cached:] for (cached, _), v in zip(seqs, full_v)]
+    meta = AttentionMetadata.for_sequences(seqs, tables, BS, workspace=Workspace() if use_workspace else None)
     scale = D**-0.5
     out = paged_attention(torch.cat(q_all), torch.cat(k_new), torch.cat(v_new), kv, layer, meta, scale)
     t = 0

@@ -135,11 +135,7 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
     seqs = [(0, 1), (0, 200), (15, 1), (16, 1), (17, 1), (1500, 1), (100, 37), (64, 130), (2047, 1)]
     q, k, v, kv, meta, _ = make_batch(seqs, h=4, d=d, bs=bs, dtype=dtype, seed=5)
     q, k, v, kv = (x.to(cuda) for x in (q, k, v, kv))
-    meta = ref.AttentionMetadata(
-        meta.slot_blocks.to(cuda), meta.slot_offsets.to(cuda), meta.fresh_spans, meta.decode_token_index.to(cuda),
-        meta.decode_block_tables.to(cuda), meta.decode_context_lens.to(cuda),
-        [(s, e, t.to(cuda), c) for s, e, t, c in meta.partial],
-    )
+    meta = meta.to(cuda)
     # The reference in float32 on float32 copies (its float16 SDPA on CUDA is itself approximate).
     ref_kv = kv.float()
     expected = ref.paged_attention(q.float(), k.float(), v.float(), ref_kv, 1, meta, d**-0.5)
