@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism with real worker processes (gloo on CPU): the model against
 transformers' OPT at tp=2, pp=2 and tp=2 x pp=2; greedy and seeded outputs identical to tp=pp=1;
 offloads, uploads and recompute under TP and PP; a host tier the workers lock in the background;
-the sharded forward of each layer against the unsharded one; a second "node" of workers on loopback; clear errors for layouts that cannot work."""
+the sharded forward of each layer against the unsharded one; a second "node" of workers on
+loopback; clear errors for layouts that cannot work."""
 
 from __future__ import annotations
 
