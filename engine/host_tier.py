@@ -23,13 +23,21 @@ once, as before.
 
 If locking fails (the OS's locked-memory limit, out of memory), the tier
 stays at what was locked and a warning says so.
+
+Under the multi-process executor each worker locks its own tier and reports
+its `blocks_ready` to the controller (engine/executor/worker.py), which hands
+out only the blocks every rank has locked. `SlowLockForTests` stands in for
+cudaHostRegister so that this is tested on the CPU with real worker processes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -48,6 +56,37 @@ def _cuda_unregister(ptr: int) -> None:
     err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if err != 0:
         raise RuntimeError(f"cudaHostUnregister failed with cudaError {err}")
+
+
+TEST_LOCK_ENV = "FASTSERVE_TEST_SLOW_HOST_LOCK"
+
+
+@dataclass(frozen=True)
+class SlowLockForTests:
+    """For tests only: a page-locker that locks nothing and takes `seconds_per_chunk` per chunk of
+    `chunk_blocks` blocks, so that a tier on the CPU grows the way a pinned one does on CUDA.
+
+    Worker processes read it from the environment variable FASTSERVE_TEST_SLOW_HOST_LOCK,
+    "CHUNK_BLOCKS:SECONDS_RANK0,SECONDS_RANK1,..." (one duration per rank; the last one serves the ranks past
+    the list), e.g. "8:0.02,0.1". Never set it outside tests."""
+
+    chunk_blocks: int
+    seconds_per_chunk: float
+
+    @classmethod
+    def from_env(cls, rank: int) -> SlowLockForTests | None:
+        spec = os.environ.get(TEST_LOCK_ENV)
+        if not spec:
+            return None
+        chunk, _, seconds = spec.partition(":")
+        per_rank = [float(x) for x in seconds.split(",")]
+        return cls(int(chunk), per_rank[min(rank, len(per_rank) - 1)])
+
+    def register(self, ptr: int, size: int) -> None:
+        time.sleep(self.seconds_per_chunk)
+
+    def unregister(self, ptr: int) -> None:
+        pass
 
 
 class HostTier:

@@ -20,6 +20,7 @@ the choice of jobs (scheduler/).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ import torch
 from engine.batch import ModelBatch, SequenceResult, SequenceWork
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_inputs import DecodeInputs
-from engine.host_tier import HostTier
+from engine.host_tier import HostTier, SlowLockForTests
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
 from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
@@ -97,15 +98,21 @@ class ModelRunner:
                                hidden_input=not self.model.is_first)
         self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
 
-    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0, wait_pinned: bool = False) -> Swapper:
-        """The host tier (page-locked in the background on CUDA, engine/host_tier.py; wait_pinned: until all of
-        it is) and the Swapper that moves this rank's block slices to and from it."""
+    def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0,
+                         test_lock: SlowLockForTests | None = None) -> Swapper:
+        """The host tier (page-locked in the background on CUDA, engine/host_tier.py; its blocks_ready says how
+        far) and the Swapper that moves this rank's block slices to and from it. test_lock (tests only): lock
+        through this fake instead, on any device, so the tier grows as a pinned one does."""
         if self.swapper is not None:  # a new engine over the same workers: a fresh host tier
             self.swapper.shutdown()
         shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
-        tier = HostTier(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
-        if wait_pinned:
-            tier.wait_pinned()
+        if test_lock is None:
+            tier = HostTier(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")
+        else:
+            block_bytes = math.prod(shape) * self.dtype.itemsize
+            tier = HostTier(num_host_blocks, shape, self.dtype, pin=True,
+                            chunk_bytes=test_lock.chunk_blocks * block_bytes, register=test_lock.register,
+                            unregister=test_lock.unregister)
         self.swapper = Swapper(self.kv_cache, tier, copy_delay_s)
         return self.swapper
 

@@ -99,6 +99,14 @@ class Swapper:
         return self.tier.chunk_runs(runs, host_side=1 if direction is Direction.OFFLOAD else 0)
 
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]):
+        """Start copying the (source block, destination block) pairs; returns the handle. Raises ValueError if a
+        host block is not ready yet (not page-locked): memory/ must never hand one out."""
+        if self.tier is not None and pairs:
+            host_side = 1 if direction is Direction.OFFLOAD else 0
+            top, ready = max(p[host_side] for p in pairs), self.tier.blocks_ready
+            if top >= ready:
+                raise ValueError(f"{direction.value} of host block {top}, but only host blocks 0..{ready - 1} are "
+                                 f"ready (page-locked); the KV manager handed out a block it was not given")
         src, dst = ((self.device_cache, self.host_cache) if direction is Direction.OFFLOAD
                     else (self.host_cache, self.device_cache))
         self.bytes_copied += len(pairs) * self.block_bytes

@@ -211,6 +211,7 @@ def bench_swap(runner: ModelRunner, jobs: int, blocks_per_job: int, repeat: int)
     dev = runner.device
     n = jobs * blocks_per_job
     swapper = runner.attach_host_tier(n)
+    swapper.tier.wait_pinned()  # locked in the background; only locked host blocks may be copied (engine/swapper.py)
     device_blocks = list(range(0, 2 * n, 2))  # every other block: n runs of one block, the worst case
     contiguous = list(range(n))  # whole jobs in a row: jobs runs
     nbytes = n * swapper.block_bytes

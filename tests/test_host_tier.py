@@ -1,6 +1,7 @@
 """The host KV tier locked in the background (engine/host_tier.py), on the CPU with a fake page-locker:
 blocks become ready chunk by chunk in order, the chunks cover the tensor exactly, a failure stops the tier
-at what was locked, close() unlocks everything, and the Swapper never lets a copy cross a chunk."""
+at what was locked, close() unlocks everything, and the Swapper never lets a copy cross a chunk nor touch a
+block not locked yet."""
 
 from __future__ import annotations
 
@@ -115,4 +116,26 @@ def test_swapper_copies_through_a_chunked_tier_move_the_same_bytes():
         assert torch.equal(tier.blocks[1:10], device[0:9])
         assert swapper.host_blocks_ready() == 12
     finally:
+        swapper.shutdown()
+
+
+def test_swapper_refuses_a_copy_through_a_host_block_not_yet_locked():
+    """memory/ must never hand out such a block; a worker that gets one fails loudly instead of copying through
+    pageable memory (on CUDA that copy would silently stop being asynchronous)."""
+    locker = FakeLocker()
+    device = torch.randn(8, *BLOCK)  # [NB, L, 2, bs, H, D]
+    swapper = Swapper(device, tier_with(locker))  # 10 host blocks in chunks of 4
+    try:
+        locker.gate.release()
+        wait_for(lambda: swapper.host_blocks_ready() == 4)
+        with pytest.raises(ValueError, match="offload of host block 4, but only host blocks 0..3 are ready"):
+            swapper.copy(Direction.OFFLOAD, [(0, 3), (1, 4)])
+        with pytest.raises(ValueError, match="upload of host block 5"):
+            swapper.copy(Direction.UPLOAD, [(5, 0)])
+        handle = swapper.copy(Direction.OFFLOAD, [(0, 2), (1, 3)])  # within the locked chunk
+        wait_for(handle.done)
+        assert torch.equal(swapper.host_cache[2:4], device[0:2])
+    finally:
+        for _ in range(2):
+            locker.gate.release()  # let the locking end, so shutdown's close() does not wait on the gate
         swapper.shutdown()

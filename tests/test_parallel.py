@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism with real worker processes (gloo on CPU): the model against
 transformers' OPT at tp=2, pp=2 and tp=2 x pp=2; greedy and seeded outputs identical to tp=pp=1;
-offloads, uploads and recompute under TP and PP; the sharded forward of each layer against the
-unsharded one; a second "node" of workers on loopback; clear errors for layouts that cannot work."""
+offloads, uploads and recompute under TP and PP; a host tier the workers lock in the background;
+the sharded forward of each layer against the unsharded one; a second "node" of workers on
+loopback; clear errors for layouts that cannot work."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from engine.engine import Engine
 from engine.executor.base import ExecutorDeadError
 from engine.executor.messages import StepJobs, StepMessage
 from engine.executor.multiproc import check_layout, port_free
+from engine.host_tier import TEST_LOCK_ENV
 from engine.kv_cache import DEFAULT_CPU_KV_BYTES
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
@@ -140,6 +142,8 @@ def test_small_device_tier_offloads_and_recomputes_under_parallelism(tiny_model_
                                   scheduling_policy="skip-join-mlfq", kv_policy=kv_policy, max_num_seqs=3,
                                   profile="analytic")
             engine = Engine(config, executor=executor)
+            if kv_policy != "recompute":  # on the CPU nothing is locked: the whole host tier is there at once
+                assert executor.host_blocks_ready() == 256
             for i, p in enumerate(PROMPTS):
                 engine.add_request(f"{kv_policy}-{i}", p, greedy())
             outs = sorted(_drain(engine), key=lambda o: int(o.request_id.rsplit("-", 1)[1]))
@@ -406,3 +410,44 @@ def test_async_engine_pipelines_under_memory_pressure(tiny_model_dir, unconstrai
     engine.kv.poll()
     assert engine.kv.device.num_free == engine.kv.device.num_blocks
     assert wait_gone(pids) == []  # AsyncEngine.shutdown stops the workers
+
+
+# -- the host tier, locked in the background by every worker ------------------------------------------------
+def test_workers_lock_the_host_tier_in_the_background_and_only_blocks_locked_everywhere_are_used(
+        tiny_model_dir, unconstrained, monkeypatch):
+    """Start-up does not wait for the workers to page-lock their host tiers. A fake locker (FASTSERVE_TEST_SLOW_HOST_
+    LOCK) takes 0.02 s per chunk of 4 blocks on rank 0 and 0.1 s on rank 1, so the 48 host blocks arrive over about a
+    second, at different rates. The KV manager hands out only the blocks both ranks reported locked (a worker refuses
+    a copy through a host block it has not locked, which would fail the executor), the reports keep coming while the
+    engine is idle, and the outputs under memory pressure equal the unconstrained run."""
+    monkeypatch.setenv(TEST_LOCK_ENV, "4:0.02,0.1")  # inherited by the workers
+    engine = parallel_engine(tiny_model_dir, 2, 1, block_size=4, num_gpu_blocks_override=24,
+                             num_host_blocks_override=48, scheduling_policy="skip-join-mlfq", kv_policy="proactive",
+                             max_num_seqs=3)
+    ex, kv = engine.executor, engine.kv
+    pids = worker_pids(engine)
+    try:
+        assert ex.host_blocks_ready() < 48  # not held until every block was locked
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, greedy())
+        seen = []  # after each step: (host blocks the KV manager may hand out, each rank's report)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+            seen.append((kv.host.num_blocks, ex.host_blocks_locked_by_rank()))
+        assert ex.error is None
+        assert [o.outputs[0].token_ids for o in sorted(outs, key=lambda o: int(o.request_id))] == unconstrained
+        assert kv.stats.num_offloads > 0
+        assert all(n <= min(by_rank.values()) for n, by_rank in seen)
+        assert any(by_rank[0] > by_rank[1] for _, by_rank in seen)  # the ranks differed: the minimum mattered
+        assert len({n for n, _ in seen}) > 2  # the tier grew while serving
+        deadline = time.monotonic() + 10
+        while ex.host_blocks_ready() < 48:  # idle: no steps, and the reports still come
+            assert time.monotonic() < deadline, ex.host_blocks_locked_by_rank()
+            time.sleep(0.02)
+        kv.poll()
+        kv.check_invariants()  # (the KV manager takes the new blocks in when it next offloads)
+        assert kv.host.num_free == kv.host.num_blocks and kv.device.num_free == kv.device.num_blocks
+    finally:
+        engine.shutdown()
+    assert wait_gone(pids) == []

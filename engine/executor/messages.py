@@ -5,7 +5,8 @@ Every message is a pickled dataclass over an authenticated socket
 
     worker -> Hello(rank)            controller -> WorkerSetup (model, layout, rendezvous)
     worker -> Ready(blocks that fit) controller -> AllocateKV(min over ranks)
-    controller -> AttachHost(blocks) (once, when the engine has a host tier)
+    controller -> AttachHost(blocks) (per engine that has a host tier)
+    worker -> HostReady(blocks locked) at once, then whenever more are locked
 
 Then one StepMessage per step, sent once and read by every rank. Per-job state
 (prompt, sampling params, seed) travels once, in NewJob, and the workers keep
@@ -70,6 +71,17 @@ class AllocateKV:
 @dataclass
 class AttachHost:
     num_blocks: int
+    tier_id: int  # counts attachments, so a report about a tier replaced since is told apart
+
+
+@dataclass
+class HostReady:
+    """How many leading blocks of its host tier a worker has page-locked (all of them at once on the CPU):
+    sent when the tier is attached, then by the worker's main loop each time the count grows."""
+
+    rank: int
+    tier_id: int
+    blocks_ready: int
 
 
 @dataclass

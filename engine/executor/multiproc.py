@@ -21,6 +21,12 @@ it. Pipeline parallelism: up to pp steps are in flight (max_in_flight); each
 stage runs them in order, so stage 0 works on step k + 1 while stage 1 works
 on step k.
 
+Host tier: each worker allocates its own and page-locks it in the background
+(engine/host_tier.py), reporting how many leading blocks it has locked
+(HostReady: once when attached, then as the count grows); host_blocks_ready()
+is the minimum over ranks, since a host block may be handed out only when
+every rank has locked its slice. Start-up does not wait for the locking.
+
 Faults: a reader thread waits on every socket and every local process; a
 worker that dies, closes its socket or reports an exception marks the
 executor dead within a poll interval (0.2 s): pending steps fail with
@@ -61,7 +67,7 @@ from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
 from engine.model.config import OPTConfig
 from kernels.attention_backend import resolve_attention_backend
-from memory.transfers import NO_LIMIT, Direction
+from memory.transfers import Direction
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +155,10 @@ class MultiprocExecutor(Executor):
         self._released: list[int] = []
         self._orders: list[m.TransferOrder] = []
         self._copy_reports: dict[int, set[int]] = {}  # copies in flight: transfer id -> ranks that completed it
+        self._host_tier_ids = itertools.count()
+        self._host_tier_id = -1  # the host tier attached last
+        self._host_ready: dict[int, int] = {}  # rank -> host blocks it reported locked, for that tier
+        self._host_reported = threading.Condition()  # notified by the reader on each HostReady
         self._procs: dict[int, subprocess.Popen] = {}
         self._conns: dict[int, Connection] = {}
         self._closed = False
@@ -238,7 +248,20 @@ class MultiprocExecutor(Executor):
         return list(self._worker_devices)
 
     def attach_host_tier(self, num_host_blocks: int) -> MultiprocExecutor:
-        self._broadcast(m.AttachHost(num_host_blocks))
+        """Every worker allocates its host tier and starts locking it; returns once each has answered (the
+        allocation itself is quick: the locking goes on in the background, host_blocks_ready says how far)."""
+        with self._host_reported:
+            self._host_tier_id = tier_id = next(self._host_tier_ids)
+            self._host_ready = {}
+        self._broadcast(m.AttachHost(num_host_blocks, tier_id))
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with self._host_reported:
+            while len(self._host_ready) < self.world:
+                if self._error is not None:
+                    raise ExecutorDeadError(self._error)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers did not allocate their host tier within {STARTUP_TIMEOUT_S:.0f} s")
+                self._host_reported.wait(POLL_S)
         return self
 
     def copy(self, direction: Direction, pairs: list[tuple[int, int]]) -> _RemoteCopy:
@@ -250,9 +273,14 @@ class MultiprocExecutor(Executor):
         return _RemoteCopy(self, tid)
 
     def host_blocks_ready(self) -> int:
-        """All: each worker locks its whole host tier before it reads its next message (worker.py), so the
-        first step still waits for the slowest; reporting the workers' progress back instead is not done yet."""
-        return NO_LIMIT
+        """The TransferBackend verb: the leading host blocks every rank has reported locked (all of them at once
+        on the CPU), the minimum over ranks."""
+        ready = self._host_ready
+        return min(ready.get(rank, 0) for rank in range(self.world))
+
+    def host_blocks_locked_by_rank(self) -> dict[int, int]:
+        """Each rank's last report of its host tier: how many leading blocks it has locked."""
+        return dict(self._host_ready)
 
     def release(self, job_ids: list[str]) -> None:
         with self._lock:
@@ -396,6 +424,11 @@ class MultiprocExecutor(Executor):
             future.set_result(BatchResult(msg.results(), msg.execute_s))
         elif isinstance(msg, m.TransfersDone):
             self._copies_reported(msg.rank, msg.transfer_ids)
+        elif isinstance(msg, m.HostReady):
+            with self._host_reported:
+                if msg.tier_id == self._host_tier_id:  # else about a tier replaced since
+                    self._host_ready[msg.rank] = msg.blocks_ready
+                    self._host_reported.notify_all()
         elif isinstance(msg, m.WorkerFailed):
             self._fail(f"worker rank {msg.rank} failed: {msg.message}")
         else:

@@ -12,6 +12,12 @@ measures its peak memory with a warm-up forward, reports how many KV blocks
 fit, allocates what the controller decides, then serves steps until told to
 stop (engine/executor/messages.py).
 
+The host tier (the swap space) is allocated when the controller says so and
+page-locked in the background (engine/host_tier.py); while that goes on the
+main loop wakes every HOST_REPORT_S, between messages, to tell the controller
+how many host blocks are locked (HostReady), so the controller learns of them
+even while the engine is idle. Only the main thread sends on the connection.
+
 Per step: apply the swap orders on its copy streams (or copy thread), build
 the batch from the per-job state it keeps, receive the hidden states from the
 previous stage (unless first), run its layers, send the hidden states on
@@ -43,6 +49,7 @@ from engine.batch import ModelBatch, SequenceWork
 from engine.cuda_graphs import graphs_wanted
 from engine.executor import messages as m
 from engine.executor.device_identity import describe_cuda_device
+from engine.host_tier import SlowLockForTests
 from engine.kv_cache import blocks_that_fit
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
@@ -52,6 +59,7 @@ from engine.parallel import ParallelLayout, TensorParallelGroup
 log = logging.getLogger("fastserve.worker")
 
 CLUSTER_KEY_ENV = "FASTSERVE_CLUSTER_KEY"
+HOST_REPORT_S = 0.05  # while the host tier is being locked: how often the idle loop looks for progress to report
 
 
 @dataclass(eq=False)
@@ -88,6 +96,8 @@ class Worker:
         self.jobs: dict[int, _Job] = {}
         self.copies: dict[int, object] = {}  # transfer id -> handle, until done
         self._sends: list = []  # (isend work, tensor) of hidden states on their way to the next stage
+        self._host_tier_id = -1  # the controller's id of the host tier attached last
+        self._host_reported = 0  # its blocks_ready as last reported
 
     # -- start-up --------------------------------------------------------------------------------
     def ready_message(self) -> m.Ready:
@@ -103,7 +113,13 @@ class Worker:
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
-            if self.copies and not self.conn.poll(0.001):
+            waiting = True
+            if self._host_locking():
+                self._report_host()  # here too, so that a stream of steps does not hold the reports back
+                waiting = self.conn.poll(0.001 if self.copies else HOST_REPORT_S)
+            elif self.copies:
+                waiting = self.conn.poll(0.001)
+            if not waiting:
                 self._report_copies()
                 continue
             msg = self.conn.recv()
@@ -115,8 +131,10 @@ class Worker:
                 if self.runner.decode_graphs is None and graphs_wanted(s.enforce_eager, self.device, s.tp_size):
                     self.runner.use_decode_graphs(s.max_num_seqs, s.max_model_len, capture=True)
             elif isinstance(msg, m.AttachHost):
-                # Locked in full before the next message: see MultiprocExecutor.host_blocks_ready.
-                self.runner.attach_host_tier(msg.num_blocks, wait_pinned=True)
+                # Locked in the background; the loop reports the progress (MultiprocExecutor.host_blocks_ready).
+                self.runner.attach_host_tier(msg.num_blocks, test_lock=SlowLockForTests.from_env(self.rank))
+                self._host_tier_id = msg.tier_id
+                self._report_host(always=True)
             elif isinstance(msg, m.Shutdown):
                 return
             else:
@@ -181,6 +199,20 @@ class Worker:
         for tid in done:
             del self.copies[tid]
         return done
+
+    def _host_locking(self) -> bool:
+        """Whether the host tier has locked blocks not reported yet, or is still locking."""
+        swapper = self.runner.swapper
+        if swapper is None or swapper.tier is None:
+            return False
+        return swapper.tier.pinning or swapper.tier.blocks_ready != self._host_reported
+
+    def _report_host(self, always: bool = False) -> None:
+        """Send HostReady when the count of locked host blocks changed since the last report (or always)."""
+        ready = self.runner.swapper.tier.blocks_ready
+        if always or ready != self._host_reported:
+            self._host_reported = ready
+            self.conn.send(m.HostReady(self.rank, self._host_tier_id, ready))
 
     def _report_copies(self) -> None:
         done = self._done_copies()
