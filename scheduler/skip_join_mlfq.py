@@ -317,7 +317,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     held[job] = None  # starving until it runs (on_step_done) or leaves (remove)
                     if key == top and job.queue == 0:
                         continue  # it left, or it is in Q1 already
-                    if self._take(bands[key], job):
+                    band = bands[key]
+                    if band.started[job.queue].pop(job, 0) is None or self._take(band, job):  # (_take inlined)
                         q1.started[0][job] = None
                     else:
                         q1.fresh[0][job] = None
@@ -351,7 +352,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 band = bands[band_of[job]]
                 key = job.priority
                 target = bands.get(key) or self._band(key)
-                if self._take(band, job):
+                if band.started[level].pop(job, 0) is None or self._take(band, job):  # (_take's first case)
                     target.started[new][job] = None
                 else:  # charged without having been scheduled (tests drive on_step_done alone)
                     target.fresh[new][job] = None
