@@ -277,15 +277,22 @@ class KeyedPriorityPolicy(PriorityPolicy):
         return self._started
 
     def _walk(self, gate: Gate) -> Iterator[Job]:
+        # Each list's head rank is computed once, not per comparison (a key does not change during a tick).
         started, fresh, rank = self._started, self._fresh, self._rank
         i = j = 0
+        s_rank = rank(started[0]) if started else None
+        f_rank = rank(fresh[0]) if fresh else None
         while i < len(started):
-            if j < len(fresh) and gate.fresh and rank(fresh[j]) < rank(started[i]):
+            if j < len(fresh) and gate.fresh and f_rank < s_rank:
                 yield fresh[j]
                 j += 1
+                if j < len(fresh):
+                    f_rank = rank(fresh[j])
             else:
                 yield started[i]
                 i += 1
+                if i < len(started):
+                    s_rank = rank(started[i])
         while j < len(fresh) and gate.fresh:
             yield fresh[j]
             j += 1
