@@ -130,7 +130,10 @@ class KVManager:
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
-        return self._extra_device_blocks(job, num_new_tokens) <= self.device.num_free
+        # _extra_device_blocks(job, n) <= free, inlined (the scheduler asks this of every job it walks).
+        kv = self._jobs.get(job.job_id)
+        have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
+        return -(-(job.num_computed + num_new_tokens) // self.block_size) - have <= self.device.num_free
 
     def may_start(self, job, num_new_tokens: int) -> bool:
         """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or

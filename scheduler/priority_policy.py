@@ -134,6 +134,7 @@ class PriorityPolicy(SchedulingPolicy):
         evicted, can_fit, allocate = victims.evicted, kv.can_fit, kv.allocate  # hot loop: bound once
         tokens = 0
         gate, over_budget = Gate(), 0
+        started: list[Job] = []  # fresh jobs in the batch
         for job in self._walk(gate):
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
@@ -143,9 +144,9 @@ class PriorityPolicy(SchedulingPolicy):
                     over_budget += 1
                     gate.fresh = over_budget < max_seqs
                 continue
-            if job in evicted or job.in_flight:  # in flight: still running in a later pipeline stage
+            if job.in_flight or (evicted and job in evicted):  # in flight: running in a later pipeline stage
                 continue
-            if not job.ready:
+            if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
             if job.num_computed == 0 and not kv.may_start(job, n):
@@ -155,30 +156,29 @@ class PriorityPolicy(SchedulingPolicy):
             if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
                 continue
             allocate(job, n)
-            if not job.ready:  # its KV was on the host: the upload started, it runs when it lands
+            if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)
             chosen[job] = None
+            if fresh:
+                started.append(job)
             tokens += n
             if len(batch) >= max_seqs or tokens >= budget:
                 break
 
         decision = ScheduleDecision(batch=batch)
+        left = [job for job in self._running if job not in chosen]  # ran last iteration, not in this one
         preempted = decision.preempted
-        running = dict(chosen)
-        for job in self._running:
-            if job in chosen:
-                continue
+        for job in left:
             if job.in_flight:  # still running in a later pipeline stage: not preempted
-                running[job] = None
+                chosen[job] = None
                 continue
             job.num_preemptions += 1
             preempted.append(job)
         if preempted:
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)
-        self._running = running
-        started = [job for job in batch if job.first_scheduled_time is None]
+        self._running = chosen  # the batch, then the jobs still in flight (the tick's own dict)
         if started:
             self._on_started(started)
             ema = self.start_wait_ema
@@ -186,9 +186,9 @@ class PriorityPolicy(SchedulingPolicy):
                 self.started_by_priority[job.priority] += 1
                 ema += START_WAIT_WEIGHT * ((now - job.arrival_time) - ema)
             self.start_wait_ema = ema
-        for job in batch:
-            if job.first_scheduled_time is None:
+            for job in started:
                 job.first_scheduled_time = now
+        for job in batch:
             job.last_scheduled_time = now
         return decision
 
@@ -277,15 +277,22 @@ class KeyedPriorityPolicy(PriorityPolicy):
         return self._started
 
     def _walk(self, gate: Gate) -> Iterator[Job]:
+        # Each list's head rank is computed once, not per comparison (a key does not change during a tick).
         started, fresh, rank = self._started, self._fresh, self._rank
         i = j = 0
+        s_rank = rank(started[0]) if started else None
+        f_rank = rank(fresh[0]) if fresh else None
         while i < len(started):
-            if j < len(fresh) and gate.fresh and rank(fresh[j]) < rank(started[i]):
+            if j < len(fresh) and gate.fresh and f_rank < s_rank:
                 yield fresh[j]
                 j += 1
+                if j < len(fresh):
+                    f_rank = rank(fresh[j])
             else:
                 yield started[i]
                 i += 1
+                if i < len(started):
+                    s_rank = rank(started[i])
         while j < len(fresh) and gate.fresh:
             yield fresh[j]
             j += 1

@@ -127,6 +127,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._seq = itertools.count()
         self.num_promotions = 0
         self.num_demotions = 0
+        self._threshold: float | None = None  # promotion_threshold(), computed for W = _threshold_for
+        self._threshold_for: float | None = None
 
     # -- metrics ---------------------------------------------------------------------------
     def queue_lengths(self) -> list[int]:
@@ -265,11 +267,13 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             self._wait_from(since, group)
 
     def promotion_threshold(self) -> float | None:
-        """How long a job waits before it is promoted: alpha, or max(alpha, f x W) with a starvation factor."""
-        alpha, f = self.config.starvation_threshold, self.config.starvation_factor
-        if alpha is None or f is None:
-            return alpha
-        return max(alpha, f * self.start_wait_ema)
+        """How long a job waits before it is promoted: alpha, or max(alpha, f x W) with a starvation factor.
+        Kept until W changes (every wait estimate reads it)."""
+        if self._threshold_for != self.start_wait_ema:
+            alpha, f = self.config.starvation_threshold, self.config.starvation_factor
+            self._threshold_for = self.start_wait_ema
+            self._threshold = alpha if alpha is None or f is None else max(alpha, f * self.start_wait_ema)
+        return self._threshold
 
     def _before_schedule(self, now: float) -> None:
         """Promote every job that has waited longer than the promotion threshold to the tail of Q1 (of the
@@ -313,7 +317,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     held[job] = None  # starving until it runs (on_step_done) or leaves (remove)
                     if key == top and job.queue == 0:
                         continue  # it left, or it is in Q1 already
-                    if self._take(bands[key], job):
+                    band = bands[key]
+                    if band.started[job.queue].pop(job, 0) is None or self._take(band, job):  # (_take inlined)
                         q1.started[0][job] = None
                     else:
                         q1.fresh[0][job] = None
@@ -347,7 +352,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 band = bands[band_of[job]]
                 key = job.priority
                 target = bands.get(key) or self._band(key)
-                if self._take(band, job):
+                if band.started[level].pop(job, 0) is None or self._take(band, job):  # (_take's first case)
                     target.started[new][job] = None
                 else:  # charged without having been scheduled (tests drive on_step_done alone)
                     target.fresh[new][job] = None
@@ -377,5 +382,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if waits is None:
             waits = self._queue_waits = self._execute_waits()
         t_execute = waits[(self._band_of[job], job.queue)]
-        alpha = self.promotion_threshold()
-        return t_execute if alpha is None else min(alpha - job.starve_time(now), t_execute)
+        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
+        # job.starve_time(now), inlined: the proactive planner and the eviction order call this per job.
+        return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
