@@ -21,11 +21,12 @@ from experiment_sections.common import MAIN, Ctx, _plt, _save, clip_trace
 # lengths, req/s: the measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.
 CAPACITY = 2.8
 LOADS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-PAPER = {"kv_overcommit": None}  # the paper's rules (the remedy off; fresh_starvation_factor is off by default)
+PAPER = {"kv_overcommit": None, "starvation_factor": None}  # the paper's rules: both overload remedies off
+NO_SLOWDOWN = {"starvation_factor": None}  # admission on, promotion after alpha as in the paper
 VARIANTS = (  # (label, policy, engine args)
     ("fcfs", "fcfs", {}),
     ("skip-join (default)", "skip-join-mlfq", {}),
-    ("skip-join f=2", "skip-join-mlfq", {"fresh_starvation_factor": 2.0}),
+    ("skip-join, no promotion slow-down", "skip-join-mlfq", NO_SLOWDOWN),
     ("skip-join (paper)", "skip-join-mlfq", PAPER),
 )
 PAPER_MAX_LOAD = 1.0  # past this the paper's rules collapse (recompute storms): minutes to hours per run
