@@ -10,7 +10,8 @@ Sections: Fig. 1 (queueing share of latency under FCFS), Fig. 5 (first-iteration
 light-load SLOs, per phase), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
 rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), sim vs live
 (scripts/bench_sim_vs_live.py), and what the paper did not test (past capacity, the ENST ablation, alpha,
-profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals). Everything simulated runs engine/simulation.py (the real engine, scheduler
+profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals).
+Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
 not measurements. The simulations are deterministic (seeded traces, virtual clock); the text of the document
 is written from the numbers this run measured. Dataset paths come from flags (default
