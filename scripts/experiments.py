@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "sections and writes their figures, not the document")
     ap.add_argument("--sharegpt", type=Path, default=REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv")
     ap.add_argument("--alpaca", type=Path, default=REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv")
+    ap.add_argument("--azure", type=Path, default=REPO.parent / "shared" / "datasets" / "azure_llm_trace_2023"
+                    / "AzureLLMInferenceTrace_conv.csv", help="Azure 2023 trace CSV of the azure section")
     ap.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="ShareGPT requests per run")
     ap.add_argument("--num-prompts-alpaca", type=int, default=DEFAULTS["num_prompts_alpaca"])
     ap.add_argument("--scales", default="opt-13b,opt-13b-80gb,opt-66b,opt-175b",

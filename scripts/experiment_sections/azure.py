@@ -12,10 +12,9 @@ from dataclasses import replace
 
 from workload import load_workload
 
-from experiment_sections.common import MAIN, REPO, Ctx, clip_trace
+from experiment_sections.common import MAIN, Ctx, clip_trace
 from experiment_sections.sched import CAPACITY, sharegpt
 
-AZURE_CONV = REPO.parent / "shared" / "datasets" / "azure_llm_trace_2023" / "AzureLLMInferenceTrace_conv.csv"
 AZURE_LOADS = (0.75, 1.0)
 AZURE_POLICIES = ("fcfs", "skip-join-mlfq")
 
@@ -37,10 +36,10 @@ def interarrival_cv(arrivals: Sequence[float]) -> float:
 def azure_trace(ctx: Ctx, rate: float, n: int) -> tuple[list[tuple[float, int, int]], float]:
     """The first n requests of the conversation trace, their arrival times scaled to a mean of `rate` req/s,
     carrying the lengths of the Poisson run's ShareGPT trace (same n, same seed); and the trace's own mean rate."""
-    raw = load_workload("azure-conv", n, path=AZURE_CONV)
+    raw = load_workload("azure-conv", n, path=ctx.args.azure)
     times = [it.arrival_s for it in raw]
     speedup = speedup_for_rate(times, rate)
-    timed = load_workload("azure-conv", n, path=AZURE_CONV, trace_speedup=speedup)
+    timed = load_workload("azure-conv", n, path=ctx.args.azure, trace_speedup=speedup)
     lengths = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed)
     items = [replace(it, arrival_s=t.arrival_s) for it, t in zip(lengths, timed)]
     return clip_trace(items, 2048), rate / speedup
@@ -67,7 +66,7 @@ def section_azure(ctx: Ctx) -> str:
                       f"p95 {s['p95_per_token_s']:.3f}", flush=True)
     lines += [f"OPT-13B on one A100 40GB (roofline profile), {n} requests per point, ShareGPT lengths (the overload "
               "section's trace: no length filter, clipped to 2048 tokens) in both columns; only the arrival times "
-              f"differ. Azure: the first {n} requests of AzureLLMInferenceTrace_conv.csv (production arrivals, "
+              f"differ. Azure: the first {n} requests of {ctx.args.azure.name} (production arrivals, "
               f"2023-11-16; {native:.2f} req/s on average in this window), their times scaled to the target "
               "mean rate (the gaps keep their shape). Poisson: the same mean rate. Gap CV: coefficient of "
               "variation of the gaps between arrivals (1 for Poisson, 1.4 and 2 for the robustness section's "
