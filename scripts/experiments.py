@@ -6,9 +6,12 @@ simulated at the paper's scale with roofline profiles, plus a small live measure
     python scripts/experiments.py --no-live --num-prompts 200
 
 Sections: Fig. 1 (queueing share of latency under FCFS), Fig. 5 (first-iteration vs decode cost), Fig. 8
-(peak KV memory, MLFQ vs FCFS), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
-rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), and sim vs live
-(scripts/bench_sim_vs_live.py). Everything simulated runs engine/simulation.py (the real engine, scheduler
+(peak KV memory, MLFQ vs FCFS), Fig. 12 (P95 per-token latency vs rate), Fig. 13 (goodput at 5x/10x/20x
+light-load SLOs, per phase), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
+rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), sim vs live
+(scripts/bench_sim_vs_live.py), and what the paper did not test (past capacity, the ENST ablation, alpha,
+profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals).
+Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
 not measurements. The simulations are deterministic (seeded traces, virtual clock); the text of the document
 is written from the numbers this run measured. Dataset paths come from flags (default
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "sections and writes their figures, not the document")
     ap.add_argument("--sharegpt", type=Path, default=REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv")
     ap.add_argument("--alpaca", type=Path, default=REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv")
+    ap.add_argument("--azure", type=Path, default=REPO.parent / "shared" / "datasets" / "azure_llm_trace_2023"
+                    / "AzureLLMInferenceTrace_conv.csv", help="Azure 2023 trace CSV of the azure section")
     ap.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="ShareGPT requests per run")
     ap.add_argument("--num-prompts-alpaca", type=int, default=DEFAULTS["num_prompts_alpaca"])
     ap.add_argument("--scales", default="opt-13b,opt-13b-80gb,opt-66b,opt-175b",
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io-total", type=int, default=1024)
     ap.add_argument("--io-load", type=float, default=1.5)
     ap.add_argument("--io-prompts", type=int, default=120)
+    ap.add_argument("--io-spread", type=float, default=0.5, help="Fig. 14: lengths uniform over [1 - s, 1 + s] x "
+                                                                  "their mean")
     ap.add_argument("--fig15-device-blocks", type=int, default=None, help="default: the profile's capacity")
     ap.add_argument("--no-live", action="store_true", help="skip the live measurements")
     ap.add_argument("--live-prompts", type=int, default=30, help="requests per rate in the live sweep")

@@ -11,7 +11,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_sim_vs_live import make_trace  # noqa: E402
-from experiment_sections.common import KVUsageTracker, clip_trace, throughput_at_slo  # noqa: E402
+from experiment_sections.azure import interarrival_cv, speedup_for_rate  # noqa: E402
+from experiment_sections.common import (  # noqa: E402
+    KVUsageTracker,
+    clip_trace,
+    phase_latencies,
+    rate_within,
+    throughput_at_slo,
+)
 
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
 from memory.kv_manager import blocks_needed  # noqa: E402
@@ -40,6 +47,44 @@ def test_throughput_at_slo_edges():
     assert not never.capped and never.rate == 0.0
     below_grid = throughput_at_slo(lambda r: r, [1, 2], 0.5, iters=8)  # crossing under the lowest grid rate
     assert below_grid.rate == pytest.approx(0.5, rel=0.1) and below_grid.rate <= 0.5
+
+
+def test_rate_within_interpolates_between_the_bracketing_points():
+    # latency 0.1 at rate 2, 0.4 at rate 8: on a log-log line, 0.2 is reached at rate 4
+    s = rate_within([(8, 0.4), (1, 0.05), (2, 0.1), (16, 2.0)], 0.2)  # unsorted on purpose
+    assert not s.capped and s.rate == pytest.approx(4.0)
+    assert rate_within([(1, 0.05), (2, 0.1)], 0.1).rate == 2 and rate_within([(1, 0.05), (2, 0.1)], 0.1).capped
+    assert rate_within([(1, 0.5), (2, 0.6)], 0.3).rate == 0.0  # the lowest rate already misses
+    # a later dip back under the limit does not count: the first miss ends the curve
+    assert rate_within([(1, 0.1), (2, 0.4), (4, 0.2)], 0.3).rate < 2
+
+
+def test_phase_latencies_splits_prefill_and_decode():
+    from types import SimpleNamespace as NS
+
+    def out(ttft, e2e, tokens):
+        return NS(metrics=NS(ttft_s=ttft, e2e_s=e2e), outputs=[NS(token_ids=list(range(tokens)))])
+
+    outs = [out(1.0, 3.0, 5), out(2.0, 2.0, 1)] + [out(0.1, 0.5, 3) for _ in range(18)]
+    ph = phase_latencies(outs)
+    # 20 TTFTs, P95 at sorted index int(0.95 * 19) = 18: 1.0; TPOTs skip the 1-token job: 19 values,
+    # (3 - 1) / 4 = 0.5 once and (0.5 - 0.1) / 2 = 0.2 eighteen times, index int(0.95 * 18) = 17: 0.2
+    assert ph["p95_ttft_s"] == pytest.approx(1.0)
+    assert ph["p95_tpot_s"] == pytest.approx(0.2)
+    assert phase_latencies([out(0.1, 0.5, 3)] * 19 + [out(1.0, 3.0, 5)] * 2)["p95_tpot_s"] == pytest.approx(0.5)
+
+
+def test_speedup_for_rate_and_gap_cv():
+    times = [0.0, 1.0, 3.0, 6.0, 10.0]  # 4 gaps over 10 s: 0.4 req/s
+    assert speedup_for_rate(times, 0.8) == pytest.approx(2.0)  # twice as fast
+    scaled = [t / speedup_for_rate(times, 2.0) for t in times]
+    assert (len(scaled) - 1) / (scaled[-1] - scaled[0]) == pytest.approx(2.0)
+    assert interarrival_cv([0, 1, 2, 3]) == 0.0
+    gaps = [1.0, 3.0]  # mean 2, population stdev 1
+    assert interarrival_cv([0.0, gaps[0], sum(gaps)]) == pytest.approx(0.5)
+    assert interarrival_cv(scaled) == pytest.approx(interarrival_cv(times))  # scaling keeps the shape
+    with pytest.raises(ValueError):
+        speedup_for_rate([1.0], 1.0)
 
 
 def test_clip_trace_fits_the_context():

@@ -17,6 +17,8 @@ SECTIONS: dict[str, str] = {
     "fig1": "fig1",
     "fig5": "fig5",
     "fig8": "fig8",
+    "fig12": "latency_curves",
+    "fig13": "latency_curves",
     "fig14": "fig14",
     "fig15": "fig15",
     "slo": "slo",
@@ -24,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "enst_ablation": "sched",
     "alpha": "sched",
     "robustness": "sched",
+    "azure": "azure",
     "live_slo": "live_slo",
     "live": "live",
 }

@@ -62,13 +62,9 @@ def section_slo(ctx: Ctx) -> str:
         desc = "; ".join(f"{s} {d} {m}: {r:.2f}x" for s, d, m, r in ratios)
         lines += [f"Skip-join MLFQ over FCFS, throughput at the SLO: {desc}. The paper reports 1.9x-2.9x "
                   "(mean, and more at P95) at the same SLO against vLLM (FCFS) on real A100s.", "",
-                  "**Defaults changed since the last run of this table.** These numbers are with the overload-robust "
-                  "defaults (`--kv-overcommit 2`: a job with no KV starts only while the started jobs' KV fits two "
-                  "device caches; docs/benchmarks.md, \"Past capacity\"). The run before that change (the paper's "
-                  "admission, `--kv-overcommit none`) gave skip-join over FCFS 1.68x (mean) and 2.83x (P95) on "
-                  "OPT-13B / A100 40GB ShareGPT. The remedy keeps skip-join from collapsing past capacity but also "
-                  "gives up most of its lead at the knee, where this table measures; the paragraph below describes "
-                  "the paper's behaviour. Which default to ship is open (issue 12).", ""]
+                  "These numbers are with the default scheduler settings (`--kv-overcommit 4 --starvation-factor "
+                  "1`); the section \"Past capacity\" below compares them with the paper's rules "
+                  "(`--kv-overcommit none --starvation-factor none`) from 0.5x to 2x of capacity.", ""]
     lines += ["**Why the GPU's memory decides it.** On an A100 40GB, OPT-13B has "
               f"{kv_gib(ctx, MAIN):.1f} GiB of KV cache (about {kv_tokens(ctx, MAIN) / 1e3:.1f}K tokens; the vLLM "
               "paper's Table 1 gives 12 GB for this setup), which holds the whole context of only a few dozen "
