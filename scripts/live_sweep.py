@@ -75,7 +75,7 @@ def format_table(summary: dict, slo: float) -> str:
     lines = [f"{'policy':>16} {'rate':>6} {'mean s/tok':>11} {'p95 s/tok':>10} {'failed':>6}"]
     for policy, s in summary.items():
         for rate, mean, p95, failed in zip(s["rates"], s["mean_per_token_s"], s["p95_per_token_s"], s["failed"]):
-            lines.append(f"{policy:>16} {rate:>6g} {mean:>11.4f} {p95:>10.4f} {failed:>6}")
+            lines.append(f"{policy:>16} {float(rate):>6g} {mean:>11.4f} {p95:>10.4f} {failed:>6}")  # "inf" in JSON
         lines.append(f"{policy:>16} throughput at SLO {slo:g} s/token: mean {s['throughput_at_slo_mean']}, "
                      f"p95 {s['throughput_at_slo_p95']} req/s")
     return "\n".join(lines)
@@ -89,7 +89,7 @@ def format_side_by_side(summary: dict) -> str:
     head += "".join(f" {first + ' / ' + p:>28}" for p in policies[1:])
     lines = ["per-token latency, mean / P95 (ms)", head]
     for i, rate in enumerate(summary[first]["rates"]):
-        cells = [f"{rate:>6g}"]
+        cells = [f"{float(rate):>6g}"]
         for p in policies:
             s = summary[p]
             cell = f"{1e3 * s['mean_per_token_s'][i]:.1f} / {1e3 * s['p95_per_token_s'][i]:.1f}"
