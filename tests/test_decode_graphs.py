@@ -119,14 +119,14 @@ def test_padded_decode_on_a_later_pipeline_stage_takes_the_hidden_states_in(tiny
     assert padded[1].prepare(ModelBatch(seqs, None)).decode_bucket == (4, 4)
 
 
-def test_graphs_are_off_on_cpu_and_with_enforce_eager():
+def test_graphs_are_off_on_cpu_and_with_enforce_eager(tiny_model_dir):
     assert not graphs_wanted(False, torch.device("cpu"))
     assert not graphs_wanted(True, torch.device("cuda"))
     assert not graphs_wanted(False, torch.device("cuda"), tensor_parallel_size=2)
     assert graphs_wanted(False, torch.device("cuda"))
-    llm = LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic")
+    llm = LLM(model=str(tiny_model_dir), device="cpu", num_gpu_blocks_override=64, profile="analytic")
     assert llm.engine.executor.runner.decode_graphs is None
-    assert LLM(model=None, device="cpu", num_gpu_blocks_override=64, profile="analytic",
+    assert LLM(model=str(tiny_model_dir), device="cpu", num_gpu_blocks_override=64, profile="analytic",
                enforce_eager=True).engine.config.enforce_eager
     # The server's switch (vLLM's flag): off by default, on when given.
     import server

@@ -42,14 +42,14 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
-def test_auto_backend_is_torch_on_cpu_and_triton_needs_the_interpreter(monkeypatch):
+def test_auto_backend_is_torch_on_cpu_and_triton_needs_the_interpreter(monkeypatch, tiny_model_dir):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert resolve_attention_backend("auto", CPU) == "torch"
     assert resolve_attention_backend("torch", CPU) == "torch"
     with pytest.raises(AttentionBackendError, match="TRITON_INTERPRET=1"):
         resolve_attention_backend("triton", CPU)
     with pytest.raises(AttentionBackendError, match="TRITON_INTERPRET=1"):
-        LLM(model=None, device="cpu", attention_backend="triton", profile="analytic")
+        LLM(model=str(tiny_model_dir), device="cpu", attention_backend="triton", profile="analytic")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_attention_backend("triton", CPU) == "triton"  # resolving imports nothing
     assert resolve_attention_backend("auto", CPU) == "torch"  # the interpreter is for tests, never chosen by auto
