@@ -382,6 +382,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if waits is None:
             waits = self._queue_waits = self._execute_waits()
         t_execute = waits[(self._band_of[job], job.queue)]
-        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
+        alpha = self.promotion_threshold()
         # job.starve_time(now), inlined: the proactive planner and the eviction order call this per job.
         return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
