@@ -10,7 +10,8 @@ Rule, on the engine's clock, with every time a *profiled* cost:
 - Each iteration every job of the batch is charged the whole iteration's
   cost; when a job's service in its queue exceeds the queue's quantum it is
   demoted by eta (demotion_step) queues, clamped to the last (in the last
-  queue it goes to the tail: round robin), and its service is reset.
+  queue it goes to the tail: round robin, under the paper's rules), and its
+  service is reset.
 - Starvation prevention: a job not in the batch whose starve time exceeds
   alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
   its service reset. A job already in Q1 stays where it is.
@@ -24,6 +25,15 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   (the copies cost batch room, so throughput). With f the promotions slow
   as the wait grows: admission stays skip-join's (short prompts first), a
   job that waited f times the going wait goes ahead of the rest, in order.
+  Two more rules come with the factor (the overload rules; None gives the
+  paper's): a promoted job that never ran goes into Q1 at its arrival place
+  (ahead of the jobs that arrived after it) rather than at the tail, so the
+  starving are served in arrival order, as FCFS would; and the last queue
+  keeps its order (no round robin: a job there is never rotated to the
+  tail), since past capacity each rotation parks a job on the host and
+  brings another back, copies that take batch room (measured in
+  docs/benchmarks.md, "Past capacity"). Both change nothing while every job
+  fits the batch.
 - Request classes (Job.priority, lower first): each class has its own queues
   Q1..Qn (a band), and every queue of a more urgent class comes before any
   queue of a less urgent one. "Q1" for promotion is Q1 of the most urgent
@@ -91,17 +101,20 @@ class _Band:
     """One request class's queues: per level, started and fresh jobs in entry order. Jobs join at the
     tail (a new entry) of an insertion-ordered dict, except a fresh job that starts: it keeps its entry
     (its place), so when a later entry is already started it goes to `late`, a short list sorted by
-    entry, until it next moves."""
+    entry, until it next moves; and a fresh job promoted under the overload rules: it keeps its arrival
+    entry, in `promoted`, a list sorted by entry (promotions come in arrival order, so it is appended)."""
 
-    __slots__ = ("started", "late", "fresh")
+    __slots__ = ("started", "late", "fresh", "promoted")
 
     def __init__(self, levels: int) -> None:
         self.started: list[dict[Job, None]] = [{} for _ in range(levels)]
         self.late: list[list[Job]] = [[] for _ in range(levels)]
         self.fresh: list[dict[Job, None]] = [{} for _ in range(levels)]
+        self.promoted: list[list[Job]] = [[] for _ in range(levels)]
 
     def sizes(self) -> list[int]:
-        return [len(s) + len(x) + len(f) for s, x, f in zip(self.started, self.late, self.fresh)]
+        return [len(s) + len(x) + len(f) + len(p)
+                for s, x, f, p in zip(self.started, self.late, self.fresh, self.promoted)]
 
 
 class SkipJoinMLFQPolicy(PriorityPolicy):
@@ -112,6 +125,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         super().__init__(config, cost)
         self.quanta = mlfq_quanta(config, cost)
         self._limits = [q * QUANTUM_SLACK for q in self.quanta]  # demotion thresholds
+        if config.starvation_factor is not None:  # the overload rules: the last queue keeps its order
+            self._limits[-1] = math.inf
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
         self._bands: dict[int, _Band] = {}  # request class -> its queues
         self._band_keys: list[int] = []  # sorted: the walk's band order
@@ -172,11 +187,22 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         level = job.queue
         if band.started[level].pop(job, 0) is None:
             return True
-        if band.fresh[level].pop(job, 0) is None:
+        if band.fresh[level].pop(job, 0) is None or self._unpromote(band, job):
             return False
         late = band.late[level]
         del late[bisect.bisect_left(late, self._entry[job], key=self._entry.__getitem__)]
         return True
+
+    def _unpromote(self, band: _Band, job: Job) -> bool:
+        """Remove the job from the band's promoted fresh jobs of its level; False if it is not there."""
+        promoted = band.promoted[job.queue]
+        if not promoted:
+            return False
+        i = bisect.bisect_left(promoted, self._entry[job], key=self._entry.__getitem__)
+        if i < len(promoted) and promoted[i] is job:
+            del promoted[i]
+            return True
+        return False
 
     def _holds(self, job: Job) -> bool:
         return job in self._band_of
@@ -205,9 +231,11 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         entry = self._entry
         for key in self._band_keys:
             band = self._bands[key]
-            for started, late, fresh in zip(band.started, band.late, band.fresh):
+            for started, late, fresh, promoted in zip(band.started, band.late, band.fresh, band.promoted):
                 if late:
                     started = heapq.merge(started, late, key=entry.__getitem__)
+                if promoted:
+                    fresh = heapq.merge(fresh, promoted, key=entry.__getitem__)
                 if not fresh or not gate.fresh:
                     yield from started
                     continue
@@ -243,7 +271,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         for job in jobs:
             key = self._band_of[job]
             band = self._bands[key]
-            del band.fresh[job.queue][job]
+            if band.fresh[job.queue].pop(job, 0) is not None:
+                self._unpromote(band, job)
             started = band.started[job.queue]
             if started and entry[next(reversed(started))] > entry[job]:  # it keeps its place
                 bisect.insort(band.late[job.queue], job, key=entry.__getitem__)
@@ -297,9 +326,11 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 job = heapq.heappop(fresh_heap)[2]
                 if job.first_scheduled_time is not None or job not in band_of:
                     continue  # it started (its later waits are on the other heap) or left
-                if band_of[job] != top or job.queue != 0:
+                if band_of[job] != top or job.queue != 0:  # to Q1 at its arrival place (it keeps its entry)
                     self._unplace(job)
-                    self._place(job, top, 0, True)
+                    band_of[job] = top
+                    job.queue, job.service_in_queue = 0, 0.0
+                    bisect.insort(self._band(top).promoted[0], job, key=self._entry.__getitem__)
                     job.num_promotions += 1
                     promoted += 1
                 held[job] = None

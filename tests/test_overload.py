@@ -96,6 +96,51 @@ def test_starvation_factor_holds_back_promotion_of_preempted_jobs():
         assert (t, x.num_promotions) == (resumed, promotions), factor
 
 
+def test_overload_rules_keep_the_last_queue_in_order():
+    """One slot, alpha 100 s (no promotion). x and y (64-token prompts: Q4, the last queue, quantum 8 s;
+    5 tokens each) arrive at t=0 and 0.5. x's prefill runs 0-8 (service 8, within the quantum), its first
+    decode 8-9 (service 9). Paper's rules: the last queue is round robin, x goes to its tail and y runs at
+    t=9. Overload rules (a starvation factor): the last queue keeps its order, x runs to its end (4 decodes:
+    t=12) and y starts then."""
+    for factor, y_starts in ((None, 9.0), (1.0, 12.0)):
+        policy = mlfq(max_num_seqs=1, starvation_threshold=100.0, starvation_factor=factor)
+        x, y = job("x", 64, output=5), job("y", 64, output=5, arrival=0.5)
+        policy.add(x, 0.0)
+        t = 0.0
+        while y.first_scheduled_time is None:
+            if t >= 0.5 and not policy._holds(y):
+                policy.add(y, 0.5)
+            ids, t = step(policy, _Roomy(), t)
+            if x.num_generated >= 5 and policy._holds(x):
+                policy.remove(x)
+        assert y.first_scheduled_time == y_starts, factor
+
+
+def test_overload_rules_promote_a_fresh_job_to_its_arrival_place():
+    """One slot, alpha 1 s, W = 0. x (8 tokens: Q1, long output) runs 0-1 and 1-2 (then, service 2 > 1,
+    it sinks to Q2). a and d (64 tokens: Q4) arrive at 0.1 and 0.15, b and c (8 tokens: Q1) at 0.2 and
+    0.3. At t=2 a and d have waited over alpha and are promoted to Q1. Paper's rule: to the tail of Q1,
+    behind b and c: b runs. Overload rules: to their arrival places, ahead of b and c (which arrived after
+    them): a runs (its 8 s prefill sinks it to Q2, behind x), and d is next."""
+    for factor, runs in ((None, ["b"]), (1.0, ["a"])):
+        policy = mlfq(max_num_seqs=1, starvation_threshold=1.0, starvation_factor=factor)
+        x = job("x", 8, output=100)
+        a, d = job("a", 64, arrival=0.1), job("d", 64, arrival=0.15)
+        b, c = job("b", 8, arrival=0.2), job("c", 8, arrival=0.3)
+        policy.add(x, 0.0)
+        assert step(policy, _Roomy(), 0.0) == (["x"], 1.0)
+        for j in (a, d, b, c):
+            policy.add(j, j.arrival_time)
+        assert step(policy, _Roomy(), 1.0) == (["x"], 2.0)
+        assert step(policy, _Roomy(), 2.0)[0] == runs, factor
+        assert (a.num_promotions, d.num_promotions) == (1, 1)
+        if factor is not None:  # a promoted fresh job leaves cleanly
+            assert [j.job_id for j in policy.jobs] == ["d", "b", "c", "x", "a"]
+            policy.remove(d)
+            assert [j.job_id for j in policy.jobs] == ["b", "c", "x", "a"]
+            assert policy.queue_lengths() == [2, 2, 0, 0]
+
+
 class _Roomy:
     """KV admission that always fits (the fresh-factor test is about order only)."""
 
