@@ -449,7 +449,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
     "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
     "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
-                          "to a first run), so promotions do not churn the batch; 'none' = alpha (the paper)", None),
+                          "to a first run), so promotions do not churn the batch (and a promoted new job goes "
+                          "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),
     "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
     "kv_overcommit": ("past capacity, new jobs wait while started jobs' KV (device + host) exceeds this many "
                       "device caches; 'none' = no limit (the paper)", None),

@@ -48,7 +48,9 @@ class EngineConfig:
     seed: int = 0
     kv_policy: str = "proactive"
     starvation_threshold: float | None = 0.3  # alpha, seconds
-    starvation_factor: float | None = 1.0  # overload: promotion after max(alpha, f x W); None = the paper's rule
+    # Overload rules: promotion after max(alpha, f x W), to the arrival place for a job that never ran, and a
+    # last queue that keeps its order (scheduler/skip_join_mlfq.py); None = the paper's rules.
+    starvation_factor: float | None = 1.0
     quantum_ratio: float = 2.0
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;

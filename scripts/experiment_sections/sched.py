@@ -92,7 +92,9 @@ def section_overload(ctx: Ctx) -> str:
              "only while the started jobs' KV fits within 4 device caches, counted over both tiers; the proactive "
              "watermark never drops KV) and the promotion slow-down (`--starvation-factor 1`: a waiting job, "
              "fresh or preempted, is promoted after max(alpha, 1 x W), W an average of recent waits to a first "
-             "run). `no promotion slow-down` keeps the admission and promotes after alpha as the paper does "
+             "run; with it, a promoted job that never ran goes into Q1 at its arrival place, and the last queue "
+             "keeps its order instead of round robin). `no promotion slow-down` keeps the admission and "
+             "promotes after alpha, to the tail of Q1, with a round-robin last queue, as the paper does "
              "(`--starvation-factor none`), to show what the factor buys. `paper` turns both off "
              "(`--kv-overcommit none --starvation-factor none`)"
              + ("." if paper_loads == list(LOADS) else
