@@ -43,7 +43,7 @@ import bisect
 import itertools
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -135,7 +135,12 @@ class PriorityPolicy(SchedulingPolicy):
         tokens = 0
         gate, over_budget = Gate(), 0
         started: list[Job] = []  # fresh jobs in the batch
+        # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
+        # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract).
+        parked: Container[Job] = ()
         for job in self._walk(gate):
+            if job in parked:  # (a started job: no gate to count)
+                continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
             fresh = job.first_scheduled_time is None
@@ -153,8 +158,14 @@ class PriorityPolicy(SchedulingPolicy):
                 if fresh:
                     gate.fresh = False
                 continue
-            if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
-                continue
+            if not can_fit(job, n):
+                if not kv.may_evict_for(job):
+                    parked = kv.parked_unfit()
+                    continue
+                room = victims.make_room(job, n, kv)
+                parked = ()
+                if not room:
+                    continue
             allocate(job, n)
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
