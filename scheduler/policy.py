@@ -84,6 +84,10 @@ class KVAdmission(Protocol):
         """Overload admission, for a job with no KV (new, or dropped): whether it may start now."""
         ...
 
+    def parked(self) -> Container[Job]:
+        """Jobs whose KV is on the host alone: they hold no device blocks, so evicting one frees nothing."""
+        ...
+
     def parked_unfit(self) -> Container[Job]:
         """Jobs the walk may pass over without asking: can_fit and may_evict_for are both False for each
         (their KV waits on the host for free room that is not there). Holds until the next allocate or

@@ -212,7 +212,8 @@ class PriorityPolicy(SchedulingPolicy):
 
 class _Victims:
     """Eviction candidates of one schedule() tick: the started jobs that hold
-    device KV (ready, num_computed > 0) and are not in the batch, largest
+    device KV (ready, num_computed > 0, not parked on the host: kv.parked())
+    and are not in the batch, largest
     estimated wait first (ties: lowest priority first), or, when memory/ drops
     what it evicts (kv.victims_by_priority), lowest priority first, as vLLM
     picks the job it will recompute. Built on first need, so
@@ -225,10 +226,11 @@ class _Victims:
         self._next = 0
         self.evicted: set[Job] = set()
 
-    def _build(self, by_priority: bool) -> list[Job]:
-        rank, wait = self._policy._rank, self._policy._wait_estimate
-        held = [j for j in self._policy._started_jobs() if j.ready and j.num_computed > 0 and j not in self._chosen]
-        if by_priority:
+    def _build(self, kv: KVAdmission) -> list[Job]:
+        rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
+        held = [j for j in self._policy._started_jobs()
+                if j.ready and j.num_computed > 0 and j not in chosen and j not in on_host]
+        if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
 
@@ -238,7 +240,7 @@ class _Victims:
         if kv.wait_for_room(job, num_new_tokens):
             return False
         if self._order is None:
-            self._order = self._build(kv.victims_by_priority)
+            self._order = self._build(kv)
         rank = self._policy._rank
         mine = rank(job)
         while self._next < len(self._order):
