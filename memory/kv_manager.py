@@ -192,7 +192,8 @@ class KVManager:
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
             if not job.ready:
                 self._block(job.job_id)
-        extra = self._extra_device_blocks(job, num_new_tokens)
+        # _extra_device_blocks, inlined (once per job in the batch, every tick); the KV is not on the host now.
+        extra = -(-(job.num_computed + num_new_tokens) // self.block_size) - len(kv.device)
         if extra > 0:
             kv.device.extend(self.device.allocate(job.job_id, extra))
         if kv.residency is Residency.NONE:

@@ -67,7 +67,7 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
             idle = [max(candidates, key=wait)] if candidates else []  # (sorted's first: the first of a tie)
         if idle:
             top = wait(idle[0])
-            if any(wait(e) < top for e in host):
+            if any(estimated_wait(e.job, now) < top for e in host):  # (each asked once: no memo needed)
                 kv.start_offload(idle[0])
         return
 

@@ -23,6 +23,10 @@ output token:
   (a smaller one among those may still slip in). Past capacity thousands of
   jobs wait fresh, so this is what keeps a tick's walk proportional to the
   started jobs and the batch, not to the queue;
+- a job whose KV waits on the host for free room it may not evict for is
+  passed over without asking once memory/ says none of those fit
+  (`kv.parked_unfit()`, asked when one is refused): past capacity most
+  started jobs are parked there, and each then costs one membership test;
 - a job that is not ready (its KV moving), or that allocate() left not ready
   (its upload just started), waits: it keeps its place and skips this tick;
 - jobs that ran last iteration but not in this one are the preempted ones.
@@ -136,8 +140,10 @@ class PriorityPolicy(SchedulingPolicy):
         gate, over_budget = Gate(), 0
         started: list[Job] = []  # fresh jobs in the batch
         # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
-        # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract).
+        # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract). An
+        # empty answer stays empty until the free room shrinks (an allocate): `ask` says when to ask again.
         parked: Container[Job] = ()
+        ask = True
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
@@ -160,13 +166,15 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
-                    parked = kv.parked_unfit()
+                    if ask:
+                        parked, ask = kv.parked_unfit(), False
                     continue
                 room = victims.make_room(job, n, kv)
-                parked = ()
+                parked, ask = (), True
                 if not room:
                     continue
             allocate(job, n)
+            ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)
