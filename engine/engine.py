@@ -318,24 +318,26 @@ class Engine:
         return StepPlan(decision, batch, seqs, now, cost)
 
     def _work(self, seq: SequenceState) -> SequenceWork:
-        job = seq.job
-        prompt, pl = seq.request.prompt_ids, len(seq.request.prompt_ids)
-        a, b = job.num_computed, job.context_len  # compute positions a .. b-1
+        # Once per job in the batch, every step: attributes read once, SequenceWork's fields by position.
+        job, req = seq.job, seq.request
+        prompt, params, generated = req.prompt_ids, req.params, job.num_generated
+        pl = len(prompt)
+        a, b = job.num_computed, job.prompt_len + generated  # compute positions a .. b-1 (b: job.context_len)
         tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:] + seq.output_ids[: b - pl]
-        params = seq.request.params
-        want_plp = params.prompt_logprobs is not None and job.num_generated == 0
+        want_plp = params.prompt_logprobs is not None and generated == 0
+        history = params.uses_history
         return SequenceWork(
-            job_id=job.job_id,
-            token_ids=tokens,
-            start_pos=job.num_computed,
-            block_table=self.kv.block_table(job.job_id),
-            params=params,
-            generator=seq.generator,
-            num_generated=job.num_generated,
-            want_prompt_logprobs=want_plp and seq.request.prompt_logprobs is None,
-            prompt_token_ids=seq.request.prompt_ids if want_plp or params.uses_history else [],
-            output_token_ids=list(seq.output_ids) if params.uses_history else [],
-            seed=seq.request.params.sequence_seed(seq.index),
+            job.job_id,  # job_id
+            tokens,  # token_ids
+            a,  # start_pos
+            self.kv.block_table(job.job_id),  # block_table
+            params,
+            seq.generator,
+            generated,  # num_generated
+            want_plp and req.prompt_logprobs is None,  # want_prompt_logprobs
+            prompt if want_plp or history else [],  # prompt_token_ids
+            list(seq.output_ids) if history else [],  # output_token_ids
+            params.sequence_seed(seq.index),  # seed
         )
 
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
@@ -390,7 +392,8 @@ class Engine:
         if ending is not None and params.detokenize:
             seq.text += seq.detokenizer.flush()
         # As vLLM: no stop string counts before min_tokens tokens exist.
-        stopped = job.num_generated >= params.min_tokens and seq.check_stop_strings(old_len)
+        stopped = (bool(params.stop_strings) and job.num_generated >= params.min_tokens
+                   and seq.check_stop_strings(old_len))
         if not stopped and ending is not None:
             seq.finish(*ending)
         if seq.finished:

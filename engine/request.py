@@ -86,7 +86,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # (asked per request in every step: the common case without a generator)
+            return seqs[0].finish_reason is not None
+        return all(s.finished for s in seqs)
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

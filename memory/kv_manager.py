@@ -56,7 +56,8 @@ completes; host blocks are freed only after their upload completes.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from memory.block_allocator import BlockAllocator
@@ -119,7 +120,12 @@ class KVManager:
         self._jobs: dict[str, JobKV] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
         self._inflight: dict[JobKV, None] = {}  # entries with a transfer in flight (orphans included)
-        self._on_host: dict[JobKV, None] = {}  # entries whose KV is on the host alone (Residency.HOST)
+        # Entries whose KV is on the host alone (Residency.HOST), by job, in the order they got there; and how
+        # many of them hold each number of host blocks (the smallest is parked_unfit()'s floor).
+        self._on_host: dict[object, JobKV] = {}
+        self._host_sizes: Counter[int] = Counter()
+        self._host_floor: int | None = None  # min(_host_sizes), None = to be recomputed
+        self._copied = 0  # blocks held on both tiers by the copies in flight (started_blocks counts them once)
         self._pending_free = 0  # device blocks that free when the copies in flight complete
         self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
         self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
@@ -149,8 +155,32 @@ class KVManager:
 
     def started_blocks(self) -> int:
         """KV blocks held by jobs on either tier, a block being copied counted once."""
-        double = sum(min(len(kv.device), len(kv.host)) for kv in self._inflight)
-        return self.device.num_used + self.host.num_used - double
+        return self.device.num_used + self.host.num_used - self._copied
+
+    def parked_unfit(self) -> Container:
+        """Jobs the policy's walk may pass over now without asking: their KV is on the host alone, and
+        can_fit and may_evict_for are both False for each (proactive: a host job waits for free room; and
+        the device's free blocks are fewer than the smallest host copy, while a job coming back needs at
+        least its copy's blocks). Empty when that does not hold. Costs O(1). The answer stays true while
+        the free device blocks do not grow and no job leaves the host: through allocate() of a job not in
+        it, not through evict()."""
+        if self.policy is not KVPolicy.PROACTIVE or not self._on_host:
+            return ()
+        return self._on_host if self.smallest_host_copy() > self.device.num_free else ()
+
+    def parked(self) -> Container:
+        """Jobs whose KV is on the host alone (they hold no device blocks)."""
+        return self._on_host
+
+    def smallest_host_copy(self) -> int:
+        """Blocks of the smallest KV on the host alone (0 if none): no such job comes back to the device
+        with fewer free blocks than this."""
+        floor = self._host_floor
+        if floor is None:
+            if not self._host_sizes:
+                return 0
+            floor = self._host_floor = min(self._host_sizes)
+        return floor
 
     def allocate(self, job, num_new_tokens: int) -> None:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
@@ -162,7 +192,8 @@ class KVManager:
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
             if not job.ready:
                 self._block(job.job_id)
-        extra = self._extra_device_blocks(job, num_new_tokens)
+        # _extra_device_blocks, inlined (once per job in the batch, every tick); the KV is not on the host now.
+        extra = -(-(job.num_computed + num_new_tokens) // self.block_size) - len(kv.device)
         if extra > 0:
             kv.device.extend(self.device.allocate(job.job_id, extra))
         if kv.residency is Residency.NONE:
@@ -253,20 +284,19 @@ class KVManager:
         self._waits.pop(job_id, None)
         if kv is None:
             return
-        if kv.transfer is not None and not kv.transfer.done():
-            self._on_host.pop(kv, None)  # (not there: its copy is in flight)
+        if kv.transfer is not None and not kv.transfer.done():  # (not on the host alone: its copy is in flight)
             kv.freed = True
             self._hold_pending(kv, len(kv.device))  # every device block of an orphan frees when it lands
             self._orphans.append(kv)
             return
         if kv.transfer is not None:
             self._complete(kv)
-        self._on_host.pop(kv, None)
+        self._unpark(kv)
         self._release_all(kv)
 
     def host_resident(self) -> list[JobKV]:
-        """Entries whose KV is on the host alone, in no particular order (memory/proactive.py)."""
-        return list(self._on_host)
+        """Entries whose KV is on the host alone, in the order they got there (memory/proactive.py)."""
+        return list(self._on_host.values())
 
     def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
         """Entries whose KV is on the device alone with no copy this tick, not in flight in a pipeline
@@ -287,7 +317,7 @@ class KVManager:
             return
         for kv in [kv for kv in self._inflight if kv.transfer.done()]:
             if kv.freed:
-                self._inflight.pop(kv, None)
+                self._end_copy(kv)
                 kv.transfer = None
                 self._release_pending(kv)
                 self._release_all(kv)
@@ -335,8 +365,13 @@ class KVManager:
         pending = sum(kv.pending_blocks for kv in entries)
         assert pending == self._pending_free, f"entries hold {pending} pending blocks, the counter {self._pending_free}"
         assert set(self._inflight) == {kv for kv in entries if kv.transfer is not None}, "in-flight set is stale"
-        assert set(self._on_host) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
+        assert set(self._on_host.values()) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
             "host-resident set is stale"
+        assert all(kv.job is job for job, kv in self._on_host.items()), "host-resident index keyed wrong"
+        assert self._host_sizes == Counter(len(kv.host) for kv in self._on_host.values()), "host sizes are stale"
+        assert self._host_floor is None or self._host_floor == min(self._host_sizes), "host floor is stale"
+        copied = sum(min(len(kv.device), len(kv.host)) for kv in self._inflight)
+        assert copied == self._copied, f"copies in flight hold {copied} blocks twice, the counter {self._copied}"
 
     # -- moves (start_offload and start_upload are the proactive planner's verbs) -----------------
     def _entry(self, job) -> JobKV:
@@ -379,8 +414,8 @@ class KVManager:
         n = len(kv.host)
         if n > self.device.num_free:
             return False
+        self._unpark(kv)
         kv.device = self.device.allocate(kv.job.job_id, n)
-        self._on_host.pop(kv, None)
         self._wanted_back(kv)
         kv.residency = Residency.UPLOADING
         kv.transfer_tick = self.tick
@@ -394,6 +429,7 @@ class KVManager:
     def _begin(self, kv: JobKV, handle: TransferHandle) -> None:
         kv.transfer = handle
         self._inflight[kv] = None
+        self._copied += min(len(kv.device), len(kv.host))
         if handle.done():  # nothing to wait for (no backend): complete now, not a tick later
             self._complete(kv)
 
@@ -407,19 +443,19 @@ class KVManager:
 
     def _complete(self, kv: JobKV) -> None:
         jid = kv.job.job_id
-        self._inflight.pop(kv, None)
+        self._end_copy(kv)
         self._release_pending(kv)
         if kv.residency is Residency.OFFLOADING:
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
-            self._on_host[kv] = None
+            self._park(kv)
             kv.job.ready = True  # schedulable: uploaded on demand if picked before a prefetch brings it back
         elif kv.residency is Residency.UPLOADING and kv.cancel_upload:  # evicted while it came up
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
-            self._on_host[kv] = None
+            self._park(kv)
             kv.cancel_upload = False
             kv.predicted_wait = None
             kv.job.ready = True
@@ -433,13 +469,13 @@ class KVManager:
     def _drop(self, kv: JobKV) -> None:
         assert kv.transfer is None, "a job with a copy in flight cannot be dropped"
         jid = kv.job.job_id
+        self._unpark(kv)
         self.device.free(jid, kv.device)
         kv.device = []
         if kv.host:
             self.host.free(jid, kv.host)
             kv.host = []
         kv.residency = Residency.NONE
-        self._on_host.pop(kv, None)
         self.stats.num_drops += 1
         self.stats.num_recomputed_tokens += kv.job.num_computed
         kv.job.num_computed = 0
@@ -452,3 +488,27 @@ class KVManager:
         if kv.host:
             self.host.free(jid, kv.host)
         kv.device, kv.host = [], []
+
+    def _end_copy(self, kv: JobKV) -> None:
+        """The entry's copy is over (before its block lists change)."""
+        if self._inflight.pop(kv, 0) is None:
+            self._copied -= min(len(kv.device), len(kv.host))
+
+    def _park(self, kv: JobKV) -> None:
+        """The entry's KV is now on the host alone."""
+        self._on_host[kv.job] = kv
+        n = len(kv.host)
+        self._host_sizes[n] += 1
+        if self._host_floor is not None and n < self._host_floor:
+            self._host_floor = n
+
+    def _unpark(self, kv: JobKV) -> None:
+        """The entry's KV leaves the host-alone state (call before its block lists change)."""
+        if self._on_host.pop(kv.job, None) is None:
+            return
+        n, sizes = len(kv.host), self._host_sizes
+        sizes[n] -= 1
+        if not sizes[n]:
+            del sizes[n]
+            if n == self._host_floor:
+                self._host_floor = None

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
     """Cost: O(1) when the watermark holds and nothing is on the host (most ticks below capacity);
-    otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job."""
+    otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job.
+    When not even the smallest host job fits beyond the watermark (past capacity, most ticks) the host
+    jobs are not sorted: rule 3 needs only whether one of them is due before the top idle job."""
     watermark = len(batch) + kv.reserved_blocks
     host = kv.host_resident()
     if not host and kv.device.num_free + kv.pending_free_blocks >= watermark:
@@ -56,6 +58,18 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
         while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
             if not kv.start_offload(idle.pop(0)):
                 break  # host full
+
+    if host and kv.device.num_free - kv.smallest_host_copy() < watermark:
+        # No host job fits (step 1 only offloads, so none left the host): step 2 would stop at the first
+        # in ENST order, and rule 3 asks only whether the smallest host ENST is below the top idle job's.
+        if idle is None:
+            candidates = kv.offload_candidates({j.job_id for j in batch})
+            idle = [max(candidates, key=wait)] if candidates else []  # (sorted's first: the first of a tie)
+        if idle:
+            top = wait(idle[0])
+            if any(estimated_wait(e.job, now) < top for e in host):  # (each asked once: no memo needed)
+                kv.start_offload(idle[0])
+        return
 
     # 2. Upload, smallest ENST first, keeping the watermark.
     for e in sorted(host, key=wait):

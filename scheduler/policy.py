@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,6 +82,16 @@ class KVAdmission(Protocol):
 
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
         """Overload admission, for a job with no KV (new, or dropped): whether it may start now."""
+        ...
+
+    def parked(self) -> Container[Job]:
+        """Jobs whose KV is on the host alone: they hold no device blocks, so evicting one frees nothing."""
+        ...
+
+    def parked_unfit(self) -> Container[Job]:
+        """Jobs the walk may pass over without asking: can_fit and may_evict_for are both False for each
+        (their KV waits on the host for free room that is not there). Holds until the next allocate or
+        evict; empty when memory/ cannot say."""
         ...
 
     def evict(self, job: Job) -> None:

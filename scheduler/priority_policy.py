@@ -23,6 +23,10 @@ output token:
   (a smaller one among those may still slip in). Past capacity thousands of
   jobs wait fresh, so this is what keeps a tick's walk proportional to the
   started jobs and the batch, not to the queue;
+- a job whose KV waits on the host for free room it may not evict for is
+  passed over without asking once memory/ says none of those fit
+  (`kv.parked_unfit()`, asked when one is refused): past capacity most
+  started jobs are parked there, and each then costs one membership test;
 - a job that is not ready (its KV moving), or that allocate() left not ready
   (its upload just started), waits: it keeps its place and skips this tick;
 - jobs that ran last iteration but not in this one are the preempted ones.
@@ -43,7 +47,7 @@ import bisect
 import itertools
 from abc import abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -135,7 +139,14 @@ class PriorityPolicy(SchedulingPolicy):
         tokens = 0
         gate, over_budget = Gate(), 0
         started: list[Job] = []  # fresh jobs in the batch
+        # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
+        # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract). An
+        # empty answer stays empty until the free room shrinks (an allocate): `ask` says when to ask again.
+        parked: Container[Job] = ()
+        ask = True
         for job in self._walk(gate):
+            if job in parked:  # (a started job: no gate to count)
+                continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
             fresh = job.first_scheduled_time is None
@@ -153,9 +164,17 @@ class PriorityPolicy(SchedulingPolicy):
                 if fresh:
                     gate.fresh = False
                 continue
-            if not can_fit(job, n) and not (kv.may_evict_for(job) and victims.make_room(job, n, kv)):
-                continue
+            if not can_fit(job, n):
+                if not kv.may_evict_for(job):
+                    if ask:
+                        parked, ask = kv.parked_unfit(), False
+                    continue
+                room = victims.make_room(job, n, kv)
+                parked, ask = (), True
+                if not room:
+                    continue
             allocate(job, n)
+            ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)
@@ -201,7 +220,8 @@ class PriorityPolicy(SchedulingPolicy):
 
 class _Victims:
     """Eviction candidates of one schedule() tick: the started jobs that hold
-    device KV (ready, num_computed > 0) and are not in the batch, largest
+    device KV (ready, num_computed > 0, not parked on the host: kv.parked())
+    and are not in the batch, largest
     estimated wait first (ties: lowest priority first), or, when memory/ drops
     what it evicts (kv.victims_by_priority), lowest priority first, as vLLM
     picks the job it will recompute. Built on first need, so
@@ -214,10 +234,11 @@ class _Victims:
         self._next = 0
         self.evicted: set[Job] = set()
 
-    def _build(self, by_priority: bool) -> list[Job]:
-        rank, wait = self._policy._rank, self._policy._wait_estimate
-        held = [j for j in self._policy._started_jobs() if j.ready and j.num_computed > 0 and j not in self._chosen]
-        if by_priority:
+    def _build(self, kv: KVAdmission) -> list[Job]:
+        rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
+        held = [j for j in self._policy._started_jobs()
+                if j.ready and j.num_computed > 0 and j not in chosen and j not in on_host]
+        if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
 
@@ -227,7 +248,7 @@ class _Victims:
         if kv.wait_for_room(job, num_new_tokens):
             return False
         if self._order is None:
-            self._order = self._build(kv.victims_by_priority)
+            self._order = self._build(kv)
         rank = self._policy._rank
         mine = rank(job)
         while self._next < len(self._order):

@@ -60,6 +60,12 @@ class AlwaysFits:
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
+    def parked(self) -> tuple[Job, ...]:
+        return ()  # nothing is parked on a host
+
+    def parked_unfit(self) -> tuple[Job, ...]:
+        return ()
+
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
         return False  # evictions free their blocks at once: no copy is ever in flight
 

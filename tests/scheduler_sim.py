@@ -58,6 +58,12 @@ class FakeKV:
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
+    def parked(self) -> tuple[Job, ...]:
+        return ()  # no host tier: nothing is parked
+
+    def parked_unfit(self) -> tuple[Job, ...]:
+        return ()
+
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
         return False  # evictions free their blocks at once: no copy is ever in flight
 

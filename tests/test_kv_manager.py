@@ -304,6 +304,14 @@ class KVMachine(RuleBasedStateMachine):
     def ownership(self):
         self.kv.check_invariants()
 
+    @invariant()
+    def parked_jobs_neither_fit_nor_evict(self):
+        parked = self.kv.parked_unfit()
+        for j in self.jobs.values():
+            if j in parked:
+                for n in (j.context_len - j.num_computed, 1):
+                    assert not self.kv.can_fit(j, n) and not self.kv.may_evict_for(j), j.job_id
+
     def teardown(self):
         for jid in list(self.jobs):
             self.kv.free(jid)
@@ -325,6 +333,61 @@ def test_proactive_never_evicts_resident_jobs_for_a_job_on_the_host():
         kv.evict(a)  # a's KV is now on the host
         assert kv.may_evict_for(a) is expected, policy
         assert kv.may_evict_for(b)  # a job with no KV anywhere may always make room
+
+
+def test_parked_unfit_names_the_host_jobs_only_while_the_smallest_cannot_come_back():
+    be = ManualBackend()
+    kv = KVManager(6, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    a, b, c = job(0, 8), job(1, 12), job(2, 4)
+    assert kv.parked_unfit() == ()  # nothing on the host
+    on_host(kv, be, a, 8)  # 2 blocks
+    on_host(kv, be, b, 12)  # 3 blocks
+    assert kv.smallest_host_copy() == 2
+    assert kv.parked_unfit() == ()  # 6 free: both could come back
+    grow(kv, c, 20)  # 5 blocks: 1 free, fewer than the smallest copy
+    parked = kv.parked_unfit()
+    assert a in parked and b in parked and c not in parked
+    for j in (a, b):
+        assert not kv.can_fit(j, 1) and not kv.may_evict_for(j)
+    kv.free(c.job_id)  # 6 free again
+    assert kv.parked_unfit() == ()
+    kv.allocate(a, 1)  # a swap miss: a's upload starts, b is the only host copy left
+    be.complete_all()
+    kv.poll()
+    assert kv.smallest_host_copy() == 3 and kv.parked_unfit() == ()  # a took 3 of 6: b's 3 blocks still fit
+    grow(kv, job(3, 4), 4)  # 2 free
+    assert list(kv.parked_unfit()) == [b]
+    kv.check_invariants()
+
+
+def test_parked_unfit_is_empty_where_host_jobs_may_evict():
+    be = ManualBackend()
+    kv = KVManager(3, 4, num_host_blocks=8, policy="reactive", transfers=be)
+    a, c = job(0, 8), job(2, 12)
+    on_host(kv, be, a, 8)
+    grow(kv, c, 12)  # the device full
+    assert not kv.can_fit(a, 1) and kv.may_evict_for(a)
+    assert kv.parked_unfit() == ()
+
+
+def test_started_blocks_counts_a_block_being_copied_once():
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    a, b = job(0, 12), job(1, 8)
+    grow(kv, a, 12)
+    grow(kv, b, 8)
+    kv.evict(a)  # offload in flight: a's 3 blocks on both tiers
+    assert kv.started_blocks() == 5
+    be.complete_all()
+    kv.poll()
+    assert kv.started_blocks() == 5 and kv.device.num_used == 2
+    kv.allocate(a, 1)  # upload in flight (3 blocks on both tiers) + 1 new device block
+    assert kv.started_blocks() == 6
+    kv.check_invariants()
+    be.complete_all()
+    kv.poll()
+    assert kv.started_blocks() == 6 and kv.host.num_used == 0
+    kv.check_invariants()
 
 
 # -- the ENST ranking itself: each test fails if the proactive rule's order is inverted -------------------------

@@ -125,3 +125,29 @@ def test_pipeline_stages_overlap_micro_batches(sim_dirs, in_flight, expected):
     res = run_trace(eng, [(0.0, 10, 1)] * 3)
     assert e2e(res) == expected
     assert res.busy_s == pytest.approx(3.0)  # stage 0's work: three prefills
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
+def test_parked_shortcuts_change_no_decision(sim_dirs, monkeypatch, policy):
+    """Past capacity memory/ lets the walk pass over host-parked jobs and the proactive planner skip sorting
+    them when not even the smallest host copy fits (KVManager.parked_unfit, smallest_host_copy): the same
+    run with both shortcuts off (the floor reported as never binding) gives the same schedule, to the
+    microsecond, and the shortcuts did fire."""
+    from memory.kv_manager import KVManager
+
+    model, profile = sim_dirs
+    trace = [(0.02 * i, 20 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(80)]
+
+    def run():
+        eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy="proactive",
+                               scheduling_policy=policy, max_num_seqs=8)
+        res = run_trace(eng, trace, max_steps=100_000)
+        return e2e(res), sum(o.metrics.preemptions for o in res.outputs), eng.kv.stats.num_offloads
+
+    fired = []
+    parked_unfit = KVManager.parked_unfit
+    monkeypatch.setattr(KVManager, "parked_unfit", lambda self: fired.append(bool(p := parked_unfit(self))) or p)
+    fast = run()
+    assert any(fired), "no tick had every host job too large for the free room: the test shows nothing"
+    monkeypatch.setattr(KVManager, "smallest_host_copy", lambda self: -(10**9))
+    assert run() == fast
