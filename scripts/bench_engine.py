@@ -3,6 +3,7 @@ against transformers' generate, on an opt-125m-shaped random checkpoint.
 
     python scripts/bench_engine.py                  # writes/uses models/opt-125m-random
     python scripts/bench_engine.py --quick          # smaller workloads, for a smoke run
+    python scripts/bench_engine.py --parts decode,fixed --repeats 3 --threads 1   # the two targets only
 
 Every number is a ratio against a baseline measured in the same run:
 1. decode-step time at batch 1, 8, 32 (context ~128) / time of that step's
@@ -40,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
+PARTS = {"decode", "fixed", "sharegpt", "batch1"}
 SHAREGPT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
 
 
@@ -196,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, help="interleaved engine/baseline repeats per measurement "
                     "(default 5, 2 with --quick)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--parts", default="decode,fixed,sharegpt,batch1",
+                    help="comma-separated subset of decode (1), fixed (2), sharegpt (3), batch1 (4); default all")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - PARTS:
+        raise SystemExit(f"--parts: unknown {', '.join(sorted(parts - PARTS))}; choose from {', '.join(sorted(PARTS))}")
     if args.repeats is None:
         args.repeats = 2 if args.quick else 5
     if args.threads:
@@ -219,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_engine: {args.model.name}, {dev}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.repeats} interleaved repeats")
     print("# ratios: median over repeats [min-max]; wall = perf_counter, cpu = process_time (all threads)")
-    print("\n## decode step vs its bare matmuls (context 128)")
-    results["decode"] = []
-    for b in (1, 8, 32):
+    if "decode" in parts:
+        print("\n## decode step vs its bare matmuls (context 128)")
+        results["decode"] = []
+    for b in (1, 8, 32) if "decode" in parts else ():
         r = decode_step_vs_matmul(llm, b, 128, steps=4 if q else 6, repeats=args.repeats)
         results["decode"].append(r)
         w, c = r["ratio_wall_spread"], r["ratio_cpu_spread"]
@@ -255,14 +263,18 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['engine_tok_s']:6.1f} tok/s)   speedup wall {wall['median']:.2f}x "
               f"[{wall['min']:.2f}-{wall['max']:.2f}]   cpu {cpu['median']:.2f}x [{cpu['min']:.2f}-{cpu['max']:.2f}]")
 
-    print("\n## engine vs transformers generate (useful output tokens per second; speedup = generate time / engine "
-          "time)")
+    if parts - {"decode"}:
+        print("\n## engine vs transformers generate (useful output tokens per second; speedup = generate time / "
+              "engine time)")
     n = 8 if q else 32
-    compare("fixed_32x128_new64", random_prompts(n, [128] * n, vocab, 1), [16 if q else 64] * n, 32)
+    if "fixed" in parts:
+        compare("fixed_32x128_new64", random_prompts(n, [128] * n, vocab, 1), [16 if q else 64] * n, 32)
     n = 16 if q else 64
-    ins, outs = sharegpt_lengths(n, 128)
-    compare("sharegpt_64_capped128", random_prompts(n, ins, vocab, 2), outs, 32)
-    compare("batch1_128_new64", random_prompts(1, [128], vocab, 3), [16 if q else 64], 1)
+    if "sharegpt" in parts:
+        ins, outs = sharegpt_lengths(n, 128)
+        compare("sharegpt_64_capped128", random_prompts(n, ins, vocab, 2), outs, 32)
+    if "batch1" in parts:
+        compare("batch1_128_new64", random_prompts(1, [128], vocab, 3), [16 if q else 64], 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
