@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--repeats", type=int, help="interleaved engine/baseline repeats per measurement "
-                    "(default 5, 2 with --quick)")
+                    "(default 5, 1 with --quick)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--parts", default="decode,fixed,sharegpt,batch1",
                     help="comma-separated subset of decode (1), fixed (2), sharegpt (3), batch1 (4); default all")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if parts - PARTS:
         raise SystemExit(f"--parts: unknown {', '.join(sorted(parts - PARTS))}; choose from {', '.join(sorted(PARTS))}")
     if args.repeats is None:
-        args.repeats = 2 if args.quick else 5
+        args.repeats = 1 if args.quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
     if not (args.model / "config.json").exists():
