@@ -18,10 +18,13 @@ one row, at
 
     row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * bs * H + (c % bs) * H + h
 
-Each (s, h) pair is one row of a ragged [S * H, rows] sparse pattern holding
+that is, layer 0's K row plus layer * 2 * bs * H plus kv * bs * H: one index
+tensor serves every layer, read against a window of the rows shifted by the
+layer's (and V's) offset. Each (s, h) pair is one row of a ragged [S * H, rows] sparse pattern holding
 its context's K rows, so
-  - scores = torch.sparse.sampled_addmm(pattern, q, rows^T): one dot product per
-    (s, h, c), each K row read once where it lies (CSR row pointers, no padding);
+  - scores = torch.sparse.sampled_addmm(pattern, q, rows^T, out=pattern): one
+    dot product per (s, h, c), each K row read once where it lies (CSR row
+    pointers, no padding), written into the pattern's own values (no copy);
   - softmax over each (s, h)'s scores (small: S * H * C floats);
   - out = F.embedding_bag(V rows, rows, per_sample_weights=probabilities,
     mode="sum"): each V row read once and summed with its weight.
@@ -55,15 +58,19 @@ def supports_in_place_decode(kv_cache: torch.Tensor) -> bool:
 class DecodeRows:
     """Where each decode sequence's context sits in the cache viewed as rows of D, for layer 0's K.
 
-    One step computes it once; layer `l`'s K rows are `k_rows + l * layer_stride`, its V rows those
-    plus `v_offset`. Entries are in (sequence, head, position) order, each (s, h) holding its
-    sequence's context_len positions."""
+    One step computes it once. Layer `l`'s K rows are the same row numbers in the window of the cache's
+    rows that starts `l * layer_stride` rows in, its V rows those in the window starting `v_offset` rows
+    later: every layer reuses one index tensor and one sparse pattern, and no per-layer index is built.
+    Entries are in (sequence, head, position) order, each (s, h) holding its sequence's context_len
+    positions."""
 
     k_rows: torch.Tensor  # [N] long, N = H * sum(context_len)
     row_ptr: torch.Tensor  # [S * H + 1] long: CSR row pointers of the (s, h) rows into k_rows
     padded_index: torch.Tensor | None  # [N] long: each entry's place in a padded [S, H, C]; None: no padding
     scores: torch.Tensor  # [S, H, C]: scratch for the padded scores, -inf where no entry is (empty: no padding)
-    zeros: torch.Tensor  # [N]: the sparse pattern's (unused) values
+    # [S * H, window] CSR of k_rows; sampled_addmm writes each layer's scores into its values (scratch)
+    pattern: torch.Tensor
+    window: int  # rows of the window every layer's K (or V) rows lie in
     layer_stride: int  # rows between layer l and l + 1 of one block
     v_offset: int  # rows between a token's K and its V
 
@@ -88,12 +95,17 @@ class DecodeRows:
         row_ptr = torch.zeros(s * h + 1, dtype=torch.long, device=dev)
         torch.cumsum(counts, 0, out=row_ptr[1:])
         n = padded_index.numel()
+        layer_stride, v_offset = 2 * bs * h, bs * h
+        # Every row of layer 0's K plus the last layer's offset and V's lies in the cache: the window.
+        window = kv_cache.numel() // kv_cache.shape[-1] - (num_layers - 1) * layer_stride - v_offset
         if n == s * h * c:  # every context as long as the longest: entries and padded places coincide
-            return cls(rows.reshape(-1), row_ptr, None, scores=torch.empty(0, dtype=kv_cache.dtype, device=dev),
-                       zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
-        return cls(rows.reshape(-1)[padded_index], row_ptr, padded_index,
-                   scores=torch.full((s, h, c), float("-inf"), dtype=kv_cache.dtype, device=dev),
-                   zeros=torch.zeros(n, dtype=kv_cache.dtype, device=dev), layer_stride=2 * bs * h, v_offset=bs * h)
+            k_rows, padded_index, scores = rows.reshape(-1), None, torch.empty(0, dtype=kv_cache.dtype, device=dev)
+        else:
+            k_rows = rows.reshape(-1)[padded_index]
+            scores = torch.full((s, h, c), float("-inf"), dtype=kv_cache.dtype, device=dev)
+        pattern = torch.sparse_csr_tensor(row_ptr, k_rows, torch.zeros(n, dtype=kv_cache.dtype, device=dev),
+                                          size=(s * h, window), check_invariants=False)
+        return cls(k_rows, row_ptr, padded_index, scores, pattern, window, layer_stride, v_offset)
 
 
 def decode_attention_in_place(
@@ -105,16 +117,16 @@ def decode_attention_in_place(
 ) -> torch.Tensor:  # [S, H, D]
     s, h, d = q.shape
     cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * bs * H, D]
-    k_rows = rows.k_rows + layer * rows.layer_stride  # [N]
-    pattern = torch.sparse_csr_tensor(rows.row_ptr, k_rows, rows.zeros, size=(s * h, cache_rows.shape[0]),
-                                      check_invariants=False)
-    # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order
-    scores = torch.sparse.sampled_addmm(pattern, q.reshape(s * h, d), cache_rows.t(), beta=0.0, alpha=scale).values()
+    k_window = cache_rows.narrow(0, layer * rows.layer_stride, rows.window)  # layer's K rows = rows.k_rows here
+    v_window = cache_rows.narrow(0, layer * rows.layer_stride + rows.v_offset, rows.window)
+    # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order, written into the pattern's values
+    scores = torch.sparse.sampled_addmm(rows.pattern, q.reshape(s * h, d), k_window.t(), beta=0.0, alpha=scale,
+                                        out=rows.pattern).values()
     if rows.padded_index is None:
         probs = torch.softmax(scores.view(s * h, -1), dim=-1).view(-1)  # [N]
     else:
         padded = rows.scores.view(-1).index_copy_(0, rows.padded_index, scores)  # [S * H * C], -inf elsewhere
         probs = torch.softmax(padded.view(s * h, -1), dim=-1).view(-1).index_select(0, rows.padded_index)  # [N]
-    out = F.embedding_bag(k_rows + rows.v_offset, cache_rows, offsets=rows.row_ptr[:-1],
-                          per_sample_weights=probs, mode="sum")  # [S * H, D]
+    out = F.embedding_bag(rows.k_rows, v_window, offsets=rows.row_ptr[:-1], per_sample_weights=probs,
+                          mode="sum")  # [S * H, D]
     return out.view(s, h, d)

@@ -40,7 +40,9 @@ class AttentionMetadata:
     # (start, end) spans of the flat token dim; they attend causally to themselves.
     fresh_spans: list[tuple[int, int]]
     # Sequences with one new token (decode), batched together.
-    decode_token_index: torch.Tensor  # [S_d] long: position of each one in the flat token dim
+    # [S_d] long: position of each one in the flat token dim, increasing (every builder lays sequences out
+    # in order), so in a decode-only batch (S_d = T) decode sequence i is token i.
+    decode_token_index: torch.Tensor
     decode_block_tables: torch.Tensor  # [S_d, MB] long (padded with 0)
     decode_context_lens: torch.Tensor  # [S_d] long: tokens attended to, including the new one
     # Sequences with several new tokens after a cached prefix (chunked prefill):
@@ -96,8 +98,17 @@ def write_kv(
     v: torch.Tensor,  # [T, H, D]
     meta: AttentionMetadata,
 ) -> None:
-    kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-    kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+    if not kv_cache.is_contiguous():
+        kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
+        kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+        return
+    # The cache as rows of one token's H * D: token (block, offset)'s K of `layer` is row
+    # ((block * L + layer) * 2 + 0) * bs + offset, its V that + bs. One row copy per token and tensor.
+    _, num_layers, _, bs, h, d = kv_cache.shape
+    rows = kv_cache.view(-1, h * d)
+    k_rows = meta.slot_blocks * (num_layers * 2 * bs) + (meta.slot_offsets + layer * 2 * bs)  # [T]
+    rows.index_copy_(0, k_rows, k.reshape(-1, h * d))
+    rows.index_copy_(0, k_rows + bs, v.reshape(-1, h * d))
 
 
 class Workspace:
@@ -156,6 +167,8 @@ def paged_attention(
     """Write this step's K/V into the cache, then attend every new token to its
     sequence's context (causally)."""
     write_kv(kv_cache, layer, k, v, meta)
+    if meta.decode_token_index.numel() == q.shape[0]:  # decode only: token i is decode sequence i (see above)
+        return _decode_attention(q, kv_cache, layer, meta, scale)
     out = torch.empty_like(q)
     for start, end in meta.fresh_spans:
         # [1, H, n, D] each

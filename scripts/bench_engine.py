@@ -3,6 +3,7 @@ against transformers' generate, on an opt-125m-shaped random checkpoint.
 
     python scripts/bench_engine.py                  # writes/uses models/opt-125m-random
     python scripts/bench_engine.py --quick          # smaller workloads, for a smoke run
+    python scripts/bench_engine.py --parts decode,fixed --repeats 3 --threads 1   # the two targets only
 
 Every number is a ratio against a baseline measured in the same run:
 1. decode-step time at batch 1, 8, 32 (context ~128) / time of that step's
@@ -13,6 +14,13 @@ Every number is a ratio against a baseline measured in the same run:
    tokens per second;
 4. batch 1: one 128-token prompt, 64 new tokens.
 Results print as a table and, with --json, are written to a file.
+
+On a shared, noisy machine one timing is a sample of the machine's mood, so
+each ratio is measured --repeats times with the engine and its baseline
+interleaved (A B, then B A, ...), and reported as the median with its range,
+in wall-clock seconds and in CPU seconds (time.process_time, every thread of
+the process): CPU time counts the work done, not the time other jobs held
+the cores, so its ratio is the steadier one when the machine is loaded.
 """
 
 from __future__ import annotations
@@ -33,12 +41,30 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
+PARTS = {"decode", "fixed", "sharegpt", "batch1"}
 SHAREGPT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
 
 
 def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [[2] + torch.randint(4, vocab, (max(1, ln) - 1,), generator=g).tolist() for ln in lengths[:n]]
+
+
+class Clock:
+    """Wall and CPU seconds of one interval. CPU time is the whole process's (time.process_time: every thread,
+    the engine's step thread and torch's worker threads included), so on a shared machine it counts the work
+    done rather than the time other jobs held the cores; wall time counts both."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of a list of per-repeat ratios."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
 
 def timed(fn, repeat: int = 1) -> float:
@@ -67,10 +93,17 @@ def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
 
 
 # -- 1. decode step vs bare matmuls -----------------------------------------------------------
-def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int) -> dict:
+def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> dict:
+    """`repeats` rounds, each `steps` decode steps of one batch then `steps` runs of its bare matmuls (the
+    order alternating from round to round), timed in wall and CPU seconds; a round's ratio is its median step
+    over its median matmul run, and the result is the median round (the context grows by steps * repeats)."""
     eng = llm.engine
     prompts = random_prompts(batch, [context] * batch, eng.model_config.vocab_size, seed=batch)
-    step_s = statistics.median(decode_step_times(eng, prompts, steps))
+    params = SamplingParams(temperature=0, max_tokens=steps * repeats + 2, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"decode-timing-{i}", p, params)
+    eng.step()  # the prefill iteration
+    eng.step()  # one decode step untimed (first-use allocations)
 
     model = eng.executor.model
     like = dict(device=eng.executor.device, dtype=eng.executor.dtype)
@@ -88,25 +121,50 @@ def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int) -> dic
         if x.is_cuda:
             torch.cuda.synchronize()
 
+    def run(fn) -> tuple[float, float]:  # median (wall, cpu) seconds of `steps` calls
+        times = []
+        for _ in range(steps):
+            clock = Clock()
+            fn()
+            times.append(clock.stop())
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
     matmuls()
-    mm_s = statistics.median([timed(matmuls) for _ in range(steps)])
-    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "matmul_ms": mm_s * 1e3,
-            "ratio": step_s / mm_s}
+    rounds = []  # (step wall, step cpu, matmul wall, matmul cpu)
+    for r in range(repeats):
+        if r % 2 == 0:
+            step, mm = run(eng.step), run(matmuls)
+        else:
+            mm, step = run(matmuls), run(eng.step)
+        rounds.append((*step, *mm))
+    while eng.has_unfinished():
+        eng.step()
+    wall = spread([s / m for s, _, m, _ in rounds])
+    cpu = spread([s / m for _, s, _, m in rounds])
+    return {"batch": batch, "context": context, "context_end": context + 1 + steps * repeats,
+            "step_ms": statistics.median(r[0] for r in rounds) * 1e3,
+            "matmul_ms": statistics.median(r[2] for r in rounds) * 1e3,
+            "step_cpu_ms": statistics.median(r[1] for r in rounds) * 1e3,
+            "matmul_cpu_ms": statistics.median(r[3] for r in rounds) * 1e3,
+            "ratio": wall["median"], "ratio_cpu": cpu["median"], "ratio_wall_spread": wall,
+            "ratio_cpu_spread": cpu}
 
 
 # -- 2-4. engine vs transformers generate --------------------------------------------------------
-def engine_run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int]:
+def engine_run(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, float, int]:
+    """(wall s, CPU s, useful tokens) of the engine generating `outputs[i]` tokens for prompt i."""
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
-    t = time.perf_counter()
+    clock = Clock()
     outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t
-    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+    wall, cpu = clock.stop()
+    return wall, cpu, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def hf_run(hf, prompts: list[list[int]], outputs: list[int], batch_size: int) -> tuple[float, int]:
-    """Static batches: left-padded to the longest prompt, generated to the longest output."""
+def hf_run(hf, prompts: list[list[int]], outputs: list[int], batch_size: int) -> tuple[float, float, int]:
+    """Static batches: left-padded to the longest prompt, generated to the longest output.
+    (wall s, CPU s, useful tokens)."""
     useful = 0
-    t = time.perf_counter()
+    clock = Clock()
     for i in range(0, len(prompts), batch_size):
         chunk, outs = prompts[i : i + batch_size], outputs[i : i + batch_size]
         width = max(len(p) for p in chunk)
@@ -114,10 +172,11 @@ def hf_run(hf, prompts: list[list[int]], outputs: list[int], batch_size: int) ->
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         new = max(outs)
         with torch.inference_mode():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=1)
+            hf.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=new,
+                        min_new_tokens=new, do_sample=False, pad_token_id=1)
         useful += sum(outs)
-    return time.perf_counter() - t, useful
+    wall, cpu = clock.stop()
+    return wall, cpu, useful
 
 
 def sharegpt_lengths(n: int, cap: int) -> tuple[list[int], list[int]]:
@@ -136,7 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--repeats", type=int, help="interleaved engine/baseline repeats per measurement "
+                    "(default 5, 1 with --quick)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--parts", default="decode,fixed,sharegpt,batch1",
+                    help="comma-separated subset of decode (1), fixed (2), sharegpt (3), batch1 (4); default all")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - PARTS:
+        raise SystemExit(f"--parts: unknown {', '.join(sorted(parts - PARTS))}; choose from {', '.join(sorted(PARTS))}")
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not (args.model / "config.json").exists():
         from make_tiny_model import main as make_model  # scripts/ is on sys.path as the script's folder
 
@@ -150,34 +221,60 @@ def main(argv: list[str] | None = None) -> int:
     vocab = llm.engine.model_config.vocab_size
     q = args.quick
     results: dict = {"model": args.model.name, "device": str(dev), "dtype": args.dtype,
-                     "threads": torch.get_num_threads()}
+                     "threads": torch.get_num_threads(), "repeats": args.repeats}
 
-    print(f"# bench_engine: {args.model.name}, {dev}, {args.dtype}, {torch.get_num_threads()} threads")
-    print("\n## decode step vs its bare matmuls (context 128)")
-    results["decode"] = []
-    for b in (1, 8, 32):
-        r = decode_step_vs_matmul(llm, b, 128, steps=4 if q else 10)
+    print(f"# bench_engine: {args.model.name}, {dev}, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"{args.repeats} interleaved repeats")
+    print("# ratios: median over repeats [min-max]; wall = perf_counter, cpu = process_time (all threads)")
+    if "decode" in parts:
+        print("\n## decode step vs its bare matmuls (context 128)")
+        results["decode"] = []
+    for b in (1, 8, 32) if "decode" in parts else ():
+        r = decode_step_vs_matmul(llm, b, 128, steps=4 if q else 6, repeats=args.repeats)
         results["decode"].append(r)
+        w, c = r["ratio_wall_spread"], r["ratio_cpu_spread"]
         print(f"batch {b:3d}: step {r['step_ms']:8.2f} ms   matmuls {r['matmul_ms']:8.2f} ms   "
-              f"ratio {r['ratio']:.2f}x")
+              f"ratio wall {w['median']:.2f}x [{w['min']:.2f}-{w['max']:.2f}]   "
+              f"cpu {c['median']:.2f}x [{c['min']:.2f}-{c['max']:.2f}]  (cpu: step {r['step_cpu_ms']:.1f} ms, "
+              f"matmuls {r['matmul_cpu_ms']:.1f} ms)")
 
     def compare(name: str, prompts, outputs, batch_size: int) -> None:
-        hf_s, hf_tok = hf_run(hf, prompts, outputs, batch_size)
-        en_s, en_tok = engine_run(llm, prompts, outputs)
-        assert hf_tok == en_tok, (hf_tok, en_tok)
+        """generate and the engine alternately (generate first in even repeats), `args.repeats` times each."""
+        runs = []  # (hf wall, hf cpu, engine wall, engine cpu)
+        for rep in range(args.repeats):
+            if rep % 2 == 0:
+                hf_w, hf_c, hf_tok = hf_run(hf, prompts, outputs, batch_size)
+                en_w, en_c, en_tok = engine_run(llm, prompts, outputs)
+            else:
+                en_w, en_c, en_tok = engine_run(llm, prompts, outputs)
+                hf_w, hf_c, hf_tok = hf_run(hf, prompts, outputs, batch_size)
+            assert hf_tok == en_tok, (hf_tok, en_tok)
+            runs.append((hf_w, hf_c, en_w, en_c))
+        wall = spread([h / e for h, _, e, _ in runs])
+        cpu = spread([h / e for _, h, _, e in runs])
+        hf_s = statistics.median(r[0] for r in runs)
+        en_s = statistics.median(r[2] for r in runs)
         r = {"requests": len(prompts), "useful_tokens": en_tok, "hf_s": hf_s, "engine_s": en_s,
-             "hf_tok_s": hf_tok / hf_s, "engine_tok_s": en_tok / en_s, "speedup": hf_s / en_s}
+             "hf_cpu_s": statistics.median(r[1] for r in runs), "engine_cpu_s": statistics.median(r[3] for r in runs),
+             "hf_tok_s": en_tok / hf_s, "engine_tok_s": en_tok / en_s, "speedup": wall["median"],
+             "speedup_cpu": cpu["median"], "speedup_wall_spread": wall, "speedup_cpu_spread": cpu}
         results[name] = r
-        print(f"{name:<28} generate {hf_s:7.2f} s ({r['hf_tok_s']:7.1f} tok/s)   engine {en_s:7.2f} s "
-              f"({r['engine_tok_s']:7.1f} tok/s)   speedup {r['speedup']:.2f}x")
+        print(f"{name:<22} generate {hf_s:7.2f} s ({r['hf_tok_s']:6.1f} tok/s)   engine {en_s:7.2f} s "
+              f"({r['engine_tok_s']:6.1f} tok/s)   speedup wall {wall['median']:.2f}x "
+              f"[{wall['min']:.2f}-{wall['max']:.2f}]   cpu {cpu['median']:.2f}x [{cpu['min']:.2f}-{cpu['max']:.2f}]")
 
-    print("\n## engine vs transformers generate (useful output tokens per second)")
+    if parts - {"decode"}:
+        print("\n## engine vs transformers generate (useful output tokens per second; speedup = generate time / "
+              "engine time)")
     n = 8 if q else 32
-    compare("fixed_32x128_new64", random_prompts(n, [128] * n, vocab, 1), [16 if q else 64] * n, 32)
+    if "fixed" in parts:
+        compare("fixed_32x128_new64", random_prompts(n, [128] * n, vocab, 1), [16 if q else 64] * n, 32)
     n = 16 if q else 64
-    ins, outs = sharegpt_lengths(n, 128)
-    compare("sharegpt_64_capped128", random_prompts(n, ins, vocab, 2), outs, 32)
-    compare("batch1_128_new64", random_prompts(1, [128], vocab, 3), [16 if q else 64], 1)
+    if "sharegpt" in parts:
+        ins, outs = sharegpt_lengths(n, 128)
+        compare("sharegpt_64_capped128", random_prompts(n, ins, vocab, 2), outs, 32)
+    if "batch1" in parts:
+        compare("batch1_128_new64", random_prompts(1, [128], vocab, 3), [16 if q else 64], 1)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

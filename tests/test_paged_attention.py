@@ -23,15 +23,20 @@ def dense_causal(q, k, v, scale):  # [n, H, D] each; the last len(q) positions o
                                           attn_mask=mask, scale=scale).transpose(0, 1)
 
 
+# (cached tokens before this step, new tokens this step)
+MIXED = [(0, 7), (9, 1), (4, 1), (0, 1), (5, 6), (12, 1)]
+DECODE_ONLY = [(9, 1), (4, 1), (12, 1), (3, 1)]  # the shortcut that returns decode attention unscattered
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODE_ONLY], ids=["mixed", "decode_only"])
 @pytest.mark.parametrize("decode_in_place", [True, False])
 @pytest.mark.parametrize("use_workspace", [False, True])
-def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_in_place, monkeypatch):
+def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_in_place, seqs,
+                                                                    monkeypatch):
     if not decode_in_place:
         monkeypatch.setattr(paged, "supports_in_place_decode", lambda kv_cache: False)
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(NB, generator=g).tolist()  # scattered block ids
-    # (cached tokens before this step, new tokens this step)
-    seqs = [(0, 7), (9, 1), (4, 1), (0, 1), (5, 6), (12, 1)]
     tables, full_k, full_v = [], [], []
     for cached, new in seqs:
         nblocks = -(-(cached + new) // BS)
@@ -57,8 +62,26 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
         t += new
     # The new tokens' K/V landed in their blocks, and other layers are untouched.
     assert torch.count_nonzero(kv[:, 0]) == 0
-    k_back, _ = gather_kv(kv, layer, torch.tensor([tables[0]]))
-    torch.testing.assert_close(k_back[0, :7], full_k[0])
+    k_back, v_back = gather_kv(kv, layer, torch.tensor([tables[0]]))
+    n0 = sum(seqs[0])
+    torch.testing.assert_close(k_back[0, :n0], full_k[0])
+    torch.testing.assert_close(v_back[0, :n0], full_v[0])
+
+
+def test_write_kv_row_copies_equal_indexed_writes_on_a_strided_cache():
+    """The contiguous cache's row-copy write and the indexed write a non-contiguous view takes store the same."""
+    g = torch.Generator().manual_seed(2)
+    meta = AttentionMetadata.for_sequences([(0, 5), (6, 1), (3, 2)], [[7, 2], [11, 4], [30, 31]], BS)
+    k, v = torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g)
+    contiguous = torch.zeros(NB, L, 2, BS, H, D)
+    strided = torch.zeros(NB, L + 1, 2, BS, H, D)[:, 1:]  # layers 1.. of a bigger cache: not contiguous
+    assert not strided.is_contiguous()
+    for cache in (contiguous, strided):
+        paged.write_kv(cache, 1, k, v, meta)
+    torch.testing.assert_close(contiguous, strided)
+    assert torch.count_nonzero(contiguous[:, 0]) == 0
+    torch.testing.assert_close(contiguous[4, 1, 0, 6 % BS], k[5])  # token 6 of [11, 4]: block 4
+    torch.testing.assert_close(contiguous[4, 1, 1, 6 % BS], v[5])
 
 
 def test_workspace_reuses_and_grows():

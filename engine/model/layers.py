@@ -3,7 +3,8 @@
 ColumnParallelLinear: weight [out / tp, in] — each rank computes a slice of
 the output features; no communication.
 RowParallelLinear: weight [out, in / tp] — each rank consumes its slice of the
-input features; partial sums are all-reduced, then the bias is added once.
+input features; partial sums are all-reduced, then the bias is added once
+(on one rank, in the matmul itself).
 """
 
 from __future__ import annotations
@@ -35,5 +36,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        if self.tp.layout.tp_size == 1:  # nothing to reduce: the bias goes into the matmul (one addmm)
+            return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        return y.add_(self.bias) if self.bias is not None else y

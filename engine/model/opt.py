@@ -64,16 +64,17 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata) -> torch.Tensor:
         # [T, E] -> [T, E]
+        # The sums write into the fresh output of out_proj / fc2, and ReLU into fc1's (no new tensors).
         residual = h
         if self.pre_ln:
             h = self.self_attn_layer_norm(h)
-        h = residual + self.self_attn(h, kv_cache, layer, meta)
+        h = self.self_attn(h, kv_cache, layer, meta).add_(residual)
         if not self.pre_ln:
             h = self.self_attn_layer_norm(h)
         residual = h
         if self.pre_ln:
             h = self.final_layer_norm(h)
-        h = residual + self.fc2(F.relu(self.fc1(h)))
+        h = self.fc2(F.relu(self.fc1(h), inplace=True)).add_(residual)
         if not self.pre_ln:
             h = self.final_layer_norm(h)
         return h
