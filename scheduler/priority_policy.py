@@ -14,6 +14,12 @@ output token:
   room is being freed by offloads in flight (then the job waits for them,
   `kv.wait_for_room`); a job that still does not fit is skipped (and a job
   evicted this tick does not run this tick);
+- once a job has been refused room this tick (none could be made, or it
+  waits for room that copies in flight are freeing), a lower-priority job
+  whose KV is parked on the host (`kv.may_evict_for` False) is not brought
+  back on demand: its upload would take the room the more urgent job waits
+  for (the proactive planner still brings parked jobs back ahead of need,
+  within its watermark). A resident job that fits still runs (no copy);
 - a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
   (overload admission: the started jobs' KV must fit within what memory/
   allows);
@@ -144,6 +150,7 @@ class PriorityPolicy(SchedulingPolicy):
         # empty answer stays empty until the free room shrinks (an allocate): `ask` says when to ask again.
         parked: Container[Job] = ()
         ask = True
+        refused = False
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
@@ -172,7 +179,10 @@ class PriorityPolicy(SchedulingPolicy):
                 room = victims.make_room(job, n, kv)
                 parked, ask = (), True
                 if not room:
+                    refused = True
                     continue
+            elif refused and not kv.may_evict_for(job):  # parked: not ahead of a job that waits for room
+                continue
             allocate(job, n)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands

@@ -141,6 +141,40 @@ def test_overload_rules_promote_a_fresh_job_to_its_arrival_place():
             assert policy.queue_lengths() == [2, 2, 0, 0]
 
 
+def test_a_parked_job_does_not_take_the_room_a_more_urgent_job_waits_for():
+    """Proactive KV, 4 device blocks of 4 tokens. v (not the policy's: say it finished its turn) holds 2
+    blocks whose offload is in flight; p (class 1) is parked on the host with 4 tokens and needs 2 blocks to
+    go on; h (class 0, new, 12 tokens) needs 3. First tick: h waits for the room v's copy frees (2 free + 2
+    coming); p would fit in the 2 free blocks, but an upload on demand would take the room h waits for, so
+    p stays on the host. Between ticks the proactive planner may bring p's block back (within its watermark);
+    when v's copy lands, h runs, and p, needing a second block, does not fit beside it."""
+    from tests.test_kv_manager import ManualBackend, grow
+
+    be = ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    p = Job("p", 4, 10, 0.0, true_output_len=10, priority=1)
+    grow(kv, p, 4)
+    p.num_generated, p.first_scheduled_time, p.last_scheduled_time = 1, 0.0, 0.0
+    kv.evict(p)
+    be.complete_all()
+    kv.poll()
+    v = job("v", 8)
+    grow(kv, v, 8)
+    kv.evict(v)  # in flight
+    h = Job("h", 12, 1, 0.1, true_output_len=1, priority=0)
+    policy = mlfq(max_num_seqs=4, starvation_threshold=100.0)
+    policy.add(p, 0.0)
+    policy.add(h, 0.1)
+    assert policy.schedule(0.1, kv).batch == []
+    assert (kv.residency("p"), kv.device.num_free) == (Residency.HOST, 2)
+    kv.plan([], policy.estimated_wait, 0.1)
+    be.complete_all()
+    kv.poll()
+    assert policy.schedule(0.2, kv).batch == [h]
+    assert kv.device.num_free == 0
+    kv.check_invariants()
+
+
 class _Roomy:
     """KV admission that always fits (the fresh-factor test is about order only)."""
 
