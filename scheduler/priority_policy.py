@@ -269,8 +269,13 @@ class KeyedPriorityPolicy(PriorityPolicy):
         self._fresh_ranks: list[tuple] = []  # parallel to _fresh
         self._seq: dict[Job, int] = {}  # job -> arrival sequence (tie-break)
         self._fixed_rank: dict[Job, tuple] = {}  # jobs whose rank cannot change: all (static key), fresh (dynamic)
+        # Dynamic key: the started jobs' current ranks, as of the last re-sort less the jobs a step ran since
+        # (on_step_done: a dynamic key may change only for the jobs that ran); None before the first tick.
+        self._tick_rank: dict[Job, tuple] | None = None
+        self._sorted = not self.dynamic_key  # _started_ranks are the current ranks (no step since the re-sort)
         self._counter = itertools.count()
         self._positions: dict[Job, int] | None = None  # cache: place in the started list
+        self._waits: dict[Job, tuple[int, float]] = {}  # cache: started job -> (context_len, wait estimate)
 
     @abstractmethod
     def _key(self, job: Job) -> float:
@@ -278,6 +283,8 @@ class KeyedPriorityPolicy(PriorityPolicy):
 
     def _rank(self, job: Job) -> tuple[int, float, int]:
         rank = self._fixed_rank.get(job)
+        if rank is None and self._tick_rank is not None:
+            rank = self._tick_rank.get(job)
         return rank if rank is not None else (job.priority, self._key(job), self._seq[job])
 
     def _started_jobs(self) -> Iterable[Job]:
@@ -319,6 +326,8 @@ class KeyedPriorityPolicy(PriorityPolicy):
         else:
             if self.dynamic_key:  # the started list is sorted by the ranks of the last re-sort
                 i = bisect.bisect_right(self._started, rank, key=self._rank)
+                if self._tick_rank is not None:
+                    self._tick_rank[job] = rank
             else:
                 self._fixed_rank[job] = rank
                 i = bisect.bisect_right(self._started_ranks, rank)
@@ -332,9 +341,10 @@ class KeyedPriorityPolicy(PriorityPolicy):
         return i if i < len(self._fresh) and self._fresh[i] is job else self._fresh.index(job)
 
     def _started_index(self, job: Job) -> int:
-        if self.dynamic_key:  # its rank may have moved since the last re-sort
+        rank = self._rank(job) if self._sorted else None
+        if rank is None:  # a dynamic key that may have moved since the last re-sort
             return self._started.index(job)
-        i = bisect.bisect_left(self._started_ranks, self._fixed_rank[job])
+        i = bisect.bisect_left(self._started_ranks, rank)
         return i if i < len(self._started) and self._started[i] is job else self._started.index(job)
 
     def remove(self, job: Job) -> None:
@@ -348,6 +358,8 @@ class KeyedPriorityPolicy(PriorityPolicy):
             del self._started[i], self._started_ranks[i]
         del self._seq[job]
         self._fixed_rank.pop(job, None)
+        if self._tick_rank is not None:
+            self._tick_rank.pop(job, None)
         self._running.pop(job, None)
         self._positions = None
         self._count_out(job)
@@ -356,7 +368,12 @@ class KeyedPriorityPolicy(PriorityPolicy):
         for job in jobs:
             i = self._fresh_index(job)
             del self._fresh[i], self._fresh_ranks[i]
-            rank = self._fixed_rank[job] if not self.dynamic_key else self._fixed_rank.pop(job)
+            if self.dynamic_key:  # started: its rank moves as it runs (this tick's, until the step)
+                rank = self._fixed_rank.pop(job)
+                if self._tick_rank is not None:
+                    self._tick_rank[job] = rank
+            else:
+                rank = self._fixed_rank[job]
             i = bisect.bisect_right(self._started_ranks, rank)  # current: re-ranked at the tick's start
             self._started.insert(i, job)
             self._started_ranks.insert(i, rank)
@@ -364,22 +381,49 @@ class KeyedPriorityPolicy(PriorityPolicy):
 
     def _before_schedule(self, now: float) -> None:
         if self.dynamic_key:
-            ranked = sorted(zip(map(self._rank, self._started), self._started))  # ranks are unique: no Job compared
-            self._started = [job for _, job in ranked]
-            self._started_ranks = [rank for rank, _ in ranked]
-            self._positions = None
+            if not self._sorted:
+                ranked = sorted(zip(map(self._rank, self._started), self._started))  # unique ranks: no Job compared
+                order = [job for _, job in ranked]
+                if order != self._started:  # (most ticks the jobs that ran keep their places)
+                    self._started = order
+                    self._positions = None
+                self._started_ranks = [rank for rank, _ in ranked]
+                self._tick_rank = {job: rank for rank, job in ranked}
+                self._sorted = True
+
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        super().on_step_done(batch, now, cost)
+        waits = self._waits
+        for job in batch:  # their contexts grew (and a dynamic key moved): their wait estimates are stale
+            waits.pop(job, None)
+        if self.dynamic_key and batch:
+            if self._tick_rank is not None:
+                for job in batch:
+                    self._tick_rank.pop(job, None)
+            self._sorted = False
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         if self._positions is None:
             self._positions = {j: i for i, j in enumerate(self._started)}
-        r = self._rank(job)
+            self._waits = {}
         place = self._positions.get(job)
-        if place is not None:
-            place += bisect.bisect_left(self._fresh_ranks, r)
-        elif self.dynamic_key:  # the started list's order is that of the last re-sort, its ranks may have moved
+        if place is not None:  # started: cached until the order, the job's rank or its context changes
+            hit = self._waits.get(job)
+            if hit is not None and hit[0] == job.context_len:
+                return hit[1]
+            place += bisect.bisect_left(self._fresh_ranks, self._rank(job))
+            wait = self._wait_at(place, job)
+            self._waits[job] = (job.context_len, wait)
+            return wait
+        r = self._rank(job)
+        if not self._sorted:  # a dynamic key: the started list's ranks may have moved since its sort
             place = self._fresh_index(job) + bisect.bisect_left(self._started, r, key=self._rank)
         else:
             place = self._fresh_index(job) + bisect.bisect_left(self._started_ranks, r)
+        return self._wait_at(place, job)
+
+    def _wait_at(self, place: int, job: Job) -> float:
+        """The wait of a job with `place` jobs ahead of it in the merged order."""
         seqs = self.config.max_num_seqs
         step = self.cost.t_dec(min(seqs, len(self._seq)), job.context_len)
         return (place // seqs + 1) * step
