@@ -253,10 +253,13 @@ class KeyedPriorityPolicy(PriorityPolicy):
     compare stored tuples instead of calling back into Python. A static key is
     computed once, when the job is added, and placed by binary search. A dynamic
     key (it changes as jobs run: SRPT) is static too while the job is fresh (it
-    has not run), so only the started list is re-ranked and re-sorted, before
-    each tick (timsort: near-linear on a near-sorted list); within a tick no key
-    changes. The walk merges the two lists. The wait estimate is the job's place
-    in the merged order, in batches of max_num_seqs, times one decode step.
+    has not run), and changes only for the jobs a step ran (on_step_done), so
+    before a tick that follows a step only those are re-ranked and the started
+    list re-sorted (timsort: near-linear on a near-sorted list); within a tick
+    no key changes. The walk merges the two lists. The wait estimate is the
+    job's place in the merged order, in batches of max_num_seqs, times one
+    decode step; a started job's is cached until the order, its rank or its
+    context changes.
     """
 
     dynamic_key: ClassVar[bool] = False
