@@ -278,13 +278,19 @@ class _Victims:
 class KeyedPriorityPolicy(PriorityPolicy):
     """Priority by a per-job key, smaller first, after the request class; ties in arrival order.
 
-    Jobs sit in two lists kept sorted by (class, key, arrival sequence): the
-    started ones and the fresh ones (never run). A static key is placed once by
-    binary search; a dynamic one (it changes as jobs run: SRPT) is re-sorted
-    before each tick, which only the started list needs (timsort: near-linear
-    on a near-sorted list). The walk merges the two. The wait estimate is the
+    Jobs sit in two lists kept sorted by rank = (class, key, arrival sequence):
+    the started ones and the fresh ones (never run), each with a parallel list
+    of the ranks it is sorted by, so the walk's merge and every binary search
+    compare stored tuples instead of calling back into Python. A static key is
+    computed once, when the job is added, and placed by binary search. A dynamic
+    key (it changes as jobs run: SRPT) is static too while the job is fresh (it
+    has not run), and changes only for the jobs a step ran (on_step_done), so
+    before a tick that follows a step only those are re-ranked and the started
+    list re-sorted (timsort: near-linear on a near-sorted list); within a tick
+    no key changes. The walk merges the two lists. The wait estimate is the
     job's place in the merged order, in batches of max_num_seqs, times one
-    decode step.
+    decode step; a started job's is cached until the order, its rank or its
+    context changes.
     """
 
     dynamic_key: ClassVar[bool] = False
@@ -292,38 +298,51 @@ class KeyedPriorityPolicy(PriorityPolicy):
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
         self._started: list[Job] = []
+        self._started_ranks: list[tuple] = []  # parallel to _started (dynamic key: as of the last re-sort)
         self._fresh: list[Job] = []
+        self._fresh_ranks: list[tuple] = []  # parallel to _fresh
         self._seq: dict[Job, int] = {}  # job -> arrival sequence (tie-break)
+        self._fixed_rank: dict[Job, tuple] = {}  # jobs whose rank cannot change: all (static key), fresh (dynamic)
+        # Dynamic key: the started jobs' current ranks, as of the last re-sort less the jobs a step ran since
+        # (on_step_done: a dynamic key may change only for the jobs that ran); None before the first tick.
+        self._tick_rank: dict[Job, tuple] | None = None
+        self._sorted = not self.dynamic_key  # _started_ranks are the current ranks (no step since the re-sort)
         self._counter = itertools.count()
         self._positions: dict[Job, int] | None = None  # cache: place in the started list
+        self._waits: dict[Job, tuple[int, float]] = {}  # cache: started job -> (context_len, wait estimate)
 
     @abstractmethod
     def _key(self, job: Job) -> float:
         """Smaller runs first (within a request class)."""
 
     def _rank(self, job: Job) -> tuple[int, float, int]:
-        return (job.priority, self._key(job), self._seq[job])
+        rank = self._fixed_rank.get(job)
+        if rank is None and self._tick_rank is not None:
+            rank = self._tick_rank.get(job)
+        return rank if rank is not None else (job.priority, self._key(job), self._seq[job])
 
     def _started_jobs(self) -> Iterable[Job]:
         return self._started
 
     def _walk(self, gate: Gate) -> Iterator[Job]:
-        # Each list's head rank is computed once, not per comparison (a key does not change during a tick).
-        started, fresh, rank = self._started, self._fresh, self._rank
+        # schedule() re-ranks a dynamic key first (_before_schedule), so the stored ranks are current.
+        return self._merge(gate, self._started_ranks)
+
+    def _priority_order(self) -> Iterator[Job]:
+        # Outside a tick a dynamic key may have moved since the last re-sort: merge by the current ranks.
+        started_ranks = list(map(self._rank, self._started)) if self.dynamic_key else self._started_ranks
+        return self._merge(Gate(), started_ranks)
+
+    def _merge(self, gate: Gate, started_ranks: list[tuple]) -> Iterator[Job]:
+        started, fresh, fresh_ranks = self._started, self._fresh, self._fresh_ranks
         i = j = 0
-        s_rank = rank(started[0]) if started else None
-        f_rank = rank(fresh[0]) if fresh else None
         while i < len(started):
-            if j < len(fresh) and gate.fresh and f_rank < s_rank:
+            if j < len(fresh) and gate.fresh and fresh_ranks[j] < started_ranks[i]:
                 yield fresh[j]
                 j += 1
-                if j < len(fresh):
-                    f_rank = rank(fresh[j])
             else:
                 yield started[i]
                 i += 1
-                if i < len(started):
-                    s_rank = rank(started[i])
         while j < len(fresh) and gate.fresh:
             yield fresh[j]
             j += 1
@@ -332,45 +351,113 @@ class KeyedPriorityPolicy(PriorityPolicy):
         if job in self._seq:
             raise ValueError(f"job {job.job_id} was already added")
         self._seq[job] = next(self._counter)
-        bisect.insort(self._fresh if job.first_scheduled_time is None else self._started, job, key=self._rank)
+        rank = (job.priority, self._key(job), self._seq[job])
+        if job.first_scheduled_time is None:
+            self._fixed_rank[job] = rank
+            i = bisect.bisect_right(self._fresh_ranks, rank)
+            self._fresh.insert(i, job)
+            self._fresh_ranks.insert(i, rank)
+        else:
+            if self.dynamic_key:  # the started list is sorted by the ranks of the last re-sort
+                i = bisect.bisect_right(self._started, rank, key=self._rank)
+                if self._tick_rank is not None:
+                    self._tick_rank[job] = rank
+            else:
+                self._fixed_rank[job] = rank
+                i = bisect.bisect_right(self._started_ranks, rank)
+            self._started.insert(i, job)
+            self._started_ranks.insert(i, rank)
         self._positions = None
         self._count_in(job)
 
-    def _index(self, jobs: list[Job], job: Job) -> int:
-        i = bisect.bisect_left(jobs, self._rank(job), key=self._rank)
-        if i < len(jobs) and jobs[i] is job:
-            return i
-        return jobs.index(job)  # a dynamic key moved since the last sort
+    def _fresh_index(self, job: Job) -> int:
+        i = bisect.bisect_left(self._fresh_ranks, self._fixed_rank[job])
+        return i if i < len(self._fresh) and self._fresh[i] is job else self._fresh.index(job)
+
+    def _started_index(self, job: Job) -> int:
+        rank = self._rank(job) if self._sorted else None
+        if rank is None:  # a dynamic key that may have moved since the last re-sort
+            return self._started.index(job)
+        i = bisect.bisect_left(self._started_ranks, rank)
+        return i if i < len(self._started) and self._started[i] is job else self._started.index(job)
 
     def remove(self, job: Job) -> None:
         if job not in self._seq:
             return
-        jobs = self._started if job.first_scheduled_time is not None else self._fresh
-        del jobs[self._index(jobs, job)]
+        if job.first_scheduled_time is None:
+            i = self._fresh_index(job)
+            del self._fresh[i], self._fresh_ranks[i]
+        else:
+            i = self._started_index(job)
+            del self._started[i], self._started_ranks[i]
         del self._seq[job]
+        self._fixed_rank.pop(job, None)
+        if self._tick_rank is not None:
+            self._tick_rank.pop(job, None)
         self._running.pop(job, None)
         self._positions = None
         self._count_out(job)
 
     def _on_started(self, jobs: list[Job]) -> None:
         for job in jobs:
-            del self._fresh[self._index(self._fresh, job)]
-            bisect.insort(self._started, job, key=self._rank)
+            i = self._fresh_index(job)
+            del self._fresh[i], self._fresh_ranks[i]
+            if self.dynamic_key:  # started: its rank moves as it runs (this tick's, until the step)
+                rank = self._fixed_rank.pop(job)
+                if self._tick_rank is not None:
+                    self._tick_rank[job] = rank
+            else:
+                rank = self._fixed_rank[job]
+            i = bisect.bisect_right(self._started_ranks, rank)  # current: re-ranked at the tick's start
+            self._started.insert(i, job)
+            self._started_ranks.insert(i, rank)
         self._positions = None
 
     def _before_schedule(self, now: float) -> None:
         if self.dynamic_key:
-            self._started.sort(key=self._rank)
-            self._positions = None
+            if not self._sorted:
+                ranked = sorted(zip(map(self._rank, self._started), self._started))  # unique ranks: no Job compared
+                order = [job for _, job in ranked]
+                if order != self._started:  # (most ticks the jobs that ran keep their places)
+                    self._started = order
+                    self._positions = None
+                self._started_ranks = [rank for rank, _ in ranked]
+                self._tick_rank = {job: rank for rank, job in ranked}
+                self._sorted = True
+
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        super().on_step_done(batch, now, cost)
+        waits = self._waits
+        for job in batch:  # their contexts grew (and a dynamic key moved): their wait estimates are stale
+            waits.pop(job, None)
+        if self.dynamic_key and batch:
+            if self._tick_rank is not None:
+                for job in batch:
+                    self._tick_rank.pop(job, None)
+            self._sorted = False
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         if self._positions is None:
             self._positions = {j: i for i, j in enumerate(self._started)}
+            self._waits = {}
+        place = self._positions.get(job)
+        if place is not None:  # started: cached until the order, the job's rank or its context changes
+            hit = self._waits.get(job)
+            if hit is not None and hit[0] == job.context_len:
+                return hit[1]
+            place += bisect.bisect_left(self._fresh_ranks, self._rank(job))
+            wait = self._wait_at(place, job)
+            self._waits[job] = (job.context_len, wait)
+            return wait
         r = self._rank(job)
-        if job in self._positions:
-            place = self._positions[job] + bisect.bisect_left(self._fresh, r, key=self._rank)
+        if not self._sorted:  # a dynamic key: the started list's ranks may have moved since its sort
+            place = self._fresh_index(job) + bisect.bisect_left(self._started, r, key=self._rank)
         else:
-            place = self._index(self._fresh, job) + bisect.bisect_left(self._started, r, key=self._rank)
+            place = self._fresh_index(job) + bisect.bisect_left(self._started_ranks, r)
+        return self._wait_at(place, job)
+
+    def _wait_at(self, place: int, job: Job) -> float:
+        """The wait of a job with `place` jobs ahead of it in the merged order."""
         seqs = self.config.max_num_seqs
         step = self.cost.t_dec(min(seqs, len(self._seq)), job.context_len)
         return (place // seqs + 1) * step

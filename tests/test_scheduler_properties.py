@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import Job, PolicyName, SchedulerConfig, SkipJoinMLFQPolicy, make_policy
+from scheduler.cost_model import ProfiledCostModel
 from tests.scheduler_sim import FakeKV, Spec, Tick, make_cost, simulate
 
 COST = make_cost(decode_at_batch_8=2.0)
@@ -156,3 +157,50 @@ def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
             assert got == 0.0 if job in policy._running else abs(got - want) <= 1e-9 * max(1.0, abs(want))
 
     simulate(policy, specs, kv, on_add=lambda job: check(job.arrival_time), on_tick=lambda tick: check(tick.now))
+
+
+# t_dec grows with the context too (1 s at batch 1 and 16 tokens, 3 s at 80), so a stale estimate shows.
+CONTEXT_COST = ProfiledCostModel.from_dict({
+    "schema": "fastserve.profile/1", "key": {"model": "test"},
+    "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
+    "decode": {"batch_sizes": [1, 8], "context_lens": [16, 80], "seconds": [[1.0, 3.0], [2.0, 6.0]]},
+})
+
+
+@SETTINGS
+@given(setups(policies=(PolicyName.FIXED_PRIORITY, PolicyName.SRPT)), st.booleans(), st.integers(0, 2**32))
+def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flaky: bool, seed: int) -> None:
+    """Fixed priority and SRPT keep ranks, positions and wait estimates cached between changes (SRPT
+    re-ranks only the jobs a step ran); on every tick the walk must be every held job sorted by
+    (class, key, arrival) computed afresh, and each waiting job's estimate (its place in that order, in
+    batches of max_num_seqs, times one decode step at its context) must match; fixed priority's also as each
+    job arrives."""
+    config, specs, kv = setup
+    policy = make_policy(config, CONTEXT_COST)
+    srpt = config.policy is PolicyName.SRPT
+    arrival: dict[Job, int] = {}
+    running: list[Job] = []  # the last tick's batch
+
+    def check() -> None:
+        for job in [j for j in arrival if j.finished]:
+            del arrival[job]
+        key = (lambda j: j.remaining_tokens()) if srpt else (lambda j: j.prompt_len)
+        order = sorted(arrival, key=lambda j: (j.priority, key(j), arrival[j]))
+        assert policy.jobs == order
+        seqs = config.max_num_seqs
+        for place, job in enumerate(order):
+            step = CONTEXT_COST.t_dec(min(seqs, len(order)), job.context_len)
+            want = 0.0 if job in running else (place // seqs + 1) * step
+            assert policy.estimated_wait(job, 0.0) == want
+
+    def on_add(job: Job) -> None:
+        arrival[job] = len(arrival)
+        if not srpt:  # SRPT re-sorts at the tick: between ticks its started jobs keep the last tick's order
+            check()
+
+    def on_tick(tick: Tick) -> None:
+        running[:] = tick.decision.batch
+        check()
+
+    simulate(policy, specs, kv, on_add=on_add, on_tick=on_tick,
+             flaky_ready=random.Random(seed) if flaky else None)
