@@ -21,3 +21,7 @@ class FixedPriorityPolicy(KeyedPriorityPolicy):
 
     def _key(self, job: Job) -> float:
         return job.prompt_len
+
+    def _later_fresh_need_at_least(self, job: Job, n: int) -> bool:
+        # A fresh job needs its whole prompt, its key: every later fresh job of its class needs as much or more.
+        return self._fresh_ranks[-1][0] == job.priority

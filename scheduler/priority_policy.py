@@ -104,6 +104,11 @@ class PriorityPolicy(SchedulingPolicy):
     def _before_schedule(self, now: float) -> None:
         """Reorder before the batch is formed (promotion, re-sorting)."""
 
+    def _later_fresh_need_at_least(self, job: Job, n: int) -> bool:
+        """Whether every fresh job after this fresh one in the walk needs at least n new tokens (then, once
+        nothing is left to evict, none of them can start this tick and the walk may stop yielding them)."""
+        return False
+
     def _on_preempted(self, jobs: list[Job]) -> None:
         """These jobs ran last iteration and not in this one."""
 
@@ -180,6 +185,9 @@ class PriorityPolicy(SchedulingPolicy):
                 parked, ask = (), True
                 if not room:
                     refused = True
+                    # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick.
+                    if fresh and victims.spent and self._later_fresh_need_at_least(job, n):
+                        gate.fresh = False
                     continue
             elif refused and not kv.may_evict_for(job):  # parked: not ahead of a job that waits for room
                 continue
@@ -243,6 +251,7 @@ class _Victims:
         self._order: list[Job] | None = None
         self._next = 0
         self.evicted: set[Job] = set()
+        self.spent = False  # the last make_room failed with no candidate left and the job not waiting for room
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
@@ -255,6 +264,7 @@ class _Victims:
     def make_room(self, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
         """Evict until the job fits now (True) or its room is being freed by copies in flight (the job
         waits for them: False, as when nothing more may go)."""
+        self.spent = False
         if kv.wait_for_room(job, num_new_tokens):
             return False
         if self._order is None:
@@ -272,6 +282,7 @@ class _Victims:
                 return True
             if kv.wait_for_room(job, num_new_tokens):
                 return False
+        self.spent = True
         return False
 
 
