@@ -2,7 +2,7 @@
 page-locking, done in the background so that a large swap space does not
 delay start-up.
 
-What it is: the host tensor [NH, L, 2, bs, H, D] the Swapper copies blocks to
+What it is: the host tensor [NH, L, 2, H, bs, D] the Swapper copies blocks to
 and from, and how many of its leading blocks may be used yet. What it is not:
 the copies (engine/swapper.py) or the choice of blocks (memory/).
 
@@ -101,7 +101,7 @@ class HostTier:
         unregister: Callable[[int], None] | None = None,  # (pointer): undo it
     ) -> None:
         # Uninitialised: a host block is always written by an offload before an upload reads it.
-        self.blocks = torch.empty((num_blocks, *block_shape), dtype=dtype)  # [NH, L, 2, bs, H, D]
+        self.blocks = torch.empty((num_blocks, *block_shape), dtype=dtype)  # [NH, L, 2, H, bs, D]
         self.num_blocks = num_blocks
         block_bytes = max(1, self.blocks[0].numel() * self.blocks.element_size()) if num_blocks else 1
         self.chunk_blocks = max(1, chunk_bytes // block_bytes)

@@ -1,7 +1,7 @@
 """The KV cache tensors of one stage, and how many blocks fit.
 
-Layout (kernels/paged_attention.py): [num_blocks, layers, 2, block_size,
-local_heads, head_dim], block-major. memory/ hands out the block ids.
+Layout (kernels/paged_attention.py): [num_blocks, layers, 2, local_heads,
+block_size, head_dim], block-major, head-major inside a block. memory/ hands out the block ids.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # CPU "device" tier when no override is given: 1
 
 
 def kv_block_shape(cfg: OPTConfig, layout: ParallelLayout, block_size: int) -> tuple[int, ...]:
-    """Shape of one block: [layers, 2, block_size, local_heads, head_dim]."""
+    """Shape of one block: [layers, 2, local_heads, block_size, head_dim]."""
     layers = len(layout.stage_layers(cfg.num_hidden_layers))
     heads = layout.shard(cfg.num_attention_heads, "num_attention_heads")
-    return (layers, 2, block_size, heads, cfg.head_dim)
+    return (layers, 2, heads, block_size, cfg.head_dim)
 
 
 def kv_block_bytes(cfg: OPTConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype) -> int:

@@ -58,6 +58,23 @@ def _logprobs_to_host(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> _
         chosen.shape[0])])
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [S, V] -> [S] long
+    """logits.argmax(dim=-1), the same ids (ties and NaN included: the first index of the row's maximum).
+
+    On the CPU, argmax walks each row one element at a time (about 3 ms for 32 rows of OPT's 50,272 at one
+    thread), while amax is vectorised; so the row is cut into chunks of 64 or 32, the first chunk holding the
+    maximum is found from the chunk maxima (amax, then argmax over V / chunk values), and argmax runs inside
+    that chunk only (about 0.6 ms). The first chunk holding the maximum holds its first index. Elsewhere, or
+    when no chunk size divides V, plain argmax."""
+    s, v = logits.shape
+    chunk = next((c for c in (64, 32) if v % c == 0), 0)
+    if logits.device.type != "cpu" or not chunk or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    chunks = logits.view(s, v // chunk, chunk)
+    first = chunks.amax(dim=-1).argmax(dim=-1)  # [S]: the first chunk holding each row's maximum
+    return first * chunk + chunks[torch.arange(s), first].argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -118,7 +135,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:  # [S, V] -> [S] long
-        greedy = logits.argmax(dim=-1)
+        greedy = greedy_tokens(logits)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:
             return greedy

@@ -68,9 +68,9 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 class Swapper:
     def __init__(self, device_cache: torch.Tensor, host: torch.Tensor | HostTier, copy_delay_s: float = 0.0) -> None:
         """host: the host tier (engine/host_tier.py), or a plain host tensor whose blocks are all usable."""
-        self.device_cache = device_cache  # [NB, L, 2, bs, H, D]
+        self.device_cache = device_cache  # [NB, L, 2, H, bs, D]
         self.tier = host if isinstance(host, HostTier) else None
-        self.host_cache = host.blocks if isinstance(host, HostTier) else host  # [NH, L, 2, bs, H, D]
+        self.host_cache = host.blocks if isinstance(host, HostTier) else host  # [NH, L, 2, H, bs, D]
         self.copy_delay_s = copy_delay_s
         self.bytes_copied = 0
         self._cuda = device_cache.is_cuda

@@ -2,7 +2,7 @@
 
 What it is: attention of one new token per sequence (decode) over that
 sequence's cached K/V, computed straight from the block-major cache with two
-sparse primitives of plain torch, so no [S, MB * bs, H, D] copy of the context
+sparse primitives of plain torch, so no [S, H, MB * bs, D] copy of the context
 is made. What it is not: a kernel for CUDA (a later file), nor for prefill or
 chunked prefill (kernels/paged_attention.py gathers those).
 
@@ -12,13 +12,15 @@ crosses memory twice (three times counting the copy's writes). On a CPU the
 decode step is memory-bound, and that copy was a quarter of the batch-32 step
 of opt-125m.
 
-How: view the cache as rows of one head's vector, rows[NB * L * 2 * bs * H, D]
+How: view the cache as rows of one head's vector, rows[NB * L * 2 * H * bs, D]
 (the cache is contiguous), so K (or V) of sequence s, head h, position c is
 one row, at
 
-    row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * bs * H + (c % bs) * H + h
+    row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * H * bs + h * bs + c % bs
 
-that is, layer 0's K row plus layer * 2 * bs * H plus kv * bs * H: one index
+that is, layer 0's K row plus layer * 2 * H * bs plus kv * H * bs (the
+layout is head-major inside a block, so one head's positions in a block are
+bs consecutive rows: read as a run, not one cache miss a row): one index
 tensor serves every layer, read against a window of the rows shifted by the
 layer's (and V's) offset. Each (s, h) pair is one row of a ragged [S * H, rows] sparse pattern holding
 its context's K rows, so
@@ -77,25 +79,25 @@ class DecodeRows:
     @classmethod
     def build(
         cls,
-        kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+        kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
         block_tables: torch.Tensor,  # [S, MB] long (padded)
         context_lens: torch.Tensor,  # [S] long
     ) -> DecodeRows:
-        _, num_layers, _, bs, h, _ = kv_cache.shape
+        _, num_layers, _, h, bs, _ = kv_cache.shape
         s = block_tables.shape[0]
         dev = kv_cache.device
         c = int(context_lens.max())
         pos = torch.arange(c, device=dev)  # [C]
-        # [S, C]: row of (block of position c, layer 0, K, offset c % bs, head 0)
-        base = block_tables[:, pos // bs] * (num_layers * 2 * bs * h) + (pos % bs) * h
-        rows = base[:, None, :] + torch.arange(h, device=dev)[None, :, None]  # [S, H, C]
+        # [S, C]: row of (block of position c, layer 0, K, head 0, offset c % bs)
+        base = block_tables[:, pos // bs] * (num_layers * 2 * h * bs) + pos % bs
+        rows = base[:, None, :] + (torch.arange(h, device=dev) * bs)[None, :, None]  # [S, H, C]
         valid = (pos[None, :] < context_lens[:, None])[:, None, :].expand(s, h, c)  # [S, H, C]
         padded_index = valid.reshape(-1).nonzero().squeeze(1)  # [N], in (s, h, c) order
         counts = context_lens.repeat_interleave(h)  # [S * H]
         row_ptr = torch.zeros(s * h + 1, dtype=torch.long, device=dev)
         torch.cumsum(counts, 0, out=row_ptr[1:])
         n = padded_index.numel()
-        layer_stride, v_offset = 2 * bs * h, bs * h
+        layer_stride, v_offset = 2 * h * bs, h * bs
         # Every row of layer 0's K plus the last layer's offset and V's lies in the cache: the window.
         window = kv_cache.numel() // kv_cache.shape[-1] - (num_layers - 1) * layer_stride - v_offset
         if n == s * h * c:  # every context as long as the longest: entries and padded places coincide
@@ -110,13 +112,13 @@ class DecodeRows:
 
 def decode_attention_in_place(
     q: torch.Tensor,  # [S, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], contiguous
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D], contiguous
     layer: int,
     rows: DecodeRows,
     scale: float,
 ) -> torch.Tensor:  # [S, H, D]
     s, h, d = q.shape
-    cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * bs * H, D]
+    cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * H * bs, D]
     k_window = cache_rows.narrow(0, layer * rows.layer_stride, rows.window)  # layer's K rows = rows.k_rows here
     v_window = cache_rows.narrow(0, layer * rows.layer_stride + rows.v_offset, rows.window)
     # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order, written into the pattern's values

@@ -14,10 +14,12 @@ Legend
     NB  blocks in the stage's KV cache, bs = block size, MB = max blocks per job
     L   layers of this pipeline stage
 
-KV cache layout, block-major: kv_cache[NB, L, 2, bs, H, D]. One block holds
-K (index 0) and V (index 1) of every layer of the stage for bs tokens, so an
-offload or upload of a block is one contiguous copy. Token t of a job lives
-at block_table[t // bs], offset t % bs.
+KV cache layout, block-major and head-major inside a block:
+kv_cache[NB, L, 2, H, bs, D]. One block holds K (index 0) and V (index 1) of
+every layer of the stage for bs tokens, so an offload or upload of a block is
+one contiguous copy; inside it, one head's bs positions are contiguous (the
+CPU decode path reads them as a run, kernels/cpu_decode_attention.py). Token
+t of a job lives at block_table[t // bs], offset t % bs.
 """
 
 from __future__ import annotations
@@ -92,23 +94,26 @@ class AttentionMetadata:
 
 
 def write_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
     meta: AttentionMetadata,
 ) -> None:
     if not kv_cache.is_contiguous():
-        kv_cache[meta.slot_blocks, layer, 0, meta.slot_offsets] = k
-        kv_cache[meta.slot_blocks, layer, 1, meta.slot_offsets] = v
+        # Integer and tensor indices around a slice: the indexed dims come first, [T, H, D] like k.
+        kv_cache[meta.slot_blocks, layer, 0, :, meta.slot_offsets] = k
+        kv_cache[meta.slot_blocks, layer, 1, :, meta.slot_offsets] = v
         return
-    # The cache as rows of one token's H * D: token (block, offset)'s K of `layer` is row
-    # ((block * L + layer) * 2 + 0) * bs + offset, its V that + bs. One row copy per token and tensor.
-    _, num_layers, _, bs, h, d = kv_cache.shape
-    rows = kv_cache.view(-1, h * d)
-    k_rows = meta.slot_blocks * (num_layers * 2 * bs) + (meta.slot_offsets + layer * 2 * bs)  # [T]
-    rows.index_copy_(0, k_rows, k.reshape(-1, h * d))
-    rows.index_copy_(0, k_rows + bs, v.reshape(-1, h * d))
+    # The cache as rows of one head's D: token (block, offset)'s K of `layer`, head h, is row
+    # ((block * L + layer) * 2 + 0) * H * bs + h * bs + offset, its V that + H * bs. One row copy per
+    # token, head and tensor.
+    _, num_layers, _, h, bs, d = kv_cache.shape
+    rows = kv_cache.view(-1, d)
+    token_rows = meta.slot_blocks * (num_layers * 2 * h * bs) + (meta.slot_offsets + layer * 2 * h * bs)  # [T]
+    k_rows = (token_rows[:, None] + torch.arange(h, device=kv_cache.device) * bs).reshape(-1)  # [T * H]
+    rows.index_copy_(0, k_rows, k.reshape(-1, d))
+    rows.index_copy_(0, k_rows + h * bs, v.reshape(-1, d))
 
 
 class Workspace:
@@ -135,23 +140,24 @@ class Workspace:
 
 
 def gather_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     block_tables: torch.Tensor,  # [S, MB]
     workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole block tables, contiguous: two [S, MB * bs, H, D]."""
+    """K and V of whole block tables: two [S, H, MB * bs, D], views of one contiguous [H, S, MB * bs, D] copy each
+    (one gather per tensor, position-contiguous per head, as attention reads them)."""
     s, mb = block_tables.shape
-    _, _, _, bs, h, d = kv_cache.shape
+    _, _, _, h, bs, d = kv_cache.shape
     flat = block_tables.reshape(-1)
     out = []
     for kv in (0, 1):
-        src = kv_cache[:, layer, kv]  # [NB, bs, H, D], a strided view
+        src = kv_cache[:, layer, kv].transpose(0, 1)  # [H, NB, bs, D], a strided view
         if workspace is None:
-            dst = src.index_select(0, flat)
+            dst = src.index_select(1, flat)
         else:
-            dst = torch.index_select(src, 0, flat, out=workspace.get(f"kv{kv}", (s * mb, bs, h, d), kv_cache))
-        out.append(dst.view(s, mb * bs, h, d))
+            dst = torch.index_select(src, 1, flat, out=workspace.get(f"kv{kv}", (h, s * mb, bs, d), kv_cache))
+        out.append(dst.view(h, s, mb * bs, d).transpose(0, 1))
     return out[0], out[1]
 
 
@@ -159,7 +165,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     meta: AttentionMetadata,
     scale: float,
@@ -204,13 +210,13 @@ def decode_attention_gathered(
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
     """The reference: each sequence's K/V gathered out of its blocks, then SDPA over the padded context."""
-    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, C, H, D], C = MB*bs
-    c = keys.shape[1]
+    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, H, C, D], C = MB*bs
+    c = keys.shape[2]
     valid = torch.arange(c, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [S_d, C]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [S_d, H, 1, D]
-        keys.transpose(1, 2),  # [S_d, H, C, D]
-        values.transpose(1, 2),
+        keys,  # [S_d, H, C, D]
+        values,
         attn_mask=valid[:, None, None, :],  # [S_d, 1, 1, C]
         scale=scale,
     )  # [S_d, H, 1, D]
@@ -226,12 +232,12 @@ def _partial_attention(
     scale: float,
 ) -> torch.Tensor:  # [n, H, D]
     keys, values = gather_kv(kv_cache, layer, block_table[None])
-    keys, values = keys[0, :context_len], values[0, :context_len]  # [C, H, D]
+    keys, values = keys[0, :, :context_len], values[0, :, :context_len]  # [H, C, D]
     n = q.shape[0]
     # Query i sits at position context_len - n + i and sees keys 0..that position.
     q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
     mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, C]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale
     )  # [H, n, D]
     return out.transpose(0, 1)

@@ -14,8 +14,8 @@ Legend (as in kernels/paged_attention.py)
     NB  blocks in the cache, bs block size, MB max blocks per sequence, L layers of the stage
     P   context splits of a decode row (flash-decoding)
 
-KV cache layout, block-major: kv_cache[NB, L, 2, bs, H, D]; token t of a
-sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
+KV cache layout, block-major and head-major inside a block: kv_cache[NB, L, 2,
+H, bs, D]; token t of a sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
 cache in place through the block table (no gather): a tile of tokens looks up
 each token's block, so any block size works and a tile may span blocks.
 
@@ -218,7 +218,7 @@ def _cache_strides(kv_cache: torch.Tensor, layer: int) -> tuple[int, int, int, i
     """(block, k/v, offset, head) strides and the layer's offset, in elements."""
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache's head dim must be contiguous")
-    sb, sl, skv, so, sh, _ = kv_cache.stride()
+    sb, sl, skv, sh, so, _ = kv_cache.stride()
     return sb, skv, so, sh, layer * sl
 
 
@@ -227,7 +227,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
@@ -249,7 +249,7 @@ def write_kv(
 
 def decode_attention(
     q: torch.Tensor,  # [T, H, D]: the flat batch's queries (only the decode rows are read)
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], this step's K/V already written
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D], this step's K/V already written
     layer: int,
     rows: torch.Tensor,  # [S_d] long: the decode rows of q (and of out)
     block_tables: torch.Tensor,  # [S_d, MB] long
@@ -265,7 +265,7 @@ def decode_attention(
     s_d = rows.shape[0]
     if s_d == 0:
         return
-    _, _, _, bs, h, d = kv_cache.shape
+    _, _, _, h, bs, d = kv_cache.shape
     mb = block_tables.shape[1]
     splits = max(1, triton.cdiv(mb * bs, tokens_per_split))
     dp = _padded_head_dim(d)
@@ -331,7 +331,7 @@ def prefill_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     seqs: PrefillRows,
     scale: float,
@@ -341,7 +341,7 @@ def prefill_attention(
     to the sequence's new tokens (from k and v)."""
     if seqs.num_seqs == 0:
         return
-    _, _, _, bs, h, d = kv_cache.shape
+    _, _, _, h, bs, d = kv_cache.shape
     k, v = _unit_last(k), _unit_last(v)
     dp = _padded_head_dim(d)
     block_m, block_n = prefill_tile(q.dtype, dp)
@@ -373,7 +373,7 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]
     v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
     layer: int,
     meta: AttentionMetadata,
     scale: float,

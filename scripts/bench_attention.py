@@ -33,7 +33,7 @@ def build(seqs: list[tuple[int, int]], h: int, d: int, bs: int, dtype, device, s
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-(c + n) // bs) for c, n in seqs]
     perm = torch.randperm(sum(blocks_needed), generator=g).tolist()
-    kv = torch.randn(len(perm), 1, 2, bs, h, d, dtype=dtype, device=device)
+    kv = torch.randn(len(perm), 1, 2, h, bs, d, dtype=dtype, device=device)
     tables = [[perm.pop() for _ in range(nb)] for nb in blocks_needed]
     meta = ref.AttentionMetadata.for_sequences(seqs, tables, bs, device, ref.Workspace())
     t = sum(n for _, n in seqs)

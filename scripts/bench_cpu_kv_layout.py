@@ -1,5 +1,6 @@
-"""CPU decode attention's two sparse ops over the KV cache's block layout as it is, token-major inside a block
-([NB, L, 2, bs, H, D]), against a head-major one ([NB, L, 2, H, bs, D]): same rows, same ops, same memory.
+"""CPU decode attention's two sparse ops over the KV cache's block layout as it is, head-major inside a block
+([NB, L, 2, H, bs, D]), against the token-major one it replaced ([NB, L, 2, bs, H, D]): same rows, same ops, same
+memory.
 
     python scripts/bench_cpu_kv_layout.py [--threads 1] [--repeats 3]
 
@@ -8,7 +9,8 @@ What it measures: kernels/cpu_decode_attention.py's scores (torch.sparse.sampled
 context 130, scattered block tables; CPU ms per call (median of 9 timings of a call on each of the 12 layers), the
 two layouts alternating, and their ratio. Token-major, one head's rows of consecutive positions lie H * D * 4 bytes
 apart (3 KB), a stride the prefetchers do not follow; head-major, a block's 16 rows of one head are contiguous.
-What it is not: the engine's layout (the cache stays token-major); evidence for changing it.
+What it is not: the engine's whole step (scripts/bench_engine.py); the evidence for, and the size of, the move
+to head-major blocks.
 """
 
 from __future__ import annotations

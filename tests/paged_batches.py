@@ -18,7 +18,7 @@ def make_batch(seqs, h, d, bs, dtype, seed=0, num_blocks=None):
     need = sum(-(-(c + n) // bs) for c, n in seqs)
     nb = num_blocks or need + 3
     perm = torch.randperm(nb, generator=g).tolist()
-    kv = torch.randn(nb, L, 2, bs, h, d, generator=g).to(dtype)
+    kv = torch.randn(nb, L, 2, h, bs, d, generator=g).to(dtype)
     tables, full_k, full_v = [], [], []
     for c, n in seqs:
         tables.append([perm.pop() for _ in range(-(-(c + n) // bs))])
@@ -26,8 +26,8 @@ def make_batch(seqs, h, d, bs, dtype, seed=0, num_blocks=None):
         full_v.append(torch.randn(c + n, h, d, generator=g).to(dtype))
     for (c, _), table, k, v in zip(seqs, tables, full_k, full_v):
         for p in range(c):
-            kv[table[p // bs], 1, 0, p % bs] = k[p]
-            kv[table[p // bs], 1, 1, p % bs] = v[p]
+            kv[table[p // bs], 1, 0, :, p % bs] = k[p]
+            kv[table[p // bs], 1, 1, :, p % bs] = v[p]
     qs = [torch.randn(n, h, d, generator=g).to(dtype) for _, n in seqs]
     meta = AttentionMetadata.for_sequences(seqs, tables, bs)
     # q, k, v as the model produces them: strided views of one fused [T, 3, H, D] projection.

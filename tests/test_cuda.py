@@ -83,7 +83,7 @@ def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
     from engine.swapper import Swapper
     from memory.transfers import Direction
 
-    block = (2, 2, 16, 4, 8)  # [L, 2, bs, H, D]
+    block = (2, 2, 4, 16, 8)  # [L, 2, H, bs, D]
     device = torch.randn(16, *block, device="cuda")
     block_bytes = device[0].numel() * 4
     tier = HostTier(40, block, torch.float32, pin=True, chunk_bytes=8 * block_bytes)  # 5 chunks

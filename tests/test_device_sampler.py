@@ -10,7 +10,7 @@ import torch
 
 from engine.batch import SequenceWork
 from engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
-from engine.sampler import Sampler, prompt_logprobs
+from engine.sampler import Sampler, greedy_tokens, prompt_logprobs
 from engine.sampling_params import SamplingParams
 
 # -- the reference: the host sampler as it was (float32 logits copied to the host, one draw per row) ------------
@@ -179,3 +179,20 @@ def test_cuda_seeded_draws_repeat_with_the_seed():
     a, b = run(), run()
     assert a == b
     assert len({tuple(o) for o in a}) > 1
+
+
+@pytest.mark.parametrize("vocab", [50272, 4096, 1000, 70])  # chunks of 32, of 64, none (plain argmax)
+def test_greedy_tokens_is_argmax_with_ties_nan_and_inf(vocab):
+    """The chunked CPU argmax picks what argmax picks: ties across and inside chunks go to the first index, a NaN
+    wins (the first one), an all -inf row gives 0, and ordinary rows their maximum."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, vocab, generator=g)
+    logits[1, [vocab - 1, 3, vocab // 2]] = 50.0  # a tie across chunks: 3 first
+    logits[2, [5, 6]] = 50.0  # a tie inside one chunk
+    logits[3, [vocab - 2, 4]] = float("nan")  # NaN beats any number: the first NaN
+    logits[4] = float("-inf")
+    logits[5, vocab - 1] = 60.0  # the last element
+    logits[6, :] = 1.0  # every element tied: index 0
+    torch.testing.assert_close(greedy_tokens(logits), logits.argmax(dim=-1), rtol=0, atol=0)
+    assert greedy_tokens(logits[:0]).shape == (0,)
+

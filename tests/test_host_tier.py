@@ -15,7 +15,7 @@ from engine.host_tier import HostTier
 from engine.swapper import Swapper
 from memory.transfers import Direction
 
-BLOCK = (2, 2, 4, 1, 3)  # [L, 2, bs, H, D]
+BLOCK = (2, 2, 1, 4, 3)  # [L, 2, H, bs, D]
 BLOCK_BYTES = 2 * 2 * 4 * 1 * 3 * 4  # float32
 
 
@@ -105,7 +105,7 @@ def test_runs_are_cut_at_chunk_boundaries_on_the_host_side():
 
 
 def test_swapper_copies_through_a_chunked_tier_move_the_same_bytes():
-    device = torch.randn(12, *BLOCK)  # [NB, L, 2, bs, H, D]
+    device = torch.randn(12, *BLOCK)  # [NB, L, 2, H, bs, D]
     tier = HostTier(12, BLOCK, torch.float32, pin=False, chunk_bytes=4 * BLOCK_BYTES)
     swapper = Swapper(device, tier)
     try:
@@ -123,7 +123,7 @@ def test_swapper_refuses_a_copy_through_a_host_block_not_yet_locked():
     """memory/ must never hand out such a block; a worker that gets one fails loudly instead of copying through
     pageable memory (on CUDA that copy would silently stop being asynchronous)."""
     locker = FakeLocker()
-    device = torch.randn(8, *BLOCK)  # [NB, L, 2, bs, H, D]
+    device = torch.randn(8, *BLOCK)  # [NB, L, 2, H, bs, D]
     swapper = Swapper(device, tier_with(locker))  # 10 host blocks in chunks of 4
     try:
         locker.gate.release()

@@ -43,12 +43,12 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
         tables.append([perm.pop() for _ in range(nblocks)])
         full_k.append(torch.randn(cached + new, H, D, generator=g))
         full_v.append(torch.randn(cached + new, H, D, generator=g))
-    kv = torch.zeros(NB, L, 2, BS, H, D)
+    kv = torch.zeros(NB, L, 2, H, BS, D)
     layer = 1
     for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v):  # what earlier steps wrote
         for p in range(cached):
-            kv[table[p // BS], layer, 0, p % BS] = k[p]
-            kv[table[p // BS], layer, 1, p % BS] = v[p]
+            kv[table[p // BS], layer, 0, :, p % BS] = k[p]
+            kv[table[p // BS], layer, 1, :, p % BS] = v[p]
     q_all = [torch.randn(new, H, D, generator=g) for _, new in seqs]
     k_new = [k[cached:] for (cached, _), k in zip(seqs, full_k)]
     v_new = [v[cached:] for (cached, _), v in zip(seqs, full_v)]
@@ -62,10 +62,10 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
         t += new
     # The new tokens' K/V landed in their blocks, and other layers are untouched.
     assert torch.count_nonzero(kv[:, 0]) == 0
-    k_back, v_back = gather_kv(kv, layer, torch.tensor([tables[0]]))
+    k_back, v_back = gather_kv(kv, layer, torch.tensor([tables[0]]))  # [1, H, C, D] each
     n0 = sum(seqs[0])
-    torch.testing.assert_close(k_back[0, :n0], full_k[0])
-    torch.testing.assert_close(v_back[0, :n0], full_v[0])
+    torch.testing.assert_close(k_back[0, :, :n0].transpose(0, 1), full_k[0])
+    torch.testing.assert_close(v_back[0, :, :n0].transpose(0, 1), full_v[0])
 
 
 def test_write_kv_row_copies_equal_indexed_writes_on_a_strided_cache():
@@ -73,15 +73,15 @@ def test_write_kv_row_copies_equal_indexed_writes_on_a_strided_cache():
     g = torch.Generator().manual_seed(2)
     meta = AttentionMetadata.for_sequences([(0, 5), (6, 1), (3, 2)], [[7, 2], [11, 4], [30, 31]], BS)
     k, v = torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g)
-    contiguous = torch.zeros(NB, L, 2, BS, H, D)
-    strided = torch.zeros(NB, L + 1, 2, BS, H, D)[:, 1:]  # layers 1.. of a bigger cache: not contiguous
+    contiguous = torch.zeros(NB, L, 2, H, BS, D)
+    strided = torch.zeros(NB, L + 1, 2, H, BS, D)[:, 1:]  # layers 1.. of a bigger cache: not contiguous
     assert not strided.is_contiguous()
     for cache in (contiguous, strided):
         paged.write_kv(cache, 1, k, v, meta)
     torch.testing.assert_close(contiguous, strided)
     assert torch.count_nonzero(contiguous[:, 0]) == 0
-    torch.testing.assert_close(contiguous[4, 1, 0, 6 % BS], k[5])  # token 6 of [11, 4]: block 4
-    torch.testing.assert_close(contiguous[4, 1, 1, 6 % BS], v[5])
+    torch.testing.assert_close(contiguous[4, 1, 0, :, 6 % BS], k[5])  # token 6 of [11, 4]: block 4
+    torch.testing.assert_close(contiguous[4, 1, 1, :, 6 % BS], v[5])
 
 
 def test_workspace_reuses_and_grows():
@@ -101,7 +101,7 @@ def test_in_place_decode_matches_gathered_reference(dtype, lens):
     padded with block 0, every layer of a multi-layer cache: the in-place path equals the gathering one."""
     g = torch.Generator().manual_seed(1)
     nb, layers = 64, 3
-    kv = torch.randn(nb, layers, 2, BS, H, D, generator=g, dtype=dtype)
+    kv = torch.randn(nb, layers, 2, H, BS, D, generator=g, dtype=dtype)
     assert supports_in_place_decode(kv)
     perm = torch.randperm(nb, generator=g).tolist()
     mb = max(-(-n // BS) for n in lens)
@@ -122,7 +122,7 @@ def test_in_place_decode_matches_gathered_reference(dtype, lens):
 
 def test_in_place_decode_is_cpu_float_only():
     """Other dtypes and non-contiguous caches take the gathering reference."""
-    kv = torch.zeros(4, 1, 2, BS, H, D)
+    kv = torch.zeros(4, 1, 2, H, BS, D)
     assert supports_in_place_decode(kv)
     assert not supports_in_place_decode(kv.to(torch.bfloat16))
     assert not supports_in_place_decode(kv[::2])

@@ -31,8 +31,8 @@ def test_copies_move_exactly_the_paired_blocks(data):
     k = data.draw(st.integers(0, 8))
     src_ids = data.draw(st.permutations(range(n_dev)))[:k]
     dst_ids = data.draw(st.permutations(range(n_host)))[:k]
-    device = torch.randn(n_dev, 2, 2, 4, 1, 3)  # [NB, L, 2, bs, H, D]
-    host = torch.zeros(n_host, 2, 2, 4, 1, 3)
+    device = torch.randn(n_dev, 2, 2, 1, 4, 3)  # [NB, L, 2, H, bs, D]
+    host = torch.zeros(n_host, 2, 2, 1, 4, 3)
     expected = host.clone()
     for s, d in zip(src_ids, dst_ids):
         expected[d] = device[s]

@@ -118,7 +118,7 @@ class OPTStage(nn.Module):
         self,
         inputs: torch.Tensor,  # first stage: token ids [T] long; later stages: hidden [T, E]
         positions: torch.Tensor,  # [T] long, 0-based position of each token in its sequence
-        kv_cache: torch.Tensor,  # [NB, L, 2, bs, H, D], L = this stage's layers
+        kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D], L = this stage's layers
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
         if self.is_first:
