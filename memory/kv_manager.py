@@ -168,6 +168,11 @@ class KVManager:
             return ()
         return self._on_host if self.smallest_host_copy() > self.device.num_free else ()
 
+    def room_for(self, num_tokens: int) -> bool:
+        """Whether a job with no KV needing num_tokens could get its blocks this tick without an eviction
+        (the room can_fit and wait_for_room would find: free, or freeing and not promised)."""
+        return blocks_needed(num_tokens, self.block_size) <= self.device.num_free + self._pending_free - self._claimed
+
     def parked(self) -> Container:
         """Jobs whose KV is on the host alone (they hold no device blocks)."""
         return self._on_host

@@ -88,6 +88,11 @@ class KVAdmission(Protocol):
         """Jobs whose KV is on the host alone: they hold no device blocks, so evicting one frees nothing."""
         ...
 
+    def room_for(self, num_tokens: int) -> bool:
+        """Whether a job with no KV that needs num_tokens could still get its device blocks this tick without
+        an eviction: free now, or being freed by copies in flight and not promised to another job."""
+        ...
+
     def parked_unfit(self) -> Container[Job]:
         """Jobs the walk may pass over without asking: can_fit and may_evict_for are both False for each
         (their KV waits on the host for free room that is not there). Holds until the next allocate or

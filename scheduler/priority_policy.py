@@ -24,7 +24,11 @@ output token:
   (overload admission: the started jobs' KV must fit within what memory/
   allows);
 - fresh jobs (never run yet) are looked at only while it can matter: once
-  admission refuses one, no other fresh job starts this tick; after the token
+  admission refuses one, no other fresh job starts this tick; once nothing is
+  left to evict, none starts either if the smallest fresh prompt does not
+  fit the room left (`kv.room_for`: it only shrinks for the rest of the
+  tick), nor, for fixed priority, if every later fresh job of the class needs
+  as much as a refused one; after the token
   budget has refused max_num_seqs fresh jobs, no further fresh job is tried
   (a smaller one among those may still slip in). Past capacity thousands of
   jobs wait fresh, so this is what keeps a tick's walk proportional to the
@@ -79,6 +83,7 @@ class PriorityPolicy(SchedulingPolicy):
         self._classes: Counter[int] = Counter()  # request class -> unfinished jobs
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
+        self._fresh_lens: list[int] = []  # prompt lengths of the jobs that never ran, sorted (the smallest first)
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -115,8 +120,16 @@ class PriorityPolicy(SchedulingPolicy):
     # -- classes -----------------------------------------------------------------------------
     def _count_in(self, job: Job) -> None:
         self._classes[job.priority] += 1
+        if job.first_scheduled_time is None:
+            bisect.insort(self._fresh_lens, job.prompt_len)
+
+    def _not_fresh(self, job: Job) -> None:
+        lens = self._fresh_lens
+        del lens[bisect.bisect_left(lens, job.prompt_len)]
 
     def _count_out(self, job: Job) -> None:
+        if job.first_scheduled_time is None:
+            self._not_fresh(job)
         c = self._classes
         c[job.priority] -= 1
         if not c[job.priority]:
@@ -185,8 +198,11 @@ class PriorityPolicy(SchedulingPolicy):
                 parked, ask = (), True
                 if not room:
                     refused = True
-                    # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick.
-                    if fresh and victims.spent and self._later_fresh_need_at_least(job, n):
+                    # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick,
+                    # so a new job that needs more than it (or than this one) cannot start in this tick.
+                    if victims.spent and gate.fresh and (
+                            (fresh and self._later_fresh_need_at_least(job, n))
+                            or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
             elif refused and not kv.may_evict_for(job):  # parked: not ahead of a job that waits for room
@@ -217,6 +233,8 @@ class PriorityPolicy(SchedulingPolicy):
             self._on_preempted(preempted)
         self._running = chosen  # the batch, then the jobs still in flight (the tick's own dict)
         if started:
+            for job in started:
+                self._not_fresh(job)
             self._on_started(started)
             ema = self.start_wait_ema
             for job in started:

@@ -60,6 +60,9 @@ class AlwaysFits:
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
+    def room_for(self, num_tokens: int) -> bool:
+        return True
+
     def parked(self) -> tuple[Job, ...]:
         return ()  # nothing is parked on a host
 

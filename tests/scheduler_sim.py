@@ -58,6 +58,9 @@ class FakeKV:
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
+    def room_for(self, num_tokens: int) -> bool:
+        return self.blocks(num_tokens) <= self.free
+
     def parked(self) -> tuple[Job, ...]:
         return ()  # no host tier: nothing is parked
 

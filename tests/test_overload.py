@@ -192,6 +192,9 @@ class _Roomy:
     def may_start(self, job, n):
         return True
 
+    def room_for(self, n):
+        return True
+
     def parked(self):
         return ()
 

@@ -7,6 +7,7 @@ prompts 1..64 tokens (max_prompt_len 64: quanta [1, 2, 4, 8]).
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -179,6 +180,7 @@ def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flak
     policy = make_policy(config, CONTEXT_COST)
     srpt = config.policy is PolicyName.SRPT
     arrival: dict[Job, int] = {}
+    arrivals = itertools.count()
     running: list[Job] = []  # the last tick's batch
 
     def check() -> None:
@@ -194,7 +196,7 @@ def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flak
             assert policy.estimated_wait(job, 0.0) == want
 
     def on_add(job: Job) -> None:
-        arrival[job] = len(arrival)
+        arrival[job] = next(arrivals)  # (not len(arrival): finished jobs leave it)
         if not srpt:  # SRPT re-sorts at the tick: between ticks its started jobs keep the last tick's order
             check()
 

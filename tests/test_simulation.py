@@ -151,3 +151,31 @@ def test_parked_shortcuts_change_no_decision(sim_dirs, monkeypatch, policy):
     assert any(fired), "no tick had every host job too large for the free room: the test shows nothing"
     monkeypatch.setattr(KVManager, "smallest_host_copy", lambda self: -(10**9))
     assert run() == fast
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq", "fixed-priority"])
+def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
+    """Past capacity a refused new job closes the walk's fresh gate once nothing is left to evict and no later
+    new job can fit (PriorityPolicy.schedule: the smallest new prompt against KVManager.room_for, and fixed
+    priority's own rule): the same run with the gate never closed that way gives the same schedule, and the
+    gate did close."""
+    from memory.kv_manager import KVManager
+    from scheduler.fixed_priority import FixedPriorityPolicy
+
+    model, profile = sim_dirs
+    trace = [(0.02 * i, 20 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(80)]
+
+    def run():
+        eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy="proactive",
+                               scheduling_policy=policy, max_num_seqs=8)
+        res = run_trace(eng, trace, max_steps=100_000)
+        return e2e(res), sum(o.metrics.preemptions for o in res.outputs), eng.kv.stats.num_offloads
+
+    closed = []
+    room_for = KVManager.room_for
+    monkeypatch.setattr(KVManager, "room_for", lambda self, n: closed.append(not (r := room_for(self, n))) or r)
+    gated = run()
+    assert any(closed), "the gate never closed: the test shows nothing"
+    monkeypatch.setattr(KVManager, "room_for", lambda self, n: True)
+    monkeypatch.setattr(FixedPriorityPolicy, "_later_fresh_need_at_least", lambda self, job, n: False)
+    assert run() == gated
