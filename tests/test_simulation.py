@@ -127,6 +127,17 @@ def test_pipeline_stages_overlap_micro_batches(sim_dirs, in_flight, expected):
     assert res.busy_s == pytest.approx(3.0)  # stage 0's work: three prefills
 
 
+def overloaded_run(sim_dirs, policy: str) -> tuple:
+    """80 requests past capacity on a 40-block device with a host tier (proactive): the schedule's fingerprint
+    (every request's latency, the preemptions, the offloads), for runs that must decide alike."""
+    model, profile = sim_dirs
+    trace = [(0.02 * i, 20 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(80)]
+    eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy="proactive",
+                           scheduling_policy=policy, max_num_seqs=8)
+    res = run_trace(eng, trace, max_steps=100_000)
+    return e2e(res), sum(o.metrics.preemptions for o in res.outputs), eng.kv.stats.num_offloads
+
+
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
 def test_parked_shortcuts_change_no_decision(sim_dirs, monkeypatch, policy):
     """Past capacity memory/ lets the walk pass over host-parked jobs and the proactive planner skip sorting
@@ -135,14 +146,8 @@ def test_parked_shortcuts_change_no_decision(sim_dirs, monkeypatch, policy):
     microsecond, and the shortcuts did fire."""
     from memory.kv_manager import KVManager
 
-    model, profile = sim_dirs
-    trace = [(0.02 * i, 20 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(80)]
-
     def run():
-        eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy="proactive",
-                               scheduling_policy=policy, max_num_seqs=8)
-        res = run_trace(eng, trace, max_steps=100_000)
-        return e2e(res), sum(o.metrics.preemptions for o in res.outputs), eng.kv.stats.num_offloads
+        return overloaded_run(sim_dirs, policy)
 
     fired = []
     parked_unfit = KVManager.parked_unfit
@@ -162,14 +167,8 @@ def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
     from memory.kv_manager import KVManager
     from scheduler.fixed_priority import FixedPriorityPolicy
 
-    model, profile = sim_dirs
-    trace = [(0.02 * i, 20 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(80)]
-
     def run():
-        eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy="proactive",
-                               scheduling_policy=policy, max_num_seqs=8)
-        res = run_trace(eng, trace, max_steps=100_000)
-        return e2e(res), sum(o.metrics.preemptions for o in res.outputs), eng.kv.stats.num_offloads
+        return overloaded_run(sim_dirs, policy)
 
     closed = []
     room_for = KVManager.room_for
