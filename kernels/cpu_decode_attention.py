@@ -51,6 +51,13 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta"
 SUPPORTED_DTYPES = (torch.float32, torch.float64)  # those both sparse primitives implement on the CPU
 
 
+def row_strides(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a contiguous cache [NB, L, 2, H, bs, D] in rows of D: (block, layer, K/V, head, offset).
+    Row of (block b, layer l, kv, head h, offset o) = b * block + l * layer + kv * kv_stride + h * head + o."""
+    d = kv_cache.shape[-1]
+    return tuple(x // d for x in kv_cache.stride()[:-1])
+
+
 def supports_in_place_decode(kv_cache: torch.Tensor) -> bool:
     """Whether decode_attention_in_place can run on this cache (CPU, float32/64, contiguous)."""
     return kv_cache.device.type == "cpu" and kv_cache.dtype in SUPPORTED_DTYPES and kv_cache.is_contiguous()
@@ -84,20 +91,20 @@ class DecodeRows:
         context_lens: torch.Tensor,  # [S] long
     ) -> DecodeRows:
         _, num_layers, _, h, bs, _ = kv_cache.shape
+        block_stride, layer_stride, v_offset, head_stride, offset_stride = row_strides(kv_cache)
         s = block_tables.shape[0]
         dev = kv_cache.device
         c = int(context_lens.max())
         pos = torch.arange(c, device=dev)  # [C]
         # [S, C]: row of (block of position c, layer 0, K, head 0, offset c % bs)
-        base = block_tables[:, pos // bs] * (num_layers * 2 * h * bs) + pos % bs
-        rows = base[:, None, :] + (torch.arange(h, device=dev) * bs)[None, :, None]  # [S, H, C]
+        base = block_tables[:, pos // bs] * block_stride + (pos % bs) * offset_stride
+        rows = base[:, None, :] + (torch.arange(h, device=dev) * head_stride)[None, :, None]  # [S, H, C]
         valid = (pos[None, :] < context_lens[:, None])[:, None, :].expand(s, h, c)  # [S, H, C]
         padded_index = valid.reshape(-1).nonzero().squeeze(1)  # [N], in (s, h, c) order
         counts = context_lens.repeat_interleave(h)  # [S * H]
         row_ptr = torch.zeros(s * h + 1, dtype=torch.long, device=dev)
         torch.cumsum(counts, 0, out=row_ptr[1:])
         n = padded_index.numel()
-        layer_stride, v_offset = 2 * h * bs, h * bs
         # Every row of layer 0's K plus the last layer's offset and V's lies in the cache: the window.
         window = kv_cache.numel() // kv_cache.shape[-1] - (num_layers - 1) * layer_stride - v_offset
         if n == s * h * c:  # every context as long as the longest: entries and padded places coincide

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
+from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, row_strides, supports_in_place_decode
 
 
 @dataclass
@@ -105,15 +105,15 @@ def write_kv(
         kv_cache[meta.slot_blocks, layer, 0, :, meta.slot_offsets] = k
         kv_cache[meta.slot_blocks, layer, 1, :, meta.slot_offsets] = v
         return
-    # The cache as rows of one head's D: token (block, offset)'s K of `layer`, head h, is row
-    # ((block * L + layer) * 2 + 0) * H * bs + h * bs + offset, its V that + H * bs. One row copy per
+    # The cache as rows of one head's D (kernels/cpu_decode_attention.py row_strides): one row copy per
     # token, head and tensor.
-    _, num_layers, _, h, bs, d = kv_cache.shape
+    h, d = kv_cache.shape[3], kv_cache.shape[-1]
+    block_stride, layer_stride, v_offset, head_stride, offset_stride = row_strides(kv_cache)
     rows = kv_cache.view(-1, d)
-    token_rows = meta.slot_blocks * (num_layers * 2 * h * bs) + (meta.slot_offsets + layer * 2 * h * bs)  # [T]
-    k_rows = (token_rows[:, None] + torch.arange(h, device=kv_cache.device) * bs).reshape(-1)  # [T * H]
+    token_rows = meta.slot_blocks * block_stride + meta.slot_offsets * offset_stride + layer * layer_stride  # [T]
+    k_rows = (token_rows[:, None] + torch.arange(h, device=kv_cache.device) * head_stride).reshape(-1)  # [T * H]
     rows.index_copy_(0, k_rows, k.reshape(-1, d))
-    rows.index_copy_(0, k_rows + h * bs, v.reshape(-1, d))
+    rows.index_copy_(0, k_rows + v_offset, v.reshape(-1, d))
 
 
 class Workspace:
