@@ -30,16 +30,21 @@ def restricted(request, tiny_model_dir):
     wait_idle(srv.url)
 
 
+FIRST_TOKENS = 1500  # the tiny model's context is 2,048
+
+
 def test_full_queue_is_503_with_retry_after_and_accepted_work_completes(restricted):
-    """--max-num-seqs 1 --max-queued-requests 1, 10 long requests: the first runs (the one batch slot),
+    """--max-num-seqs 1 --max-queued-requests 1, 10 requests: the first runs (the one batch slot),
     then 9 arrive at once: exactly one fits the waiting queue (1), so 10 - 1 running - 1 waiting = 8 get
     503. (The first is sent alone and is streaming before the others arrive: were all ten sent at the
-    same instant, whether it had been scheduled yet would decide whether 1 or 2 fit.)"""
+    same instant, whether it had been scheduled yet would decide whether 1 or 2 fit. It is long enough,
+    FIRST_TOKENS, to still be running when the last of the 9 arrives: with 200 tokens the faster decode
+    path finished it first once, and the waiting one took its slot, so 2 fit.)"""
     url = restricted.url + "/v1/completions"
 
     async def run():
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            first = await s.post(url, json={"prompt": "First", "max_tokens": 200, "ignore_eos": True,
+            first = await s.post(url, json={"prompt": "First", "max_tokens": FIRST_TOKENS, "ignore_eos": True,
                                             "stream": True, "stream_options": {"include_usage": True}})
             assert first.status == 200
             await first.content.readuntil(b"\n\n")  # it is running
@@ -54,7 +59,7 @@ def test_full_queue_is_503_with_retry_after_and_accepted_work_completes(restrict
             return first_chunks, others
 
     first_chunks, others = asyncio.run(run())
-    assert first_chunks[-1]["usage"]["completion_tokens"] == 200
+    assert first_chunks[-1]["usage"]["completion_tokens"] == FIRST_TOKENS
     accepted = [body for status, _, body in others if status == 200]
     refused = [(retry, body) for status, retry, body in others if status == 503]
     assert len(accepted) == 1 and len(refused) == 8
