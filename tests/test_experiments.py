@@ -137,11 +137,12 @@ def test_kv_usage_tracker_sums_concurrent_jobs_and_queueing_share(sim_model):
 
 
 def test_every_registered_section_has_its_function_and_runs_in_order():
-    from experiment_sections import RUN_FIRST, SECTIONS, run_order, section
+    from experiment_sections import RUN_FIRST, RUN_LAST, SECTIONS, run_order, section
 
     assert all(callable(section(name)) for name in SECTIONS)
-    assert run_order(list(SECTIONS)) == [*RUN_FIRST, *(n for n in SECTIONS if n not in RUN_FIRST)]
-    assert run_order(["live", "fig1", "slo"]) == ["slo", "fig1", "live"]
+    middle = [n for n in SECTIONS if n not in RUN_FIRST + RUN_LAST]
+    assert run_order(list(SECTIONS)) == [*RUN_FIRST, *middle, *RUN_LAST]
+    assert run_order(["live", "fig15", "fig1", "slo"]) == ["slo", "fig1", "live", "fig15"]
 
 
 def test_update_replaces_one_section_and_the_header_names_it(tmp_path):
