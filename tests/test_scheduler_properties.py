@@ -92,24 +92,34 @@ def test_no_job_joins_a_queue_whose_quantum_is_shorter_than_its_prefill(setup) -
 
 
 @SETTINGS
-@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0), factors=(None,)))
-def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
-    """(The paper's rule: starvation_factor None; request classes drawn 0..2.)
-    Precondition, checked on each tick after promotion: the ready jobs of Q1
-    fit one batch: at most max_num_seqs of them, their new tokens within
-    max_num_batched_tokens (or just one job), their KV within the device
-    blocks. (Q1 jobs have the smallest ENST, so every other job's KV is
-    evicted before theirs.) Then every job that had waited longer than alpha
-    runs in that tick; and if it held on every tick, no job waited longer than
-    alpha plus the longest iteration."""
+@given(setups(policies=(PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ), alphas=(3.0, 6.0)))
+def test_no_job_starves_past_the_promotion_threshold_plus_one_iteration(setup) -> None:
+    """(Request classes drawn 0..2; the starvation factor drawn None, the paper's rule, or 0.5 or 2, with
+    the overload rules that come with it.) The promotion threshold of a tick is alpha under the paper's
+    rule and max(alpha, f x W) with a factor, read just before schedule(). Precondition, checked on each
+    tick after promotion: the ready jobs of Q1 fit one batch: at most max_num_seqs of them, their new
+    tokens within max_num_batched_tokens (or just one job), their KV within the device blocks. (Q1 jobs
+    have the smallest ENST, so every other job's KV is evicted before theirs.) Then every job that had
+    waited longer than the threshold runs in that tick; and if it held on every tick, no job waited longer
+    than the largest threshold plus the longest iteration."""
     config, specs, kv = setup
     policy = make_policy(config, COST)
-    alpha = config.starvation_threshold
+    thresholds: list[float] = []
+    schedule = policy.schedule
+
+    def schedule_noting_the_threshold(now, kv_manager):
+        thresholds.append(policy.promotion_threshold())
+        return schedule(now, kv_manager)
+
+    policy.schedule = schedule_noting_the_threshold
     held_always, longest_wait, longest_iteration = True, 0.0, 0.0
 
     def on_tick(tick: Tick) -> None:
         nonlocal held_always, longest_wait, longest_iteration
         longest_iteration = max(longest_iteration, COST.iteration_cost(tick.decision.batch))
+        threshold = thresholds[-1]
+        if config.starvation_factor is None:
+            assert threshold == config.starvation_threshold
         q1 = [j for j in policy.jobs if j.queue == 0 and j.ready]
         fits = (
             len(q1) <= config.max_num_seqs
@@ -122,11 +132,11 @@ def test_no_job_starves_past_alpha_plus_one_iteration(setup) -> None:
             if job in batch:
                 longest_wait = max(longest_wait, waited)
             elif fits:
-                assert waited <= alpha, f"{job.job_id} waited {waited} s > alpha and did not run"
+                assert waited <= threshold, f"{job.job_id} waited {waited} s > {threshold} and did not run"
 
     simulate(policy, specs, kv, on_tick=on_tick)
     if held_always:
-        assert longest_wait <= alpha + longest_iteration + 1e-9
+        assert longest_wait <= max(thresholds) + longest_iteration + 1e-9
 
 
 @SETTINGS
