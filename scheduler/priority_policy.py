@@ -16,10 +16,13 @@ output token:
   evicted this tick does not run this tick);
 - once a job has been refused room this tick (none could be made, or it
   waits for room that copies in flight are freeing), a lower-priority job
-  whose KV is parked on the host (`kv.may_evict_for` False) is not brought
-  back on demand: its upload would take the room the more urgent job waits
-  for (the proactive planner still brings parked jobs back ahead of need,
-  within its watermark). A resident job that fits still runs (no copy);
+  whose KV is parked on the host (`kv.parked()`) is not brought back on
+  demand, under any KV policy: its upload would take the room the more
+  urgent job waits for (the proactive planner still brings parked jobs back
+  ahead of need, within its watermark). Without this, reactive swapping
+  livelocks past capacity: each finished copy's blocks go to the next small
+  host job, whose room evicts another. A resident job that fits still runs
+  (no copy);
 - a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
   (overload admission: the started jobs' KV must fit within what memory/
   allows);
@@ -159,7 +162,7 @@ class PriorityPolicy(SchedulingPolicy):
         batch: list[Job] = []
         chosen: dict[Job, None] = {}  # ordered, so `preempted` comes out in a deterministic order
         victims = _Victims(self, now, chosen)
-        evicted, can_fit, allocate = victims.evicted, kv.can_fit, kv.allocate  # hot loop: bound once
+        evicted, can_fit, allocate, on_host = victims.evicted, kv.can_fit, kv.allocate, kv.parked()  # bound once
         tokens = 0
         gate, over_budget = Gate(), 0
         started: list[Job] = []  # fresh jobs in the batch
@@ -189,6 +192,8 @@ class PriorityPolicy(SchedulingPolicy):
                 if fresh:
                     gate.fresh = False
                 continue
+            if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
+                continue
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
                     if ask:
@@ -205,8 +210,6 @@ class PriorityPolicy(SchedulingPolicy):
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
-            elif refused and not kv.may_evict_for(job):  # parked: not ahead of a job that waits for room
-                continue
             allocate(job, n)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands

@@ -9,6 +9,8 @@ a queue exceeds the quantum.
 
 from __future__ import annotations
 
+import pytest
+
 from memory.kv_manager import KVManager, Residency
 from scheduler import Job
 from tests.test_scheduler_rules import mlfq, step
@@ -141,17 +143,20 @@ def test_overload_rules_promote_a_fresh_job_to_its_arrival_place():
             assert policy.queue_lengths() == [2, 2, 0, 0]
 
 
-def test_a_parked_job_does_not_take_the_room_a_more_urgent_job_waits_for():
-    """Proactive KV, 4 device blocks of 4 tokens. v (not the policy's: say it finished its turn) holds 2
+@pytest.mark.parametrize("kv_policy", ["proactive", "reactive"])
+def test_a_parked_job_does_not_take_the_room_a_more_urgent_job_waits_for(kv_policy):
+    """Proactive or reactive KV, 4 device blocks of 4 tokens. v (not the policy's: say it finished its turn) holds 2
     blocks whose offload is in flight; p (class 1) is parked on the host with 4 tokens and needs 2 blocks to
     go on; h (class 0, new, 12 tokens) needs 3. First tick: h waits for the room v's copy frees (2 free + 2
     coming); p would fit in the 2 free blocks, but an upload on demand would take the room h waits for, so
-    p stays on the host. Between ticks the proactive planner may bring p's block back (within its watermark);
-    when v's copy lands, h runs, and p, needing a second block, does not fit beside it."""
+    p stays on the host (reactive too: there p may evict, but its on-demand upload would take the same room;
+    until this held for reactive, such uploads livelocked Fig. 15's reactive run). Between ticks the
+    proactive planner may bring p's block back (within its watermark); when v's copy lands, h runs, and p,
+    needing a second block, does not fit beside it."""
     from tests.test_kv_manager import ManualBackend, grow
 
     be = ManualBackend()
-    kv = KVManager(4, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    kv = KVManager(4, 4, num_host_blocks=8, policy=kv_policy, transfers=be)
     p = Job("p", 4, 10, 0.0, true_output_len=10, priority=1)
     grow(kv, p, 4)
     p.num_generated, p.first_scheduled_time, p.last_scheduled_time = 1, 0.0, 0.0
@@ -171,7 +176,10 @@ def test_a_parked_job_does_not_take_the_room_a_more_urgent_job_waits_for():
     be.complete_all()
     kv.poll()
     assert policy.schedule(0.2, kv).batch == [h]
-    assert kv.device.num_free == 0
+    # Proactive: the planner brought p's block up ahead of need. Reactive: only a pick uploads, and p's pick
+    # found 1 free block against the 2 it needs, with no lower-priority job to evict.
+    assert (kv.residency("p"), kv.device.num_free) == (
+        (Residency.DEVICE, 0) if kv_policy == "proactive" else (Residency.HOST, 1))
     kv.check_invariants()
 
 
