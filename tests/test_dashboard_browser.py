@@ -137,6 +137,8 @@ def test_page_shows_the_json_numbers_under_load(server, chromium, tmp_path):
         [json.dumps(d["now"]["requests"]) for _, d in busy]
     last = idle[-1][1]["now"]
     assert last["requests"]["running"] == 0 and last["kv"]["device_used"] == last["kv"]["host_used"] == 0
-    assert len([f for f in busy[0][0]["fields"] if f[0].startswith("recent_requests.")]) > 0
+    # Finished requests reach the page's table (not necessarily by the first sample: on a loaded machine the
+    # first request may finish after it).
+    assert any(f[0].startswith("recent_requests.") for shown, _ in busy for f in shown["fields"])
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
