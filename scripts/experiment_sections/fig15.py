@@ -7,6 +7,11 @@ from __future__ import annotations
 from experiment_sections.common import KV_POLICIES, MAIN, Ctx, _plt, _save, slo_table
 
 
+KV_STEADY_NOTE = (" These traces are bursts (arrivals over 20 s). Over 1,500 requests at a steady rate, reactive "
+                  "is behind proactive below FCFS's capacity and ahead of it at and past it; docs/benchmarks.md, "
+                  "\"KV baselines after issue 12\", has those runs and ablations of the proactive rule that say why.")
+
+
 def section_fig15(ctx: Ctx) -> str:
     plt = _plt()
     table = slo_table(ctx)
@@ -59,5 +64,5 @@ def section_fig15(ctx: Ctx) -> str:
               f"recompute / proactive = {hi['recompute'] / hi['proactive']:.2f}x mean per-token latency (paper: "
               "1.7x and 2.7x at high load on real hardware). In the simulator the copies follow the profile's "
               "PCIe bandwidth and overlap computation exactly as the engine schedules them; no real copy "
-              "contention is modelled.", ""]
+              "contention is modelled." + KV_STEADY_NOTE, ""]
     return "\n".join(lines)
