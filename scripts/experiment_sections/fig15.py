@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from experiment_sections.common import KV_POLICIES, MAIN, Ctx, _plt, _save, slo_table
 
-
-KV_STEADY_NOTE = (" These traces are bursts (arrivals over 20 s). Over 1,500 requests at a steady rate, reactive "
-                  "is behind proactive below FCFS's capacity and ahead of it at and past it; docs/benchmarks.md, "
-                  "\"KV baselines after issue 12\", has those runs and ablations of the proactive rule that say why.")
+KV_STEADY_NOTE = (" These traces are bursts (arrivals over 20 s). For steady arrivals over 1,500 requests "
+                  "below, at and past FCFS's capacity, with the requests split by length, see docs/benchmarks.md, "
+                  "\"KV baselines after issue 12\".")
 
 
 def section_fig15(ctx: Ctx) -> str:
