@@ -40,18 +40,35 @@ from experiment_sections.live_slo import LIVE_RATES  # noqa: E402
 FIGURES = tuple(SECTIONS)  # every section, in the document's order
 
 
-def update_doc(path: Path, parts: dict[str, str]) -> None:
-    """Replace each part's section (from its '## ' heading to the next) in the doc, or append it."""
+def update_doc(path: Path, parts: dict[str, str], order: tuple[str, ...] = FIGURES) -> None:
+    """Replace each part's section (from its '## ' heading to the next) in the doc. A section the doc does not
+    have yet goes where `order` puts it: before the first later section found in the doc (by its command line,
+    `--only NAME`), else at the end."""
     text = path.read_text()
-    for part in parts.values():
+    for name, part in parts.items():
         heading = part.split("\n", 1)[0]
         start = text.find(heading + "\n")
-        if start < 0:
-            text = text.rstrip("\n") + "\n\n" + part.rstrip("\n") + "\n"
+        if start >= 0:
+            end = text.find("\n## ", start + len(heading))
+            text = text[:start] + part.rstrip("\n") + "\n" + (text[end:] if end >= 0 else "")
             continue
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + part.rstrip("\n") + "\n" + (text[end:] if end >= 0 else "")
+        later = order[order.index(name) + 1:] if name in order else ()
+        at = next((i for i in (_section_start(text, n) for n in later) if i is not None), None)
+        if at is None:
+            text = text.rstrip("\n") + "\n\n" + part.rstrip("\n") + "\n"
+        else:
+            text = text[:at] + part.rstrip("\n") + "\n\n" + text[at:]
     path.write_text(text)
+
+
+def _section_start(text: str, name: str) -> int | None:
+    """Where the section whose command line runs `--only NAME` starts (its '## ' heading), if the doc has it."""
+    for tail in ("`", " "):
+        cmd = text.find(f"--only {name}{tail}")
+        if cmd >= 0:
+            head = text.rfind("\n## ", 0, cmd)
+            return head + 1 if head >= 0 else None
+    return None
 
 
 REPLACED = "Sections replaced since that run by `--only ... --update` runs (the code of the day they ran): "

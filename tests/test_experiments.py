@@ -163,3 +163,16 @@ def test_update_replaces_one_section_and_the_header_names_it(tmp_path):
     lines = text.split("\n")
     assert lines[3] == "" and lines[4].endswith(f": a ({today}); b ({today}).")  # under the Generated line, once
     assert sum("replaced since" in ln for ln in lines) == 1
+
+
+def test_update_puts_a_new_section_in_the_documents_order(tmp_path):
+    from experiments import update_doc
+
+    doc = tmp_path / "experiments.md"
+    doc.write_text("# E\n\n## A\n\nCommand: `python scripts/experiments.py --only a`\n\n"
+                   "## C\n\nCommand: `python scripts/experiments.py --only c --num-prompts 9`\n")
+    update_doc(doc, {"b": "## B\n\nCommand: `python scripts/experiments.py --only b`\n"}, order=("a", "b", "c"))
+    update_doc(doc, {"d": "## D\n\nd\n"}, order=("a", "b", "c", "d"))
+    text = doc.read_text()
+    assert [ln for ln in text.split("\n") if ln.startswith("## ")] == ["## A", "## B", "## C", "## D"]
+    assert "--only b`\n\n## C\n" in text

@@ -26,6 +26,7 @@ SECTIONS: dict[str, str] = {
     "enst_ablation": "sched",
     "alpha": "sched",
     "robustness": "sched",
+    "kv_steady": "sched",
     "azure": "azure",
     "live_slo": "live_slo",
     "live": "live",

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from experiment_sections.common import KV_POLICIES, MAIN, Ctx, _plt, _save, slo_table
 
-KV_STEADY_NOTE = (" These traces are bursts (arrivals over 20 s). For steady arrivals over 1,500 requests "
-                  "below, at and past FCFS's capacity, with the requests split by length, see docs/benchmarks.md, "
-                  "\"KV baselines after issue 12\".")
+KV_STEADY_NOTE = (" These traces are bursts (arrivals over 20 s); for steady arrivals below, at and past FCFS's "
+                  "capacity, with the requests split by length, see \"KV policies at steady load\" below.")
 
 
 def section_fig15(ctx: Ctx) -> str:
