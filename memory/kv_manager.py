@@ -128,6 +128,7 @@ class KVManager:
         self._copied = 0  # blocks held on both tiers by the copies in flight (started_blocks counts them once)
         self._pending_free = 0  # device blocks that free when the copies in flight complete
         self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
+        self._promised = 0  # device blocks promised this tick to jobs that wait for room (free and freeing)
         self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
         self._blocked_at = 0.0  # when the first of them was (the tick's time)
         self._waits: dict[str, float] = {}  # job id -> swap wait accrued since it last ran
@@ -240,6 +241,7 @@ class KVManager:
         if extra > free + self._pending_free - self._claimed:
             return False
         self._claimed += max(0, extra - free)
+        self._promised += extra
         self._block(job.job_id)
         return True
 
@@ -333,9 +335,16 @@ class KVManager:
     def plan(self, batch, estimated_wait, now: float) -> None:
         """After the scheduler picked `batch`: start proactive offloads/uploads (proactive only)."""
         self.tick += 1
-        self._claimed = 0  # promises of room last for the tick that made them
         if self.policy is KVPolicy.PROACTIVE:
-            plan_transfers(self, batch, estimated_wait, now)
+            plan_transfers(self, batch, estimated_wait, now)  # (it keeps clear of this tick's promised room)
+        self._claimed = self._promised = 0  # promises of room last for the tick that made them
+
+    @property
+    def owed_free_blocks(self) -> int:
+        """Free device blocks promised this tick to jobs that wait for room, beyond what the copies in flight
+        will free: the proactive planner must not upload into them (its upload would take the room, the
+        waiting job would evict again, and so on without end)."""
+        return max(0, self._promised - self._pending_free)
 
     def note_scheduled(self, job, now: float) -> float:
         """The job runs at `now`: returns the swap wait it just ended (0.0 if none), and for a job that

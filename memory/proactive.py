@@ -10,7 +10,9 @@ After the scheduler has picked the batch, every tick:
    job's KV is never thrown away only to keep a watermark (it would be
    rebuilt; the policy's own evictions still drop when they must).
 2. Upload. Host-resident jobs in order of SMALLEST ENST: upload each while
-   the device keeps the watermark after taking its blocks.
+   the device keeps the watermark after taking its blocks, never into free
+   blocks promised this tick to a job that waits for room (wait_for_room):
+   it would evict the uploaded job again next tick, and so on without end.
 3. Swap. If the best host job still did not fit and its ENST is smaller than
    the largest ENST among idle device-resident jobs, offload that job now; the
    upload follows on a later tick, once the copy has freed the room.
@@ -59,7 +61,8 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
             if not kv.start_offload(idle.pop(0)):
                 break  # host full
 
-    if host and kv.device.num_free - kv.smallest_host_copy() < watermark:
+    free = kv.device.num_free - kv.owed_free_blocks  # free blocks not promised to a job that waits for room
+    if host and free - kv.smallest_host_copy() < watermark:
         # No host job fits (step 1 only offloads, so none left the host): step 2 would stop at the first
         # in ENST order, and rule 3 asks only whether the smallest host ENST is below the top idle job's.
         if idle is None:
@@ -73,7 +76,8 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
 
     # 2. Upload, smallest ENST first, keeping the watermark.
     for e in sorted(host, key=wait):
-        if kv.device.num_free - len(e.host) < watermark:
+        n = len(e.host)
+        if free - n < watermark:
             # 3. Swap: make room for a host job that will run before an idle device job.
             if idle is None:
                 idle = idle_jobs()
@@ -81,3 +85,4 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
                 kv.start_offload(idle.pop(0))
             break
         kv.start_upload(e, wait(e), now)
+        free -= n

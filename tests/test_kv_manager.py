@@ -157,6 +157,31 @@ def test_room_being_freed_by_an_offload_is_waited_for_and_promised_once():
     kv.check_invariants()
 
 
+def test_the_planner_does_not_upload_into_room_promised_to_a_waiting_job():
+    """Proactive, 4 blocks of 4 tokens. p is parked on the host (1 block); v's 2 blocks are being offloaded;
+    2 are free. h needs 4: it waits for the 2 free and the 2 freeing. The planner would upload p into a free
+    block (watermark 0 with an empty batch), leaving h short; h would then evict p again, and so on without
+    end. It leaves p on the host this tick, and brings it back once no promise stands."""
+    be = ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    p, v, h = job(0, 4), job(1, 8), job(2, 16)
+    grow(kv, p, 4)
+    kv.evict(p)
+    be.complete_all()
+    kv.poll()
+    grow(kv, v, 8)
+    kv.evict(v)  # in flight
+    assert (kv.device.num_free, kv.pending_free_blocks) == (2, 2)
+    assert kv.wait_for_room(h, 16)
+    assert kv.owed_free_blocks == 2
+    kv.plan([], lambda j, now: 0.0, now=0.0)
+    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 2
+    assert kv.owed_free_blocks == 0  # the tick's promises lapse with it
+    kv.plan([], lambda j, now: 0.0, now=0.0)  # no one waits now: p comes back
+    assert kv.residency("j0") is Residency.UPLOADING
+    kv.check_invariants()
+
+
 def test_evicting_a_job_whose_upload_is_in_flight_keeps_it_on_the_host():
     be = ManualBackend()
     kv = KVManager(4, 4, num_host_blocks=4, policy="proactive", transfers=be)
