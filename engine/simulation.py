@@ -70,10 +70,15 @@ class SimulationResult:
         }
 
 
-def p95(xs: Sequence[float]) -> float:
-    """The 95th percentile as the simulator reports it: the value at index int(0.95 * (n - 1)) when sorted."""
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The q-quantile as the simulator reports it: the value at index int(q * (n - 1)) when sorted (0.0 if empty)."""
     xs = sorted(xs)
-    return xs[int(0.95 * (len(xs) - 1))] if xs else 0.0
+    return xs[int(q * (len(xs) - 1))] if xs else 0.0
+
+
+def p95(xs: Sequence[float]) -> float:
+    """The 95th percentile as the simulator reports it (quantile 0.95)."""
+    return quantile(xs, 0.95)
 
 
 def simulated_engine(

@@ -238,11 +238,6 @@ KV_LOADS = (0.75, 1.0, 1.5)
 KV_BUCKETS = ((1, 8), (8, 32), (32, 128), (128, 512), (512, 1 << 30))  # output tokens, [lo, hi)
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))] if xs else 0.0  # as the simulator's p95
-
-
 def section_kv_steady(ctx: Ctx) -> str:
     """Skip-join MLFQ under each KV policy, at 0.75x, 1x and 1.5x of FCFS's capacity, steady Poisson arrivals,
     with the per-request results split by output length and with the prompts clipped at the context limit
@@ -250,7 +245,7 @@ def section_kv_steady(ctx: Ctx) -> str:
     so their wait is their per-token latency)."""
     from statistics import fmean
 
-    from engine.simulation import run_trace
+    from engine.simulation import quantile, run_trace
 
     n = ctx.args.overload_prompts
     limit = 2047
@@ -280,8 +275,8 @@ def section_kv_steady(ctx: Ctx) -> str:
             rest = [pt for t, _, pt in outs if t[1] < limit]
             clipped = [o for t, o, _ in outs if t[1] >= limit]
             r = results[(load, kv)] = {"mean": s["mean_per_token_s"], "p95": s["p95_per_token_s"],
-                                       "mean_rest": fmean(rest), "p95_rest": _quantile(rest, 0.95),
-                                       "median": _quantile(per_tok, 0.5), "e2e": s["mean_e2e_s"],
+                                       "mean_rest": fmean(rest), "p95_rest": quantile(rest, 0.95),
+                                       "median": quantile(per_tok, 0.5), "e2e": s["mean_e2e_s"],
                                        "duration": s["duration_s"]}
             cq = fmean(o.metrics.queued_s for o in clipped) if clipped else 0.0
             lines.append(f"| {load:.2f}x | {kv} | {s['duration_s']:.0f} | {r['mean']:.4f} | {r['mean_rest']:.4f} | "
