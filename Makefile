@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
+.PHONY: serve test test-datasets test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow and not cuda" $(ARGS)
+
+## test-datasets: only the tests of the workload readers against the project's shared datasets (../shared/datasets
+## beside the clone); they fail when it is absent (make test leaves them out then, and says so)
+test-datasets: $(STAMP)
+	FASTSERVE_REQUIRE_DATASETS=1 $(PY) -m pytest -q -m "datasets" $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow" $(ARGS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,11 @@ import pytest
 from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
 from scheduler.cost_model import PROFILE_SCHEMA
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+DATA = Path(__file__).resolve().parent / "data"  # test data shipped with the repository (each file's source there)
+# The project's shared datasets beside the clone. Only tests marked `datasets` read them: they check the workload
+# readers against the whole published files, which are not ours to ship (their licences: ../shared/datasets/SOURCES.md).
+SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+REQUIRE_DATASETS = "FASTSERVE_REQUIRE_DATASETS"  # set by `make test-datasets`: absent datasets fail, loudly
 
 # Small OPT shapes for reference tests: a pre-LN one and an opt-350m-like post-LN one with project_in/out.
 SMALL_PRE_LN = dict(vocab_size=512, max_position_embeddings=256, hidden_size=64, num_hidden_layers=3,
@@ -20,10 +25,34 @@ SMALL_POST_LN = dict(SMALL_PRE_LN, word_embed_proj_dim=32, do_layer_norm_before=
 
 
 def shared_dataset(relpath: str) -> Path:
-    path = SHARED / "datasets" / relpath
+    """A file of the shared datasets, for a test marked `datasets` (not collected when the folder is absent)."""
+    path = SHARED_DATASETS / relpath
     if not path.exists():
-        pytest.skip(f"shared dataset {relpath} is not present at {path}")
+        pytest.fail(f"{path} is absent: the `datasets` tests need the project's shared datasets at {SHARED_DATASETS}")
     return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ../shared/datasets, the `datasets` tests are not run, and the summary says so (see
+    pytest_terminal_summary); with FASTSERVE_REQUIRE_DATASETS set they run and fail."""
+    if SHARED_DATASETS.is_dir() or os.environ.get(REQUIRE_DATASETS):
+        return
+    left_out = [item for item in items if item.get_closest_marker("datasets")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("datasets")]
+    config.stash[_LEFT_OUT] = len(left_out)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.stash.get(_LEFT_OUT, 0):
+        terminalreporter.write_line(
+            f"NOT RUN: {config.stash[_LEFT_OUT]} tests of the workload readers against the project's shared datasets, "
+            f"which are not at {SHARED_DATASETS}; put them there and run `make test-datasets`",
+            yellow=True, bold=True)
 
 
 @pytest.fixture(scope="session")

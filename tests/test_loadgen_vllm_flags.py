@@ -111,7 +111,7 @@ def test_plot_legends_use_each_runs_label(fake, tmp_path, monkeypatch):
 
 
 def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
-    gpt2 = REPO.parent / "shared" / "datasets" / "gpt2-bpe"
+    gpt2 = REPO / "tests" / "data" / "gpt2-bpe"
     chosen = loadgen_tokenizer.choose_counter(None, None, str(tiny_model_dir), "elsewhere")
     assert chosen.source == f"the tokenizer of {tiny_model_dir} (--model)" and chosen.vocab_size == 4096
     chosen = loadgen_tokenizer.choose_counter(None, None, "opt-13b", str(tiny_model_dir))
@@ -122,10 +122,9 @@ def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
     assert loadgen_tokenizer.mismatch_warning(chosen, 4096) is None
     assert loadgen_tokenizer.mismatch_warning(chosen, None) is None
     assert "a vocabulary of 4096, but the model's is 50272" in loadgen_tokenizer.mismatch_warning(chosen, 50272)
-    if gpt2.is_dir():  # GPT-2 BPE counts as OPT does (50257 ids in a 50272-row embedding): no warning
-        bpe = loadgen_tokenizer.gpt2_bpe_counter(gpt2)
-        assert loadgen_tokenizer.mismatch_warning(bpe, 50272) is None
-        assert loadgen_tokenizer.mismatch_warning(bpe, 4096) is not None
+    bpe = loadgen_tokenizer.gpt2_bpe_counter(gpt2)  # counts as OPT does (50257 ids in a 50272-row embedding)
+    assert loadgen_tokenizer.mismatch_warning(bpe, 50272) is None
+    assert loadgen_tokenizer.mismatch_warning(bpe, 4096) is not None
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         loadgen_tokenizer.choose_counter(str(tmp_path), None, None, None)
 

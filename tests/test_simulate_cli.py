@@ -16,8 +16,20 @@ import make_tiny_model  # noqa: E402
 import simulate  # noqa: E402
 
 PROFILE = str(REPO / "profiles" / "sim" / "opt-13b-a100-40gb-x1.json")
-SHAREGPT = REPO.parent / "shared" / "datasets" / "sharegpt" / "sharegpt_v3_random1000.json"
-GPT2_BPE = REPO.parent / "shared" / "datasets" / "gpt2-bpe"
+GPT2_BPE = REPO / "tests" / "data" / "gpt2-bpe"
+
+
+@pytest.fixture
+def sharegpt(tmp_path) -> Path:
+    """A ShareGPT-format file of 40 conversations (first human turn, then the answer), prompts of 3-120 words."""
+    words = "the cache keeps keys and values of every past token so that decode reads them".split()
+    records = [{"id": f"{i}_0", "conversations": [
+        {"from": "human", "value": " ".join(words[j % len(words)] for j in range(3 + 3 * i))},
+        {"from": "gpt", "value": " ".join(words[j % len(words)] for j in range(5 + 7 * (i % 9)))}]}
+        for i in range(40)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    return path
 
 
 @pytest.fixture
@@ -27,12 +39,10 @@ def models_here(tmp_path, monkeypatch) -> Path:
     return tmp_path / "models"
 
 
-def test_shape_name_and_sharegpt_with_gpt2_bpe(models_here, tmp_path, capsys):
-    if not (SHAREGPT.is_file() and GPT2_BPE.is_dir()):
-        pytest.skip("the shared ShareGPT sample or GPT-2 BPE files are not present")
+def test_shape_name_and_sharegpt_with_gpt2_bpe(models_here, tmp_path, sharegpt, capsys):
     out_json = tmp_path / "s.json"
     rc = simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "sharegpt", "--dataset-path",
-                        str(SHAREGPT), "--gpt2-bpe", str(GPT2_BPE), "--num-prompts", "30", "--request-rate", "2",
+                        str(sharegpt), "--gpt2-bpe", str(GPT2_BPE), "--num-prompts", "30", "--request-rate", "2",
                         "--json", str(out_json)])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
@@ -42,11 +52,9 @@ def test_shape_name_and_sharegpt_with_gpt2_bpe(models_here, tmp_path, capsys):
     assert summary["requests"] == 30 and summary["mean_per_token_s"] > 0 and summary["policy"] == "skip-join-mlfq"
 
 
-def test_sharegpt_without_a_tokenizer_counts_with_the_models_and_warns(models_here, capsys):
-    if not SHAREGPT.is_file():
-        pytest.skip("the shared ShareGPT sample is not present")
+def test_sharegpt_without_a_tokenizer_counts_with_the_models_and_warns(models_here, sharegpt, capsys):
     rc = simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "sharegpt", "--dataset-path",
-                        str(SHAREGPT), "--num-prompts", "10", "--scheduling-policy", "fcfs"])
+                        str(sharegpt), "--num-prompts", "10", "--scheduling-policy", "fcfs"])
     out, err = capsys.readouterr()
     assert rc == 0, out + err
     assert f"the tokenizer of {models_here / 'opt-13b-config'} (--model)" in out

@@ -16,28 +16,34 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers  # a test requirement (requirements-test.txt)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from modelmaker.tiny_tokenizer import train_tiny_tokenizer
 
-transformers = pytest.importorskip("transformers")
-
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+GPT2_BPE = REPO / "tests" / "data" / "gpt2-bpe"  # GPT-2's real files, shipped (its README: source, licence)
 CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
 TINY_FILES = ("tokenizer.json", "vocab.json", "merges.txt", *CONFIGS)
 MULTIBYTE_TEXT = "Café naïve — 你好，世界。東京 🙂👍🏽 👩‍💻 Привет ✓ done."
-NUM_PROMPTS = 200  # per dataset
-
-
-def shared_path(*parts: str) -> Path:
-    """A file under the shared datasets folder next to the repo, or skip the test if it is absent."""
-    path = SHARED.joinpath("datasets", *parts)
-    if not path.exists():
-        pytest.skip(f"{path} is absent: these tests need the shared datasets folder at {SHARED}")
-    return path
+NUM_PROMPTS = 400
+# Text GPT-2's pre-tokenizer treats specially: contractions, digits, whitespace runs before words and at the end,
+# tabs, CRLF, code, markup, scripts other than Latin.
+EDGE_PROMPTS = [
+    "I'm sure they'll say it's what we'd've done, isn't it? DON'T SHOUT'S",
+    "Price: $1,234.56 on 2026-12-01 at 21:46:37 (+0.5%), 10x faster, 3.14159e-10",
+    "    four spaces, then\ttab\t\tand two; trailing   ",
+    "line one\r\nline two\r\n\r\n\n\nafter blank lines   \n   ",
+    "def f(x):\n    return {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n",
+    "<div class=\"x\">&amp; &lt;tag&gt; ✓</div>\n| col | col |\n|---|---|",
+    "Ünïcödé façade, smörgåsbord, Ελληνικά, עברית, العربية, हिन्दी, 日本語のテキスト、한국어 문장.",
+    "emoji 🙂👍🏽👩‍💻🇫🇷 and zero\u200bwidth and combining e\u0301",
+    "",
+    " ",
+    "\n",
+]
 
 
 def copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> Path:
@@ -50,21 +56,21 @@ def copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> Path:
 
 @pytest.fixture(scope="module")
 def real_prompts() -> list[str]:
-    """Alpaca instruction + input, and ShareGPT first human turns."""
-    alpaca = json.loads(shared_path("alpaca", "alpaca_5000.json").read_text(encoding="utf-8"))
-    sharegpt = json.loads(shared_path("sharegpt", "sharegpt_v3_random1000.json").read_text(encoding="utf-8"))
-    prompts = [f"{r['instruction']}\n\n{r['input']}".strip() for r in alpaca[:NUM_PROMPTS]]
-    human = (next((t["value"] for t in c["conversations"] if t["from"] == "human"), None) for c in sharegpt)
-    prompts += [h for h in human if h][:NUM_PROMPTS]
-    return prompts
+    """Real text shipped with the repository: the paragraphs of its README, docs (prose, tables, commands, numbers,
+    dashes and other non-ASCII) and the engine's source (code, indentation), then EDGE_PROMPTS."""
+    paragraphs = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "engine").glob("*.py"))]:
+        paragraphs += [p for p in doc.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+    assert len(paragraphs) >= NUM_PROMPTS
+    return paragraphs[:NUM_PROMPTS] + EDGE_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GPT-2's real BPE files, renamed to the Hugging Face layout."""
-    src, model_dir = shared_path("gpt2-bpe"), tmp_path_factory.mktemp("gpt2")
-    shutil.copy(src / "encoder.json", model_dir / "vocab.json")
-    shutil.copy(src / "vocab.bpe", model_dir / "merges.txt")
+    model_dir = tmp_path_factory.mktemp("gpt2")
+    shutil.copy(GPT2_BPE / "encoder.json", model_dir / "vocab.json")
+    shutil.copy(GPT2_BPE / "vocab.bpe", model_dir / "merges.txt")
     return model_dir
 
 

@@ -1,5 +1,6 @@
-"""scripts/workload.py and scripts/workload_arrivals.py: dataset readers on the shared files, malformed files,
-synthetic lengths, and the arrival processes (seeded, with the right means and burstiness)."""
+"""scripts/workload.py and scripts/workload_arrivals.py: dataset readers on the project's shared files (marked
+`datasets`) and on small files in the same formats, malformed files, synthetic lengths, and the arrival processes
+(seeded, with the right means and burstiness)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,13 @@ import workload  # noqa: E402
 from workload import DatasetError, LengthFilter, WorkItem  # noqa: E402
 from workload_arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals  # noqa: E402
 
-DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
-
-
-def dataset(relpath: str) -> Path:
-    path = DATASETS / relpath
-    if not path.exists():
-        pytest.skip(f"shared dataset {relpath} is not present at {path}")
-    return path
+from tests.conftest import DATA  # noqa: E402
+from tests.conftest import shared_dataset as dataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def gpt2_count():
-    return loadgen_tokenizer.gpt2_bpe_counter(dataset("gpt2-bpe")).count
+    return loadgen_tokenizer.gpt2_bpe_counter(DATA / "gpt2-bpe").count
 
 
 def lengths_csv(relpath: str) -> list[tuple[int, int]]:
@@ -40,6 +35,7 @@ def lengths_csv(relpath: str) -> list[tuple[int, int]]:
 
 
 # -- readers on the shared files ------------------------------------------------------------------------------
+@pytest.mark.datasets
 def test_sharegpt_takes_the_first_human_gpt_pair_with_the_published_lengths(gpt2_count):
     items = workload.read_sharegpt(dataset("sharegpt/sharegpt_v3_random1000.json"), gpt2_count, length_filter=None)
     # sharegpt_lengths.csv was derived the same way (first human turn, the gpt turn after it, GPT-2 BPE).
@@ -47,6 +43,7 @@ def test_sharegpt_takes_the_first_human_gpt_pair_with_the_published_lengths(gpt2
     assert len(items) == 991 and all(it.prompt_text is not None and it.arrival_s == 0.0 for it in items)
 
 
+@pytest.mark.datasets
 def test_sharegpt_applies_vllms_filter_by_default(gpt2_count):
     items = workload.read_sharegpt(dataset("sharegpt/sharegpt_v3_random1000.json"), gpt2_count)
     expected = [(i, o) for i, o in lengths_csv("sharegpt_lengths.csv")
@@ -55,6 +52,7 @@ def test_sharegpt_applies_vllms_filter_by_default(gpt2_count):
     assert 100 < len(items) < 991
 
 
+@pytest.mark.datasets
 def test_alpaca_joins_instruction_and_input_and_matches_the_published_lengths(gpt2_count):
     path = dataset("alpaca/alpaca_5000.json")
     items = workload.read_alpaca(path, gpt2_count)
@@ -66,6 +64,31 @@ def test_alpaca_joins_instruction_and_input_and_matches_the_published_lengths(gp
     assert items[without].prompt_text == records[without]["instruction"]
 
 
+def test_sharegpt_and_alpaca_readers_on_small_files_counted_with_gpt2_bpe(tmp_path, gpt2_count):
+    """The readers' rules on files written here in the published formats (the datasets tests above check them on
+    the whole shared files): ShareGPT's first human turn and the gpt turn right after it, no pair no item;
+    Alpaca's instruction, then "\\n" and the input when there is one."""
+    human = "What's a KV cache, in one line?"
+    answer = "The keys and values of past tokens, kept so they are not recomputed."
+    sharegpt = [
+        {"id": "a_0", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": human},
+                                        {"from": "gpt", "value": answer}, {"from": "human", "value": "More?"}]},
+        {"id": "b_1", "conversations": [{"from": "gpt", "value": "A chunk that starts mid-answer."}]},  # no human
+        {"id": "c_0", "conversations": [{"from": "human", "value": "Hi"}, {"from": "human", "value": "Hello?"}]},
+    ]
+    items = workload.read_sharegpt(write(tmp_path, "s.json", json.dumps(sharegpt)), gpt2_count, length_filter=None)
+    assert [(it.prompt_text, it.prompt_len, it.output_len) for it in items] == [
+        (human, gpt2_count(human), gpt2_count(answer))]
+    assert gpt2_count(human) == 11  # transformers GPT2Tokenizer: What 's Ġa ĠK V Ġcache , Ġin Ġone Ġline ?
+    alpaca = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+              {"instruction": "Name a colour.", "input": "", "output": "Blue."}]
+    items = workload.read_alpaca(write(tmp_path, "a.json", json.dumps(alpaca)), gpt2_count)
+    assert [it.prompt_text for it in items] == ["Add the numbers.\n2 and 3", "Name a colour."]
+    assert [(it.prompt_len, it.output_len) for it in items] == [
+        (gpt2_count("Add the numbers.\n2 and 3"), 1), (gpt2_count("Name a colour."), 2)]
+
+
+@pytest.mark.datasets
 @pytest.mark.parametrize("name, count", [("conv", 19366), ("code", 8819)])
 def test_azure_trace_has_increasing_arrivals_over_about_an_hour(name, count):
     items = workload.read_azure_trace(dataset(f"azure_llm_trace_2023/AzureLLMInferenceTrace_{name}.csv"))
@@ -85,6 +108,7 @@ def test_azure_trace_reads_sub_second_timestamps(tmp_path):
     assert [(it.prompt_len, it.output_len) for it in items] == [(374, 44), (396, 109), (10, 2)]
 
 
+@pytest.mark.datasets
 @pytest.mark.parametrize("name, count", [("alpaca_lengths.csv", 5000), ("sharegpt_lengths.csv", 991)])
 def test_lengths_csv(name, count):
     items = workload.read_lengths(dataset(name))
