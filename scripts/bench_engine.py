@@ -7,7 +7,9 @@ against transformers' generate, on an opt-125m-shaped random checkpoint.
 
 Every number is a ratio against a baseline measured in the same run:
 1. decode-step time at batch 1, 8, 32 (context ~128) / time of that step's
-   bare matrix multiplications (q/k/v, out, fc1, fc2 per layer, lm_head);
+   bare matrix multiplications (q/k/v, out, fc1, fc2 per layer, lm_head), beside
+   the floor no step can beat: those matmuls plus one read of the step's K and V
+   at the memory read bandwidth measured in the same run;
 2. 32 prompts x 128 tokens, 64 new tokens each: engine vs generate (same prefill work);
 3. 64 requests with ShareGPT lengths (capped at 128): generate in static
    batches of 32 run to their longest member vs continuous batching, useful
@@ -92,6 +94,24 @@ def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
     return times
 
 
+def memory_read_gbps(gib: float = 1.0, repeats: int = 3) -> float:
+    """Read bandwidth to memory, GB/s: the median time to sum a `gib` GiB float32 tensor with torch's threads
+    (larger than the last-level cache, so it comes from DRAM). A decode step cannot read its KV cache faster."""
+    buf = torch.ones(int(gib * 2**30) // 4)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def kv_bytes_per_step(eng, batch: int, context: int) -> int:
+    """Bytes of K and V a decode step of `batch` sequences of `context` tokens reads: every layer, every head."""
+    cfg = eng.model_config
+    return batch * context * cfg.hidden_size * 2 * cfg.num_hidden_layers * eng.executor.runner.kv_cache.element_size()
+
+
 # -- 1. decode step vs bare matmuls -----------------------------------------------------------
 def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> dict:
     """`repeats` rounds, each `steps` decode steps of one batch then `steps` runs of its bare matmuls (the
@@ -141,7 +161,14 @@ def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeat
         eng.step()
     wall = spread([s / m for s, _, m, _ in rounds])
     cpu = spread([s / m for _, s, _, m in rounds])
+    # The floor: the matmuls, then one read of the KV cache at the memory's read bandwidth (measured now), at the
+    # rounds' middle context. No decode step can beat it: the attention must read every cached K and V once.
+    kv_bytes = kv_bytes_per_step(eng, batch, context + 1 + steps * repeats // 2)
+    gbps = memory_read_gbps()
+    matmul_s = statistics.median(r[2] for r in rounds)
     return {"batch": batch, "context": context, "context_end": context + 1 + steps * repeats,
+            "kv_mb_per_step": kv_bytes / 1e6, "memory_read_gbps": gbps,
+            "floor_ratio": (matmul_s + kv_bytes / (gbps * 1e9)) / matmul_s,
             "step_ms": statistics.median(r[0] for r in rounds) * 1e3,
             "matmul_ms": statistics.median(r[2] for r in rounds) * 1e3,
             "step_cpu_ms": statistics.median(r[1] for r in rounds) * 1e3,
@@ -236,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {b:3d}: step {r['step_ms']:8.2f} ms   matmuls {r['matmul_ms']:8.2f} ms   "
               f"ratio wall {w['median']:.2f}x [{w['min']:.2f}-{w['max']:.2f}]   "
               f"cpu {c['median']:.2f}x [{c['min']:.2f}-{c['max']:.2f}]  (cpu: step {r['step_cpu_ms']:.1f} ms, "
-              f"matmuls {r['matmul_cpu_ms']:.1f} ms)")
+              f"matmuls {r['matmul_cpu_ms']:.1f} ms)   floor {r['floor_ratio']:.2f}x (matmuls + "
+              f"{r['kv_mb_per_step']:.0f} MB of KV at {r['memory_read_gbps']:.1f} GB/s)")
 
     def compare(name: str, prompts, outputs, batch_size: int) -> None:
         """generate and the engine alternately (generate first in even repeats), `args.repeats` times each."""
