@@ -34,7 +34,9 @@ from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.swapper import Swapper
+from kernels import cpu_decode_extension
 from kernels.attention_backend import attention_function, resolve_attention_backend
+from kernels.cpu_decode_attention import supports_in_place_decode
 from kernels.paged_attention import AttentionMetadata, Workspace
 
 
@@ -80,6 +82,8 @@ class ModelRunner:
         """Blocks 0 .. num_blocks - 1 for the KV manager, and the scratch block num_blocks (padding rows)."""
         self.kv_cache = allocate_kv_cache(num_blocks + 1, self.model.cfg, self.layout, self.block_size, self.dtype,
                                           self.device)
+        if supports_in_place_decode(self.kv_cache):  # the CPU decode kernel: built or loaded now, not mid-request
+            cpu_decode_extension.decode_attention_op()
         if self._decode_settings is not None:  # graphs captured over the old cache would write into freed memory
             self.use_decode_graphs(*self._decode_settings)
 

@@ -1,4 +1,5 @@
-"""Decode attention that reads the paged KV cache in place, once: the CPU path.
+"""Decode attention that reads the paged KV cache in place, once: the CPU path where the compiled kernel
+(kernels/csrc/cpu_decode_attention.cpp, kernels/cpu_decode_extension.py) is not built or is switched off.
 
 What it is: attention of one new token per sequence (decode) over that
 sequence's cached K/V, computed straight from the block-major cache with two

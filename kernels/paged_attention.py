@@ -3,8 +3,11 @@
 What it is: pure functions on tensors that run on any device (CPU here, CUDA
 where present). What it is not: a fast kernel; fused CUDA paths come later
 and are tested against these. One exception: on the CPU, decode attention
-reads the cache in place (kernels/cpu_decode_attention.py) instead of
-gathering it; `decode_attention_gathered` stays as its reference.
+reads the cache in place instead of gathering it, with the compiled kernel
+(kernels/csrc/cpu_decode_attention.cpp, loaded by cpu_decode_extension.py),
+which also writes the step's K/V in a decode-only batch, or where that is not
+built with sparse torch ops (kernels/cpu_decode_attention.py);
+`decode_attention_gathered` stays as their reference.
 
 Legend
     T   tokens in the flattened batch (every job's new tokens, concatenated)
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode_extension
 from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, row_strides, supports_in_place_decode
 
 
@@ -172,8 +176,12 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     """Write this step's K/V into the cache, then attend every new token to its
     sequence's context (causally)."""
+    decode_only = meta.decode_token_index.numel() == q.shape[0]  # token i is decode sequence i (see above)
+    if decode_only and (op := _cpu_decode_op(kv_cache)) is not None:  # the fused CPU kernel writes, then attends
+        return op(q, k, v, kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
+                  meta.slot_offsets, scale, True)
     write_kv(kv_cache, layer, k, v, meta)
-    if meta.decode_token_index.numel() == q.shape[0]:  # decode only: token i is decode sequence i (see above)
+    if decode_only:
         return _decode_attention(q, kv_cache, layer, meta, scale)
     out = torch.empty_like(q)
     for start, end in meta.fresh_spans:
@@ -194,12 +202,21 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
-    """On the CPU the context is read in place (kernels/cpu_decode_attention.py); elsewhere, the reference."""
+    """On the CPU the context is read in place: by the compiled kernel (kernels/cpu_decode_extension.py), or
+    where it is not built by the sparse-op one (kernels/cpu_decode_attention.py); elsewhere, the reference."""
+    if (op := _cpu_decode_op(kv_cache)) is not None:
+        return op(q, q, q, kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens,
+                  meta.decode_context_lens, meta.decode_context_lens, scale, False)  # K/V written already
     if supports_in_place_decode(kv_cache):
         if meta.decode_rows is None:
             meta.decode_rows = DecodeRows.build(kv_cache, meta.decode_block_tables, meta.decode_context_lens)
         return decode_attention_in_place(q, kv_cache, layer, meta.decode_rows, scale)
     return decode_attention_gathered(q, kv_cache, layer, meta, scale)
+
+
+def _cpu_decode_op(kv_cache: torch.Tensor):
+    """The compiled CPU decode kernel when it serves this cache (CPU, float32/64, contiguous), else None."""
+    return cpu_decode_extension.decode_attention_op() if supports_in_place_decode(kv_cache) else None
 
 
 def decode_attention_gathered(

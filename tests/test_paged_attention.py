@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.paged_attention as paged
+from kernels import cpu_decode_extension
 from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
 from kernels.paged_attention import AttentionMetadata, Workspace, decode_attention_gathered, gather_kv, paged_attention
 
@@ -29,11 +30,16 @@ DECODE_ONLY = [(9, 1), (4, 1), (12, 1), (3, 1)]  # the shortcut that returns dec
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE_ONLY], ids=["mixed", "decode_only"])
-@pytest.mark.parametrize("decode_in_place", [True, False])
+# The CPU decode paths: the compiled kernel (kernels/csrc), the sparse torch ops, the gathering reference.
+@pytest.mark.parametrize("decode_path", ["compiled", "sparse", "gathered"])
 @pytest.mark.parametrize("use_workspace", [False, True])
-def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_in_place, seqs,
+def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_path, seqs,
                                                                     monkeypatch):
-    if not decode_in_place:
+    if decode_path == "compiled":
+        assert cpu_decode_extension.decode_attention_op() is not None, cpu_decode_extension.unavailable_reason()
+    elif decode_path == "sparse":
+        monkeypatch.setattr(paged, "_cpu_decode_op", lambda kv_cache: None)
+    else:
         monkeypatch.setattr(paged, "supports_in_place_decode", lambda kv_cache: False)
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(NB, generator=g).tolist()  # scattered block ids

@@ -1,0 +1,101 @@
+"""The compiled CPU decode kernel (kernels/csrc/cpu_decode_attention.cpp, loaded by
+kernels/cpu_decode_extension.py) against the gathering reference: ragged contexts across block boundaries,
+head dims on and off its AVX-512 path, one sequence (heads split across threads) and many, 1 and 2 threads,
+float32 and float64, every layer of the cache, and the cache write it does in a decode-only batch.
+
+It must build here (g++ and ninja are on the project's machines; `make install` builds it): a test fails,
+and says why, when it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_decode_extension
+from kernels.paged_attention import AttentionMetadata, decode_attention_gathered, write_kv
+
+
+@pytest.fixture(scope="module")
+def op():
+    op = cpu_decode_extension.decode_attention_op()
+    assert op is not None, f"the CPU decode kernel did not build: {cpu_decode_extension.unavailable_reason()}"
+    return op
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0):
+    """A paged cache of random K/V over shuffled blocks, tables padded with block 0, this step's q/k/v as
+    strided views of one fused projection (as the model makes them), and the decode metadata."""
+    g = torch.Generator().manual_seed(seed)
+    mb = max(-(-n // bs) for n in lens)
+    nb = sum(-(-n // bs) for n in lens) + 5
+    kv = torch.randn(nb, layers, 2, h, bs, d, generator=g, dtype=dtype)
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()  # block 0: padding only
+    tables = []
+    for n in lens:
+        own = [perm.pop() for _ in range(-(-n // bs))]
+        tables.append(own + [0] * (mb - len(own)))
+    qkv = torch.randn(len(lens), 3, h, d, generator=g, dtype=dtype)
+    q, k, v = qkv.unbind(1)
+    slot_blocks = torch.tensor([t[(n - 1) // bs] for t, n in zip(tables, lens)])
+    slot_offsets = torch.tensor([(n - 1) % bs for n in lens])
+    meta = AttentionMetadata(slot_blocks, slot_offsets, [], torch.arange(len(lens)), torch.tensor(tables),
+                             torch.tensor(lens), [])
+    return q, k, v, kv, meta
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lens, h, d", [
+    ([1, 15, 16, 17, 33, 64, 5, 40, 2], 4, 64),  # block boundaries, many sequences (one per work item)
+    ([70], 12, 64),  # one sequence: its heads are split across the threads
+    ([3, 31, 48], 2, 80),  # head dim 80 (OPT-2.7b): five AVX-512 chunks, an odd one at the end
+    ([7, 20], 3, 40),  # head dim not a multiple of 16: the plain loops
+])
+def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, lens, h, d):
+    bs = 16
+    q, _, _, kv, meta = decode_batch(lens, h, d, bs, dtype)
+    before = kv.clone()
+    for layer in range(kv.shape[1]):
+        got = op(q, q, q, kv, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
+                 meta.slot_offsets, d**-0.5, False)
+        want = decode_attention_gathered(q, kv, layer, meta, d**-0.5)
+        torch.testing.assert_close(got, want)
+    assert torch.equal(kv, before)  # write=False writes nothing
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("bs", [4, 16])
+def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs):
+    lens = [1, bs, bs + 1, 3 * bs - 1, 9]
+    q, k, v, kv, meta = decode_batch(lens, 4, 64, bs, torch.float32)
+    reference = kv.clone()
+    layer = 1
+    write_kv(reference, layer, k, v, meta)
+    want = decode_attention_gathered(q, reference, layer, meta, 0.125)
+    got = op(q, k, v, kv, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
+             meta.slot_offsets, 0.125, True)
+    assert torch.equal(kv, reference)  # the same rows written, nothing else touched
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_inputs_are_refused_with_a_message(op):
+    q, _, _, kv, meta = decode_batch([5], 2, 64, 16, torch.float32)
+    args = (meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks, meta.slot_offsets, 0.125, False)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(q.double(), q.double(), q.double(), kv, 0, *args)
+    with pytest.raises(RuntimeError, match="contiguous CPU cache"):
+        op(q, q, q, kv[::2], 0, *args)
+
+
+def test_switched_off_it_is_not_used_and_says_why(monkeypatch):
+    monkeypatch.setenv(cpu_decode_extension.ENV_SWITCH, "0")
+    assert cpu_decode_extension.decode_attention_op() is None
+    assert cpu_decode_extension.describe() == "sparse torch ops (FASTSERVE_CPU_KERNEL=0)"
