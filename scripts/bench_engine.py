@@ -252,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# bench_engine: {args.model.name}, {dev}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.repeats} interleaved repeats")
+    if dev.type == "cpu":
+        from kernels import cpu_decode_extension
+
+        results["cpu_decode_attention"] = cpu_decode_extension.describe()
+        print(f"# CPU decode attention: {results['cpu_decode_attention']} ({cpu_decode_extension.ENV_SWITCH}=0: "
+              "the sparse torch ops)")
     print("# ratios: median over repeats [min-max]; wall = perf_counter, cpu = process_time (all threads)")
     if "decode" in parts:
         print("\n## decode step vs its bare matmuls (context 128)")
