@@ -99,8 +99,7 @@ def _load():
         log.warning("the CPU decode kernel could not be built (%s); decode attention uses the sparse-op path",
                     _state["error"])
         return None
-    _state["path"] = str(library) if library else name
-    log.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - started, _state["path"])
+    log.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - started, library or name)
     return op
 
 

@@ -106,12 +106,6 @@ def memory_read_gbps(gib: float = 1.0, repeats: int = 3) -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
-def kv_bytes_per_step(eng, batch: int, context: int) -> int:
-    """Bytes of K and V a decode step of `batch` sequences of `context` tokens reads: every layer, every head."""
-    cfg = eng.model_config
-    return batch * context * cfg.hidden_size * 2 * cfg.num_hidden_layers * eng.executor.runner.kv_cache.element_size()
-
-
 # -- 1. decode step vs bare matmuls -----------------------------------------------------------
 def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeats: int) -> dict:
     """`repeats` rounds, each `steps` decode steps of one batch then `steps` runs of its bare matmuls (the
@@ -163,7 +157,8 @@ def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeat
     cpu = spread([s / m for _, s, _, m in rounds])
     # The floor: the matmuls, then one read of the KV cache at the memory's read bandwidth (measured now), at the
     # rounds' middle context. No decode step can beat it: the attention must read every cached K and V once.
-    kv_bytes = kv_bytes_per_step(eng, batch, context + 1 + steps * repeats // 2)
+    # Bytes of K and V the step reads: a KV block's bytes (every layer, every head) per token it holds.
+    kv_bytes = eng.executor.kv_block_bytes // eng.executor.block_size * batch * (context + 1 + steps * repeats // 2)
     gbps = memory_read_gbps()
     matmul_s = statistics.median(r[2] for r in rounds)
     return {"batch": batch, "context": context, "context_end": context + 1 + steps * repeats,
