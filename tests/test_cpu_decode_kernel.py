@@ -99,3 +99,31 @@ def test_switched_off_it_is_not_used_and_says_why(monkeypatch):
     monkeypatch.setenv(cpu_decode_extension.ENV_SWITCH, "0")
     assert cpu_decode_extension.decode_attention_op() is None
     assert cpu_decode_extension.describe() == "sparse torch ops (FASTSERVE_CPU_KERNEL=0)"
+
+
+def test_without_a_compiler_it_says_why_and_the_sparse_ops_serve(tmp_path):
+    """A machine that cannot build it (no C++ compiler here: CXX fails, and no cached build): one warning, the
+    reason, and decode attention on the sparse ops, giving the same answer."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from kernels import cpu_decode_extension as e\n"
+        "from kernels.paged_attention import paged_attention, decode_attention_gathered\n"
+        "from tests.test_cpu_decode_kernel import decode_batch\n"
+        "assert e.decode_attention_op() is None\n"
+        "print(e.describe())\n"
+        "q, k, v, kv, meta = decode_batch([5, 17, 40], 4, 64, 16, torch.float32)\n"
+        "got = paged_attention(q, k, v, kv, 1, meta, 0.125)\n"
+        "torch.testing.assert_close(got, decode_attention_gathered(q, kv, 1, meta, 0.125))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CXX="/bin/false", TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("sparse torch ops (CalledProcessError"), proc.stdout
+    assert "the CPU decode kernel could not be built" in proc.stderr
