@@ -56,7 +56,8 @@ def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0):
 @pytest.mark.parametrize("lens, h, d", [
     ([1, 15, 16, 17, 33, 64, 5, 40, 2], 4, 64),  # block boundaries, many sequences (one per work item)
     ([70], 12, 64),  # one sequence: its heads are split across the threads
-    ([3, 31, 48], 2, 80),  # head dim 80 (OPT-2.7b): five AVX-512 chunks, an odd one at the end
+    ([3, 31, 48], 2, 80),  # head dim 80 (OPT-2.7b): five AVX-512 registers, an odd one at the end
+    ([5, 100, 33], 3, 128),  # head dim 128 (OPT-6.7b and larger): eight registers
     ([7, 20], 3, 40),  # head dim not a multiple of 16: the plain loops
 ])
 def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, lens, h, d):
@@ -71,8 +72,18 @@ def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, le
     assert torch.equal(kv, before)  # write=False writes nothing
 
 
+@pytest.mark.parametrize("spread", [1e-3, 30.0, 300.0])
+def test_kernel_softmax_holds_for_flat_and_peaked_scores(op, spread):
+    """Scores from nearly equal to thousands apart (weights down to exp(-87) and below, where the kernel's
+    vectorised exp stops being exact and must give ~0): the output still matches the reference."""
+    q, _, _, kv, meta = decode_batch([1, 17, 50, 130], 4, 64, 16, torch.float32, seed=3)
+    q = q * spread
+    args = (meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks, meta.slot_offsets, 0.125, False)
+    torch.testing.assert_close(op(q, q, q, kv, 2, *args), decode_attention_gathered(q, kv, 2, meta, 0.125))
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("bs", [4, 16, 32])  # a block's scores in part of a register, one, two
 def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs):
     lens = [1, bs, bs + 1, 3 * bs - 1, 9]
     q, k, v, kv, meta = decode_batch(lens, 4, 64, bs, torch.float32)

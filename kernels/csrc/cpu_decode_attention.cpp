@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,6 +80,180 @@ inline void axpy<float>(float a, const float* __restrict x, float* __restrict y,
 }
 #endif
 
+#ifdef __AVX512F__
+// e^x for 16 floats: 2^n * e^r with n = round(x / ln 2) and e^r by Cephes' expf polynomial (about 1 ulp); inputs
+// below -87.3 (e^x under float's smallest normal) give ~1e-38, not 0: callers mask lanes that must be 0.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln 2, ln 2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// One work item (sequence s, heads [h0, h0 + heads)) for float with D = 16 * NV: the item's output rows from
+// its context, block by block. Per block: every head's scores from the K run (q . k, q scaled once; a row's
+// product summed in one register), then per head the online-softmax update on whole registers of scores
+// (16 at a time, vectorised exp) and the V rows summed into NV accumulator registers, so nothing but the
+// cache is read or written per position. scores holds heads * padded_bs floats, acc heads * D, q_scaled D.
+template <int NV>
+void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, const int64_t* table,
+                        int64_t context, int64_t heads, int64_t bs, int64_t padded_bs, int64_t head_stride,
+                        int64_t v_offset, int64_t block_stride, int64_t item_offset, float scale, float* out,
+                        float* scores, float* acc, float* running_max, float* running_sum, float* q_scaled) {
+  constexpr int64_t D = 16 * NV;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < heads; ++g) {
+    for (int i = 0; i < NV; ++i)
+      _mm512_storeu_ps(q_scaled + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(q + g * q_stride_h + 16 * i), sv));
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, _mm512_setzero_ps());
+    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_sum[g] = 0.0f;
+  }
+  const int64_t num_blocks = (context + bs - 1) / bs;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const int64_t n = std::min(bs, context - j * bs);
+    const float* k_run = cache + table[j] * block_stride + item_offset;
+    const float* v_run = k_run + v_offset;
+    const char* next_k =
+        j + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride + item_offset) : nullptr;
+    const char* next_v = next_k ? next_k + v_offset * static_cast<int64_t>(sizeof(float)) : nullptr;
+    for (int64_t g = 0; g < heads; ++g) {  // K: the run in order
+      __m512 qv[NV];
+      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);
+      const float* __restrict kb = k_run + g * head_stride;
+      float* __restrict sc = scores + g * padded_bs;
+      for (int64_t t = 0; t < n; ++t) {
+        if (next_k) fetch_row(next_k + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + t * D));
+        for (int i = 1; i < NV; ++i) p = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kb + t * D + 16 * i), p);
+        sc[t] = _mm512_reduce_add_ps(p);
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {  // softmax update and V: the run in order
+      float* __restrict sc = scores + g * padded_bs;
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t c = 0; c < n; c += 16)
+        vmax = _mm512_mask_max_ps(vmax, first_lanes(n - c), vmax, _mm512_loadu_ps(sc + c));
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(vmax));
+      const float correction = std::exp(running_max[g] - new_max);  // 0 on the first block (exp(-inf))
+      const __m512 mv = _mm512_set1_ps(new_max);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 m = first_lanes(n - c);
+        const __m512 w = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + c), mv)));
+        _mm512_mask_storeu_ps(sc + c, m, w);
+        sum = _mm512_add_ps(sum, w);
+      }
+      running_sum[g] = running_sum[g] * correction + _mm512_reduce_add_ps(sum);
+      running_max[g] = new_max;
+      __m512 a[NV];
+      const __m512 cv = _mm512_set1_ps(correction);
+      for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cv);
+      const float* __restrict vb = v_run + g * head_stride;
+      for (int64_t t = 0; t < n; ++t) {
+        if (next_v) fetch_row(next_v + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        const __m512 w = _mm512_set1_ps(sc[t]);
+        for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * D + 16 * i), a[i]);
+      }
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, a[i]);
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const __m512 inv = _mm512_set1_ps(context > 0 ? 1.0f / running_sum[g] : 0.0f);
+    for (int i = 0; i < NV; ++i)
+      _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), inv));
+  }
+}
+
+// The AVX-512 item function for this head dim, or nullptr (the portable loops serve).
+using AvxItemFn = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*, float*);
+inline AvxItemFn avx512_item_for(int64_t D) {
+  switch (D) {
+    case 16: return attend_item_avx512<1>;
+    case 32: return attend_item_avx512<2>;
+    case 48: return attend_item_avx512<3>;
+    case 64: return attend_item_avx512<4>;
+    case 80: return attend_item_avx512<5>;
+    case 96: return attend_item_avx512<6>;
+    case 112: return attend_item_avx512<7>;
+    case 128: return attend_item_avx512<8>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// One work item with plain loops (any dtype, any head dim): the same order of reads as the AVX-512 one.
+template <typename T>
+void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const int64_t* table, int64_t context,
+                          int64_t heads, int64_t D, int64_t bs, int64_t head_stride, int64_t v_offset,
+                          int64_t block_stride, int64_t item_offset, T scale, T* out, T* scores, T* acc,
+                          T* running_max, T* running_sum) {
+  std::fill(acc, acc + heads * D, T(0));
+  std::fill(running_max, running_max + heads, -std::numeric_limits<T>::infinity());
+  std::fill(running_sum, running_sum + heads, T(0));
+  const int64_t num_blocks = (context + bs - 1) / bs;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const int64_t n = std::min(bs, context - j * bs);
+    const T* k_run = cache + table[j] * block_stride + item_offset;
+    const T* v_run = k_run + v_offset;
+    const char* next_k =
+        j + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride + item_offset) : nullptr;
+    const char* next_v = next_k ? next_k + v_offset * static_cast<int64_t>(sizeof(T)) : nullptr;
+    for (int64_t g = 0; g < heads; ++g) {  // K: the scores, the run read in order
+      const T* __restrict qi = q + g * q_stride_h;
+      const T* __restrict kb = k_run + g * head_stride;
+      T* __restrict sc = scores + g * bs;
+      for (int64_t t = 0; t < n; ++t) {
+        if (next_k) fetch_row(next_k + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        sc[t] = dot(qi, kb + t * D, D) * scale;
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {  // softmax bookkeeping per head: running max, rescale, weights
+      T* __restrict sc = scores + g * bs;
+      T block_max = sc[0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
+      const T new_max = std::max(running_max[g], block_max);
+      const T correction = std::exp(running_max[g] - new_max);  // 0 on the first block (exp(-inf))
+      T sum = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        sc[t] = std::exp(sc[t] - new_max);
+        sum += sc[t];
+      }
+      T* __restrict a = acc + g * D;
+      for (int64_t e = 0; e < D; ++e) a[e] *= correction;
+      running_max[g] = new_max;
+      running_sum[g] = running_sum[g] * correction + sum;
+    }
+    for (int64_t g = 0; g < heads; ++g) {  // V: the weighted sums, the run read in order
+      const T* __restrict vb = v_run + g * head_stride;
+      const T* __restrict sc = scores + g * bs;
+      T* __restrict a = acc + g * D;
+      for (int64_t t = 0; t < n; ++t) {
+        if (next_v) fetch_row(next_v + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        axpy(sc[t], vb + t * D, a, D);
+      }
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const T inv = context > 0 ? T(1) / running_sum[g] : T(0);
+    for (int64_t e = 0; e < D; ++e) out[g * D + e] = acc[g * D + e] * inv;
+  }
+}
+
 template <typename T>
 void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,  // q [S, H, D], D contiguous
                              const T* k_new, const T* v_new, int64_t kv_stride_s, int64_t kv_stride_h,
@@ -98,12 +273,16 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
   const int64_t threads = at::get_num_threads();
   const int64_t groups = std::min<int64_t>(H, std::max<int64_t>(1, (4 * threads + S - 1) / S));
   const int64_t per_group = (H + groups - 1) / groups;
+  const int64_t padded_bs = (bs + 15) / 16 * 16;  // whole registers of scores (the AVX-512 path)
+#ifdef __AVX512F__
+  const AvxItemFn avx_item = std::is_same<T, float>::value ? avx512_item_for(D) : nullptr;
+#endif
   at::parallel_for(0, S * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> acc(per_group * D), scores(per_group * bs), running_max(per_group), running_sum(per_group);
+    std::vector<T> acc(per_group * D), scores(per_group * padded_bs), running_max(per_group),
+        running_sum(per_group), q_scaled(per_group * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / groups, h0 = (item % groups) * per_group, h1 = std::min(H, h0 + per_group);
       if (h0 >= h1) continue;
-      const int64_t heads = h1 - h0;
       if (write) {  // this step's token: its K/V rows go to (slot block, offset), then it is attended to
         T* dst = cache + slot_blocks[s] * block_stride + layer_offset + slot_offsets[s] * D;
         for (int64_t h = h0; h < h1; ++h) {
@@ -113,66 +292,23 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
           std::copy(vs, vs + D, dst + h * head_stride + v_offset);
         }
       }
-      const int64_t context = lens[s];
-      std::fill(acc.begin(), acc.end(), T(0));
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<T>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), T(0));
-      const int64_t num_blocks = (context + bs - 1) / bs;
-      for (int64_t j = 0; j < num_blocks; ++j) {
-        const int64_t n = std::min(bs, context - j * bs);
-        const T* k_run = cache + tables[s * MB + j] * block_stride + layer_offset + h0 * head_stride;
-        const T* v_run = k_run + v_offset;
-        const char* next_k = j + 1 < num_blocks
-            ? reinterpret_cast<const char*>(cache + tables[s * MB + j + 1] * block_stride + layer_offset +
-                                            h0 * head_stride)
-            : nullptr;
-        // K: the scores of every head of the group, the run read in order; each row read asks for the same row
-        // of the next block (prefetch, as fast as the reads go).
-        const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-        const int64_t v_bytes = v_offset * static_cast<int64_t>(sizeof(T));
-        for (int64_t g = 0; g < heads; ++g) {
-          const T* __restrict qi = q + s * q_stride_s + (h0 + g) * q_stride_h;
-          const T* __restrict kb = k_run + g * head_stride;
-          T* __restrict sc = scores.data() + g * bs;
-          for (int64_t t = 0; t < n; ++t) {
-            if (next_k) fetch_row(next_k + (g * head_stride + t * D) * sizeof(T), row_bytes);
-            sc[t] = dot(qi, kb + t * D, D) * scale;
-          }
-        }
-        // Softmax bookkeeping per head: the running max, the rescale of what was summed, the weights.
-        for (int64_t g = 0; g < heads; ++g) {
-          T* __restrict sc = scores.data() + g * bs;
-          T block_max = sc[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
-          const T new_max = std::max(running_max[g], block_max);
-          const T correction = std::exp(running_max[g] - new_max);  // 0 on the first block (exp(-inf))
-          T sum = 0;
-          for (int64_t t = 0; t < n; ++t) {
-            sc[t] = std::exp(sc[t] - new_max);
-            sum += sc[t];
-          }
-          T* __restrict a = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t e = 0; e < D; ++e) a[e] *= correction;
-          running_max[g] = new_max;
-          running_sum[g] = running_sum[g] * correction + sum;
-        }
-        // V: the weighted sums, the run read in order.
-        for (int64_t g = 0; g < heads; ++g) {
-          const T* __restrict vb = v_run + g * head_stride;
-          const T* __restrict sc = scores.data() + g * bs;
-          T* __restrict a = acc.data() + g * D;
-          for (int64_t t = 0; t < n; ++t) {
-            if (next_k) fetch_row(next_k + v_bytes + (g * head_stride + t * D) * sizeof(T), row_bytes);
-            axpy(sc[t], vb + t * D, a, D);
-          }
-        }
+      const T* qs = q + s * q_stride_s + h0 * q_stride_h;
+      const int64_t* table = tables + s * MB;
+      const int64_t item_offset = layer_offset + h0 * head_stride;
+      T* o = out + (s * H + h0) * D;
+#ifdef __AVX512F__
+      if (avx_item != nullptr) {
+        avx_item(reinterpret_cast<const float*>(qs), q_stride_h, reinterpret_cast<const float*>(cache), table,
+                 lens[s], h1 - h0, bs, padded_bs, head_stride, v_offset, block_stride, item_offset,
+                 static_cast<float>(scale), reinterpret_cast<float*>(o), reinterpret_cast<float*>(scores.data()),
+                 reinterpret_cast<float*>(acc.data()), reinterpret_cast<float*>(running_max.data()),
+                 reinterpret_cast<float*>(running_sum.data()), reinterpret_cast<float*>(q_scaled.data()));
+        continue;
       }
-      for (int64_t g = 0; g < heads; ++g) {
-        T* o = out + (s * H + h0 + g) * D;
-        const T inv = context > 0 ? T(1) / running_sum[g] : T(0);
-        for (int64_t e = 0; e < D; ++e) o[e] = acc[g * D + e] * inv;
-      }
+#endif
+      attend_item_portable<T>(qs, q_stride_h, cache, table, lens[s], h1 - h0, D, bs, head_stride, v_offset,
+                              block_stride, item_offset, scale, o, scores.data(), acc.data(), running_max.data(),
+                              running_sum.data());
     }
   });
 }
