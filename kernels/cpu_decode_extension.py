@@ -1,16 +1,18 @@
-"""The CPU decode kernel compiled from kernels/csrc/cpu_decode_attention.cpp, loaded once per process.
+"""The CPU decode kernels compiled from kernels/csrc/, loaded once per process.
 
 What it is: `decode_attention_op()` returns torch.ops.fastserve_cpu.decode_attention (decode attention
-over the paged cache in one pass, optionally writing the step's K/V first; see the .cpp), building it with
-torch's cpp_extension (g++ and ninja) the first time on a machine and loading the cached build after that;
-or None when it cannot be built or is turned off, and the CPU path falls back to the sparse-op kernel
-(kernels/cpu_decode_attention.py). `make install` builds it (`python -m kernels.cpu_decode_extension`), so the
-first request does not wait for g++ (~20 s); later processes load the cached build (~1 s). torch's cpp_extension
-keeps it under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere) and rebuilds it when the source changes.
+over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp), and
+`decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's decoder layers in one C++ call;
+cpu_decode_layers.cpp), building both with torch's cpp_extension (g++ and ninja) the first time on a machine
+and loading the cached build after that; or None when it cannot be built or is turned off, and the CPU path
+falls back to the sparse-op kernel (kernels/cpu_decode_attention.py) and the model's Python layer loop.
+`make install` builds them (`python -m kernels.cpu_decode_extension`), so the first request does not wait for
+g++ (~20 s); later processes load the cached build (~1 s). torch's cpp_extension keeps it under
+~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere) and rebuilds it when a source changes.
 
 The build is compiled for the CPU it runs on (-march=native), so the build directory's name carries a hash of
 the CPU's model and flags: a home directory shared by different machines gets one build each.
-FASTSERVE_CPU_KERNEL=0 turns it off (the sparse-op path serves; benchmarks compare the two this way).
+FASTSERVE_CPU_KERNEL=0 turns both off (the sparse-op path and the Python loop serve; benchmarks compare this way).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_decode_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_decode_layers.cpp"]
 ENV_SWITCH = "FASTSERVE_CPU_KERNEL"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op": the op or None once tried; "error": why it is None
@@ -62,6 +65,11 @@ def decode_attention_op():
     return _state["op"]
 
 
+def decode_layers_op():
+    """torch.ops.fastserve_cpu.decode_layers (built with decode_attention_op's library), or None likewise."""
+    return torch.ops.fastserve_cpu.decode_layers if decode_attention_op() is not None else None
+
+
 def unavailable_reason() -> str | None:
     """Why decode_attention_op() gives None (after it was called), or None when it gives the op."""
     if not enabled():
@@ -87,7 +95,7 @@ def _load():
         started = time.perf_counter()
         library = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(src) for src in SOURCES],
             # -fopenmp: at::parallel_for's pragma (the symbols resolve to torch's own OpenMP runtime)
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             is_python_module=False,

@@ -219,6 +219,12 @@ def _cpu_decode_op(kv_cache: torch.Tensor):
     return cpu_decode_extension.decode_attention_op() if supports_in_place_decode(kv_cache) else None
 
 
+def cpu_decode_layers_op(kv_cache: torch.Tensor):
+    """The compiled decode-layers loop (kernels/csrc/cpu_decode_layers.cpp) where the compiled decode kernel
+    serves this cache, else None."""
+    return cpu_decode_extension.decode_layers_op() if _cpu_decode_op(kv_cache) is not None else None
+
+
 def decode_attention_gathered(
     q: torch.Tensor,  # [S_d, H, D]
     kv_cache: torch.Tensor,

@@ -27,7 +27,7 @@ from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel import TensorParallelGroup
 from kernels.attention_backend import AttentionFn
-from kernels.paged_attention import AttentionMetadata, paged_attention
+from kernels.paged_attention import AttentionMetadata, cpu_decode_layers_op, paged_attention
 
 
 class OPTAttention(nn.Module):
@@ -97,6 +97,8 @@ class OPTStage(nn.Module):
             self.embed_positions.weight.requires_grad_(False)
             self.project_in = nn.Linear(p, e, bias=False) if cfg.has_projections else None
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp) for _ in self.layer_range)
+        self.attention: AttentionFn = paged_attention  # every layer's (use_attention)
+        self._layer_weights: list[torch.Tensor | None] | None = None  # decode_layers' list, made on first use
         if self.is_last:
             affine = cfg.layer_norm_elementwise_affine
             self.final_layer_norm = (
@@ -107,6 +109,7 @@ class OPTStage(nn.Module):
 
     def use_attention(self, attention: AttentionFn) -> None:
         """Run every layer's attention with `attention` (kernels/attention_backend.py)."""
+        self.attention = attention
         for layer in self.layers:
             layer.self_attn.attention = attention
 
@@ -128,9 +131,34 @@ class OPTStage(nn.Module):
             h = h + self.embed_positions(positions + POSITION_OFFSET)
         else:
             h = inputs
+        if (out := self._decode_layers_in_one_call(h, kv_cache, meta)) is not None:
+            return out
         for i, layer in enumerate(self.layers):
             h = layer(h, kv_cache, i, meta)
         return h
+
+    def _decode_layers_in_one_call(self, h: torch.Tensor, kv_cache: torch.Tensor,
+                                   meta: AttentionMetadata) -> torch.Tensor | None:
+        """Every layer of a decode-only batch on the CPU in one compiled call (kernels/csrc/cpu_decode_layers.cpp:
+        the ops of OPTDecoderLayer.forward in the same order, the same output bit for bit), or None where it does
+        not apply and the Python loop runs: tensor parallel, the Triton backend, a batch with a prefill, a cache
+        the compiled decode kernel does not serve (another device or dtype), or the kernels not built."""
+        if (self.layout.tp_size != 1 or self.attention is not paged_attention or not len(self.layers)
+                or h.shape[0] == 0 or meta.decode_token_index.numel() != h.shape[0]):
+            return None
+        op = cpu_decode_layers_op(kv_cache)
+        if op is None:
+            return None
+        if self._layer_weights is None:  # the parameters are filled in place by the loader: the same tensors
+            self._layer_weights = [t for layer in self.layers for t in (
+                layer.self_attn_layer_norm.weight, layer.self_attn_layer_norm.bias, layer.self_attn.qkv_proj.weight,
+                layer.self_attn.qkv_proj.bias, layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias,
+                layer.final_layer_norm.weight, layer.final_layer_norm.bias, layer.fc1.weight, layer.fc1.bias,
+                layer.fc2.weight, layer.fc2.bias)]
+        first = self.layers[0]
+        return op(h, self._layer_weights, first.self_attn.num_heads, first.self_attn_layer_norm.eps,
+                  self.cfg.do_layer_norm_before, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                  meta.slot_blocks, meta.slot_offsets, first.self_attn.scale)
 
     def compute_logits(self, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Logits of the selected rows: [T, E] x [S] -> [S, V] (float32)."""

@@ -13,7 +13,8 @@
 // block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
 // Legend: S decode sequences, H heads, D head dim, MB blocks per table (padded), bs block size.
 
-#include <ATen/ATen.h>
+#include "cpu_decode_attention.h"
+
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -313,6 +314,10 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
   });
 }
 
+}  // namespace
+
+namespace fastserve_cpu {
+
 at::Tensor decode_attention(const at::Tensor& q,            // [S, H, D]
                             const at::Tensor& k,            // [S, H, D]: this step's K, written when `write`
                             const at::Tensor& v,            // [S, H, D]
@@ -351,11 +356,11 @@ at::Tensor decode_attention(const at::Tensor& q,            // [S, H, D]
   return out;
 }
 
-}  // namespace
+}  // namespace fastserve_cpu
 
 TORCH_LIBRARY(fastserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, int layer, Tensor block_tables, "
       "Tensor context_lens, Tensor slot_blocks, Tensor slot_offsets, float scale, bool write) -> Tensor");
-  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(fastserve_cpu::decode_attention));
 }
