@@ -7,7 +7,9 @@
 // K and V row is read once, where it lies, and nothing of the size of the context is written. Built at first
 // use by kernels/cpu_decode_extension.py (torch's cpp_extension, g++, -march=native); when it cannot be
 // built, kernels/cpu_decode_attention.py's sparse-op path serves. Tested against the gathering reference
-// (tests/test_cpu_decode_kernel.py).
+// (tests/test_cpu_decode_kernel.py). Two item functions: with AVX-512, float and a head dim of 16 to 128 (every
+// OPT shape's) keep q, the scores of a block and the V accumulators in registers (attend_item_avx512); anything
+// else runs portable loops in the same order of reads (attend_item_portable).
 //
 // Layout (kernels/paged_attention.py): cache [NB, L, 2, H, bs, D], contiguous; one head's bs positions of a
 // block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
@@ -35,8 +37,8 @@ inline void fetch_row(const char* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
-// x . y over n values, and y += a * x: AVX-512 for float when the head dim is a multiple of 16 (every OPT
-// shape's), plain loops otherwise. (A dot product's lanes are summed once, at the end: summing them per
+// x . y over n values, and y += a * x, for the portable item function: AVX-512 for float when the head dim is a
+// multiple of 16, plain loops otherwise. (A dot product's lanes are summed once, at the end: summing them per
 // row in scalar code, and prefetching whole blocks at once, each made the first version slower than the
 // sparse torch ops it replaces.)
 template <typename T>
@@ -81,6 +83,25 @@ inline void axpy<float>(float a, const float* __restrict x, float* __restrict y,
 }
 #endif
 
+// Block j of a work item's context: its rows, where its K and V runs start, and where the next block's start
+// (prefetched while this one is read; null on the last block).
+template <typename T>
+struct BlockRuns {
+  int64_t n;
+  const T* k;
+  const T* v;
+  const char* next_k;
+  const char* next_v;
+  BlockRuns(const T* cache, const int64_t* table, int64_t j, int64_t num_blocks, int64_t context, int64_t bs,
+            int64_t block_stride, int64_t item_offset, int64_t v_offset)
+      : n(std::min(bs, context - j * bs)),
+        k(cache + table[j] * block_stride + item_offset),
+        v(k + v_offset),
+        next_k(j + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride + item_offset)
+                                  : nullptr),
+        next_v(next_k ? next_k + v_offset * static_cast<int64_t>(sizeof(T)) : nullptr) {}
+};
+
 #ifdef __AVX512F__
 // e^x for 16 floats: 2^n * e^r with n = round(x / ln 2) and e^r by Cephes' expf polynomial (about 1 ulp); inputs
 // below -87.3 (e^x under float's smallest normal) give ~1e-38, not 0: callers mask lanes that must be 0.
@@ -124,19 +145,15 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
   const int64_t num_blocks = (context + bs - 1) / bs;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t n = std::min(bs, context - j * bs);
-    const float* k_run = cache + table[j] * block_stride + item_offset;
-    const float* v_run = k_run + v_offset;
-    const char* next_k =
-        j + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride + item_offset) : nullptr;
-    const char* next_v = next_k ? next_k + v_offset * static_cast<int64_t>(sizeof(float)) : nullptr;
+    const BlockRuns<float> b(cache, table, j, num_blocks, context, bs, block_stride, item_offset, v_offset);
+    const int64_t n = b.n;
     for (int64_t g = 0; g < heads; ++g) {  // K: the run in order
       __m512 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);
-      const float* __restrict kb = k_run + g * head_stride;
+      const float* __restrict kb = b.k + g * head_stride;
       float* __restrict sc = scores + g * padded_bs;
       for (int64_t t = 0; t < n; ++t) {
-        if (next_k) fetch_row(next_k + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        if (b.next_k) fetch_row(b.next_k + (g * head_stride + t * D) * sizeof(float), row_bytes);
         __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + t * D));
         for (int i = 1; i < NV; ++i) p = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kb + t * D + 16 * i), p);
         sc[t] = _mm512_reduce_add_ps(p);
@@ -162,9 +179,9 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
       __m512 a[NV];
       const __m512 cv = _mm512_set1_ps(correction);
       for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cv);
-      const float* __restrict vb = v_run + g * head_stride;
+      const float* __restrict vb = b.v + g * head_stride;
       for (int64_t t = 0; t < n; ++t) {
-        if (next_v) fetch_row(next_v + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        if (b.next_v) fetch_row(b.next_v + (g * head_stride + t * D) * sizeof(float), row_bytes);
         const __m512 w = _mm512_set1_ps(sc[t]);
         for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * D + 16 * i), a[i]);
       }
@@ -208,18 +225,14 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
   const int64_t num_blocks = (context + bs - 1) / bs;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t n = std::min(bs, context - j * bs);
-    const T* k_run = cache + table[j] * block_stride + item_offset;
-    const T* v_run = k_run + v_offset;
-    const char* next_k =
-        j + 1 < num_blocks ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride + item_offset) : nullptr;
-    const char* next_v = next_k ? next_k + v_offset * static_cast<int64_t>(sizeof(T)) : nullptr;
+    const BlockRuns<T> b(cache, table, j, num_blocks, context, bs, block_stride, item_offset, v_offset);
+    const int64_t n = b.n;
     for (int64_t g = 0; g < heads; ++g) {  // K: the scores, the run read in order
       const T* __restrict qi = q + g * q_stride_h;
-      const T* __restrict kb = k_run + g * head_stride;
+      const T* __restrict kb = b.k + g * head_stride;
       T* __restrict sc = scores + g * bs;
       for (int64_t t = 0; t < n; ++t) {
-        if (next_k) fetch_row(next_k + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        if (b.next_k) fetch_row(b.next_k + (g * head_stride + t * D) * sizeof(T), row_bytes);
         sc[t] = dot(qi, kb + t * D, D) * scale;
       }
     }
@@ -240,11 +253,11 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
       running_sum[g] = running_sum[g] * correction + sum;
     }
     for (int64_t g = 0; g < heads; ++g) {  // V: the weighted sums, the run read in order
-      const T* __restrict vb = v_run + g * head_stride;
+      const T* __restrict vb = b.v + g * head_stride;
       const T* __restrict sc = scores + g * bs;
       T* __restrict a = acc + g * D;
       for (int64_t t = 0; t < n; ++t) {
-        if (next_v) fetch_row(next_v + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        if (b.next_v) fetch_row(b.next_v + (g * head_stride + t * D) * sizeof(T), row_bytes);
         axpy(sc[t], vb + t * D, a, D);
       }
     }
@@ -318,16 +331,10 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
 
 namespace fastserve_cpu {
 
-at::Tensor decode_attention(const at::Tensor& q,            // [S, H, D]
-                            const at::Tensor& k,            // [S, H, D]: this step's K, written when `write`
-                            const at::Tensor& v,            // [S, H, D]
-                            at::Tensor kv_cache,            // [NB, L, 2, H, bs, D], contiguous
-                            int64_t layer,
-                            const at::Tensor& block_tables,  // [S, MB] long
-                            const at::Tensor& context_lens,  // [S] long, the new token included
-                            const at::Tensor& slot_blocks,   // [S] long: where this step's K/V go
-                            const at::Tensor& slot_offsets,  // [S] long
-                            double scale, bool write) {
+// Parameters: see cpu_decode_attention.h.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kv_cache,
+                            int64_t layer, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, double scale, bool write) {
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 6,
               "decode_attention: a contiguous CPU cache [NB, L, 2, H, bs, D]");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
