@@ -8,7 +8,9 @@ project_in / project_out when word_embed_proj_dim != hidden_size, ReLU FFN,
 the final layer norm when the config has one, lm_head tied to the embeddings.
 
 A stage owns layers `layout.stage_layers(n)`; the first stage embeds tokens,
-the last computes logits. Parameter names follow Hugging Face's, without the
+the last computes logits. On the CPU a decode-only batch runs the layers in one
+compiled call with the same ops (kernels/csrc/cpu_decode_layers.cpp), the
+Python loop everywhere else. Parameter names follow Hugging Face's, without the
 `model.decoder.` prefix, with q/k/v fused into `qkv_proj` (engine/loader.py
 maps checkpoints onto them). Embeddings and lm_head are replicated across
 tensor-parallel ranks; attention heads and FFN columns are split.
