@@ -221,8 +221,8 @@ def _cpu_decode_op(kv_cache: torch.Tensor):
 
 def cpu_decode_layers_op(kv_cache: torch.Tensor):
     """The compiled decode-layers loop (kernels/csrc/cpu_decode_layers.cpp) where the compiled decode kernel
-    serves this cache, else None."""
-    return cpu_decode_extension.decode_layers_op() if _cpu_decode_op(kv_cache) is not None else None
+    serves this cache (decode_layers_op is None where the kernel is), else None."""
+    return cpu_decode_extension.decode_layers_op() if supports_in_place_decode(kv_cache) else None
 
 
 def decode_attention_gathered(
