@@ -102,10 +102,10 @@ def _load():
             verbose=False,
         )
         op = torch.ops.fastserve_cpu.decode_attention
-    except Exception as e:  # no compiler, no ninja, a build error: the sparse-op path serves
+    except Exception as e:  # no compiler, no ninja, a build error: the fallbacks serve
         _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        log.warning("the CPU decode kernel could not be built (%s); decode attention uses the sparse-op path",
-                    _state["error"])
+        log.warning("the CPU decode kernel could not be built (%s); decode attention uses the sparse-op path and "
+                    "decode steps the model's Python layer loop", _state["error"])
         return None
     log.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - started, library or name)
     return op

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
         results["cpu_decode_attention"] = cpu_decode_extension.describe()
         print(f"# CPU decode attention: {results['cpu_decode_attention']} ({cpu_decode_extension.ENV_SWITCH}=0: "
-              "the sparse torch ops)")
+              "the sparse torch ops and the Python layer loop)")
     print("# ratios: median over repeats [min-max]; wall = perf_counter, cpu = process_time (all threads)")
     if "decode" in parts:
         print("\n## decode step vs its bare matmuls (context 128)")
