@@ -127,8 +127,15 @@ class ModelRunner:
     # -- KV sizing, phase one --------------------------------------------------------------------
     def measure_peak_memory(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         """Warm-up forward of the largest batch (max_num_batched_tokens tokens in prompts of at most
-        max_model_len) on a scratch KV cache; returns the peak bytes the device's allocator held (0 on CPU,
-        where the KV budget is fixed). Runs on every rank at once: tensor-parallel peers all-reduce inside."""
+        max_model_len) on a scratch KV cache; returns the peak bytes the device's allocator held. Runs on every
+        rank at once: tensor-parallel peers all-reduce inside.
+
+        CUDA only: elsewhere the KV budget is fixed (blocks_that_fit), nothing is measured, and the forward is
+        skipped (0). Every rank of a group is on the same kind of device, so all of them skip it together. (On
+        CPU it would be pure waste: 8,192 tokens take seconds on the torch backend, and the Triton backend under
+        the interpreter does not finish in 25 minutes.)"""
+        if self.device.type != "cuda":
+            return 0
         bs, lens, left = self.block_size, [], max_num_batched_tokens
         while left > 0:
             lens.append(min(left, max_model_len))
@@ -141,9 +148,7 @@ class ModelRunner:
                                      block_table=table, params=SamplingParams(temperature=0), generator=None,
                                      num_generated=0))
         batch = ModelBatch(seqs, eos_token_id=None)
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         saved, self.kv_cache = self.kv_cache, allocate_kv_cache(next_block, self.model.cfg, self.layout, bs,
                                                                  self.dtype, self.device)
         try:
@@ -159,8 +164,6 @@ class ModelRunner:
             scratch_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         finally:
             self.kv_cache = saved
-        if not cuda:
-            return 0
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch_bytes  # the scratch cache is not activations
         torch.cuda.empty_cache()

@@ -42,6 +42,24 @@ def test_triton_kernels_match_reference_under_the_interpreter():
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
+def test_start_up_runs_no_warm_up_forward_off_cuda(monkeypatch, tiny_model_dir):
+    """KV sizing measures peak memory with a forward of max_num_batched_tokens (8,192) tokens only where memory
+    is measured (CUDA); on CPU the budget is fixed, so start-up runs no forward at all (the interpreted Triton
+    prefill kernel would take hours over 8,192 tokens; tests/triton_interpreter_cases.py starts LLM(...) so)."""
+    from engine.kv_cache import DEFAULT_CPU_KV_BYTES
+    from engine.model_runner import ModelRunner
+
+    forwards = []
+    real_forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, *a, **kw: forwards.append(a) or real_forward(self, *a,
+                                                                                                             **kw))
+    with LLM(model=str(tiny_model_dir), device="cpu", profile="analytic") as llm:
+        executor = llm.engine.executor
+        assert forwards == []
+        assert executor.runner.measure_peak_memory(8192, 2048) == 0 and forwards == []
+        assert executor.num_device_blocks == DEFAULT_CPU_KV_BYTES // executor.kv_block_bytes
+
+
 def test_auto_backend_is_torch_on_cpu_and_triton_needs_the_interpreter(monkeypatch, tiny_model_dir):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert resolve_attention_backend("auto", CPU) == "torch"

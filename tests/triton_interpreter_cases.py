@@ -3,7 +3,9 @@ reference (kernels/paged_attention.py) on CPU, under Triton's interpreter: the
 cache write, decode attention through shuffled block tables (contexts of 1,
 on and just past block boundaries, ragged, cut into several splits), prefill
 and chunked prefill in mixed batches, float32 and float16; and the whole
-engine on attention_backend="triton" against transformers' logprobs.
+engine on attention_backend="triton" against transformers' logprobs, once
+through Engine with a fixed cache and once through LLM(...) as a user starts
+it (the KV cache sized from the defaults, max_num_batched_tokens 8,192).
 
 Not collected by the suite (no test_ prefix): tests/test_triton_kernels.py
 runs it in a fresh pytest process with TRITON_INTERPRET=1 set before triton is
@@ -22,7 +24,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton
 
 import triton  # noqa: E402, F401  (a test requirement: its absence is a failure, not a skip)
 
-from engine import SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from kernels import paged_attention as ref  # noqa: E402
@@ -115,3 +117,27 @@ def test_engine_on_triton_kernels_matches_transformers(small_checkpoint):
                 assert abs(lp - float(hf[p + j - 1, t])) < 1e-3, f"{rid} step {j} token {t}"
                 checked += 1
         assert checked >= 3 * (p - 1 + len(comp.token_ids))
+
+
+@pytest.mark.timeout(150)  # it finishes in seconds; before start-up skipped the peak-memory forward on CPU, LLM(...)
+# ran 8,192 tokens through the interpreted prefill kernel and did not finish in 25 minutes
+def test_llm_with_default_sizing_on_triton_kernels_matches_transformers(small_checkpoint):
+    """LLM(...) with no blocks override: start-up sizes the KV cache (no warm-up forward off CUDA), then 4
+    prompts x 8 greedy tokens whose logprobs match transformers' on the same random-weight checkpoint."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    with LLM(model=str(model_dir), device="cpu", attention_backend="triton", profile="analytic", seed=0) as llm:
+        executor = llm.engine.executor
+        assert executor.runner.attention_backend == "triton" and executor.num_device_blocks > 1000
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, SMALL_PRE_LN["vocab_size"], (n,), generator=g).tolist() for n in (11, 3, 20, 6)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
+    for out in outs:
+        comp = out.outputs[0]
+        hf = hf_logprobs(model_dir, out.prompt_token_ids + comp.token_ids)  # [len, V]
+        p = len(out.prompt_token_ids)
+        for j, tok in enumerate(comp.token_ids):
+            assert tok == int(hf[p + j - 1].argmax()), f"step {j}: greedy token differs from transformers"
+            assert len(comp.logprobs[j]) >= 2
+            for t, lp in comp.logprobs[j].items():
+                assert abs(lp - float(hf[p + j - 1, t])) < 1e-3, f"step {j} token {t}"
