@@ -147,7 +147,7 @@ class Engine:
             raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
         if request_id in self.requests:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
         self._check_lengths(len(prompt_ids), params)
         bad_bias = [t for t in params.logit_bias or () if t >= self.model_config.vocab_size]
         if bad_bias:
@@ -159,7 +159,8 @@ class Engine:
             job = Job(f"{request_id}#{k}", len(prompt_ids), params.max_tokens, now, priority=priority)
             seed = params.sequence_seed(k)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
             logprobs = [] if params.logprobs is not None else None
             req.seqs.append(SequenceState(req, k, job, detok, gen, logprobs=logprobs))
         return req
@@ -195,11 +196,17 @@ class Engine:
                 self._release(seq)
         return self._finish_request(req)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(text, ids); `truncate` N keeps the last N ids (a text prompt keeps its BOS: BOS + the last N-1, as
+        vLLM's left-truncating tokenizer does). The text stays the prompt as given, as in vLLM."""
+        if truncate is not None and truncate > self.max_model_len:
+            raise ValidationError(f"truncate_prompt_tokens ({truncate}) is greater than this model's context "
+                                  f"(max_model_len {self.max_model_len}); pick a smaller value",
+                                  param="truncate_prompt_tokens")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", param="prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, truncate_to=truncate)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.model_config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -207,7 +214,7 @@ class Engine:
                 raise ValidationError(
                     f"prompt token id {bad[0]} is out of range; ids must be in [0, {vocab})", param="prompt"
                 )
-            return None, list(prompt)
+            return None, list(prompt[-truncate:] if truncate is not None else prompt)
         if isinstance(prompt, list) and not prompt:
             raise ValidationError("prompt must not be empty", param="prompt")
         raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
@@ -380,8 +387,6 @@ class Engine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         old_len = len(seq.text)
-        if params.detokenize:
-            seq.text += seq.detokenizer.step([token])
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:
             ending = ("stop", token)
@@ -389,8 +394,12 @@ class Engine:
             ending = ("stop", None)
         elif job.num_generated >= params.max_tokens or job.context_len >= self.max_model_len:
             ending = ("length", None)
-        if ending is not None and params.detokenize:
-            seq.text += seq.detokenizer.flush()
+        if params.detokenize:
+            # As vLLM: the text of a stop token (EOS or stop_token_ids) is left out unless include_stop_str_in_output.
+            if ending is None or ending[0] != "stop" or params.include_stop_str_in_output:
+                seq.text += seq.detokenizer.step([token])
+            if ending is not None:
+                seq.text += seq.detokenizer.flush()
         # As vLLM: no stop string counts before min_tokens tokens exist.
         stopped = (bool(params.stop_strings) and job.num_generated >= params.min_tokens
                    and seq.check_stop_strings(old_len))

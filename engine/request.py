@@ -45,7 +45,8 @@ class SequenceState:
         if not hits:
             return False
         idx, stop = min(hits)
-        self.text = self.text[:idx]
+        # include_stop_str_in_output (vLLM): the text ends with the stop string instead of before it.
+        self.text = self.text[: idx + len(stop) if self.request.params.include_stop_str_in_output else idx]
         self.finish("stop", stop)
         return True
 
@@ -56,8 +57,9 @@ class SequenceState:
 
     def visible_text(self) -> str:
         """Text safe to show now: while running, a tail that may begin a stop string is held back."""
-        stops = self.request.params.stop_strings
-        if self.finished or not stops:
+        params = self.request.params
+        stops = params.stop_strings
+        if self.finished or not stops or params.include_stop_str_in_output:  # (vLLM holds nothing back then)
             return self.text
         hold = max(len(s) for s in stops) - 1
         return self.text[: max(0, len(self.text) - hold)]

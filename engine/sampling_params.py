@@ -69,7 +69,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # False: special tokens ("</s>") stay in the output text
+    # False: a special (added) token right after another gets no space the tokenizer's decoder puts before it
+    # (vLLM's rule; byte-level BPE decoders such as OPT's put none, so both settings give the same text there).
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # True: the stop string (or stop token's text) ends the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (text: BOS + last N-1)
     detokenize: bool = True  # False: token ids only (no text, no stop strings) - the simulator's setting
     # vLLM's logits adjustments (engine/logits_processors.py), all off by default.
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
@@ -98,8 +103,11 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, allow_none=True)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValidationError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(f"{name} must be a boolean, got {getattr(self, name)!r}"[:200], param=name)
+        _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, allow_none=True)
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValidationError("stop must be a non-empty string or a list of non-empty strings", param="stop")

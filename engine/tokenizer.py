@@ -148,7 +148,9 @@ class Tokenizer:
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         bos_first = backend.encode("").ids[:1] == [self.bos_token_id]  # what the post-processor prepends
         self.add_bos: bool = self.bos_token_id is not None and bos_first
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}  # id -> text, special or not
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> Tokenizer:
@@ -170,9 +172,17 @@ class Tokenizer:
             backend.post_processor = _bos_eos_template(bos, eos)
         return cls(backend, special)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, OPT's "</s>" BOS comes first."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, OPT's "</s>" BOS comes first. `truncate_to` N keeps
+        at most N ids, cutting the text's tokens from the left and keeping the added special tokens (BOS +
+        the last N-1 text tokens), as transformers does with truncation_side="left" (vLLM's setting)."""
+        if truncate_to is None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        enc = self._backend.encode(text, add_special_tokens=False)
+        keep = truncate_to - (self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0)
+        if len(enc.ids) > max(keep, 0):
+            enc.truncate(max(keep, 0), direction="left")
+        return self._backend.post_process(enc, add_special_tokens=add_special_tokens).ids[-truncate_to:]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` of each text (in parallel on the Rust side)."""
@@ -203,13 +213,21 @@ class IncrementalDetokenizer:
     from `prefix` on; `read` splits it into already-emitted context and pending ids. A step decodes the
     window; if its text ends in U+FFFD (a character still missing bytes), the pending ids are held back,
     else the text past the context is emitted and the window slides. Each step is O(window), not O(length).
+
+    With `spaces_between_special_tokens=False` (and special tokens kept), an added token that directly follows
+    another is emitted as its bare text, without the space a decoder may put before it (vLLM's rule; then the
+    invariant above holds up to those spaces). Byte-level BPE decoders (OPT's) put no such space.
     """
 
     PROMPT_CONTEXT = 5  # prompt ids kept as decoding context (vLLM's initial prefix offset)
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # vLLM: the setting only matters when special tokens are kept
+        self._join_added = not skip_special_tokens and not spaces_between_special_tokens
+        self._last_added = False  # the previous output token was an added token (for _join_added)
         context = list(prompt_ids[-self.PROMPT_CONTEXT :]) if self.PROMPT_CONTEXT else []
         if self._decode(context).endswith(_REPLACEMENT_CHAR):
             context = []  # a prompt cut mid-character must not absorb the output's first bytes
@@ -231,6 +249,14 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self._window.append(token_id)
+            if self._join_added:
+                added = self._tokenizer.added_tokens.get(token_id)
+                if added is not None and self._last_added and self._read == len(self._window) - 1:
+                    emitted.append(added)  # the bare token: nothing else is pending after an added token
+                    self._window = self._window[self._read :]
+                    self._read = len(self._window)
+                    continue
+                self._last_added = added is not None
             pending = self._pending_text()
             if pending and not pending.endswith(_REPLACEMENT_CHAR):
                 emitted.append(pending)
