@@ -3,9 +3,16 @@
 OPT was never trained for chat and ships no template, so FastServe has a plain
 default (below); `--chat-template FILE` replaces it with any Jinja template in
 the Hugging Face `chat_template` convention: it sees `messages` (a list of
-{"role", "content"}), `add_generation_prompt` (always true here) and
-`bos_token` / `eos_token`, and renders the prompt text. The engine's
-tokenizer then adds OPT's BOS token itself, so templates should not.
+{"role", "content"} and, when the client sent one, "name"),
+`add_generation_prompt` (the request's, default true), `documents` (the
+request's, or none), `bos_token` / `eos_token`, and any request
+`chat_template_kwargs`, and renders the prompt text. The engine's tokenizer
+then adds OPT's BOS token itself, so templates should not.
+
+The default template writes a message's `name` after its role:
+"User (alice): Hello". `continue_final_message` cuts the rendered text right
+after the last message's content (transformers' rule), so the model continues
+that message.
 
 Templates render in Jinja's immutable sandbox (no attribute access to Python
 internals, no file system), as transformers does.
@@ -22,13 +29,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ValidationError
 
-# The default: one "Role: content" line per message, then "Assistant:" for the reply.
+# The default: one "Role: content" line per message (with its name, if any, after the role), then
+# "Assistant:" for the reply.
 #   System: You are terse.
-#   User: Hello
+#   User (alice): Hello
 #   Assistant:
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{{ m['role'] | capitalize }}: {{ m['content'] }}\n"
+    "{{ m['role'] | capitalize }}{% if m['name'] %} ({{ m['name'] }}){% endif %}: {{ m['content'] }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
@@ -57,9 +65,24 @@ class ChatTemplate:
             raise ValueError(f"cannot read the chat template file {path}: {e.strerror}") from e
         return cls(source, **tokens)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for `messages` (already validated)."""
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+               extra: dict | None = None) -> str:
+        """The prompt text for `messages` (already validated). `extra`: more template variables (vLLM's
+        chat_template_kwargs; they win over the others, as in vLLM)."""
+        variables = {"add_generation_prompt": add_generation_prompt, "documents": documents, **self._tokens,
+                     **(extra or {})}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, **self._tokens)
+            text = self._template.render(messages=messages, **variables)
         except TemplateError as e:
             raise ValidationError(f"the chat template failed on these messages: {e}", param="messages") from e
+        except Exception as e:  # a template that trips over a client's chat_template_kwargs value
+            raise ValidationError(f"the chat template failed: {type(e).__name__}: {e}"[:300],
+                                  param="chat_template_kwargs" if extra else "messages") from e
+        if continue_final_message:  # transformers' rule: end right after the last message's content
+            final = messages[-1]["content"].strip()
+            if final not in text:
+                raise ValidationError("continue_final_message: the last message's content does not appear in the "
+                                      "rendered chat template", param="continue_final_message")
+            text = text[: text.rindex(final) + len(final)]
+        return text
