@@ -144,3 +144,113 @@ def test_priority_reaches_every_job_and_is_validated(llm):
         llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1])
     assert e.value.param == "priority"
     assert not llm.engine.has_unfinished()
+
+
+# -- one batched operation for the whole batch -------------------------------------------------------------
+def per_row_penalties(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:  # [S, V] -> [S, V]
+    """The reference: the penalties one row at a time (a bincount and two small tensors per penalised row, each
+    a wait on the device on CUDA), as the sampler did before the batched version."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for s, row in zip(seqs, logits):  # row: [V], a view
+        p = s.params
+        if not p.uses_history:
+            continue
+        counts = torch.bincount(torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long),
+                                minlength=vocab).to(logits.dtype)  # [V]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0  # [V]
+            seen[torch.tensor([t for t in s.prompt_token_ids if t < vocab], dtype=torch.long)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def random_batch(g: torch.Generator, rows: int, vocab: int, penalised: float = 0.6) -> list[SequenceWork]:
+    """Rows with any mix of repetition, frequency and presence penalties (negative ones too) or none; outputs
+    from empty to long with repeats; prompts; a few ids past the logits' vocabulary (a tokenizer's extras)."""
+    def ints(n: int, high: int) -> list[int]:
+        return torch.randint(0, high, (n,), generator=g).tolist()
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (), generator=g))]
+
+    seqs = []
+    for _ in range(rows):
+        if float(torch.rand((), generator=g)) < penalised:
+            params = SamplingParams(repetition_penalty=pick(1.0, 1.3, 0.7, 2.0),
+                                    frequency_penalty=pick(0.0, 0.5, -1.25), presence_penalty=pick(0.0, 0.75, -0.3))
+        else:
+            params = SamplingParams()
+        output = ints(pick(0, 1, 5, 40), vocab + 3)  # up to 3 ids past the vocabulary
+        seqs.append(work(params, prompt=ints(pick(0, 3, 30), vocab + 3), output=output + output[: len(output) // 2]))
+    return seqs
+
+
+def test_batched_penalties_equal_the_per_row_ones_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for case in range(60):
+        vocab = int(torch.randint(8, 300, (), generator=g))
+        seqs = random_batch(g, rows=int(torch.randint(1, 9, (), generator=g)), vocab=vocab,
+                            penalised=(0.6, 1.0)[case % 2])  # every other batch: all rows penalised
+        logits = torch.randn(len(seqs), vocab, generator=g) * 4
+        logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
+        got, want = apply_penalties(logits, seqs), per_row_penalties(logits, seqs)
+        assert torch.equal(got, want), case
+        seen |= {(p.repetition_penalty != 1, p.frequency_penalty != 0, p.presence_penalty != 0)
+                 for p in (s.params for s in seqs)}
+    assert len(seen) == 8  # every combination of the three penalties (and none) came up
+
+
+def test_penalties_are_one_batched_operation_with_nothing_per_row_and_no_wait_on_the_device():
+    """The ops apply_penalties runs (torch's dispatcher sees each) are the same for 2 penalised rows as for 24,
+    and none of them waits on the device on CUDA: no bincount, nonzero, item or masked indexing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def ops(rows: int) -> list[str]:
+        g = torch.Generator().manual_seed(rows)
+        seqs = [work(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.25),
+                     prompt=torch.randint(0, 50, (7,), generator=g).tolist(),
+                     output=torch.randint(0, 50, (rows,), generator=g).tolist()) for _ in range(rows)]
+        seqs.append(work(SamplingParams()))  # and one row without penalties
+        logits = torch.randn(len(seqs), 50, generator=g)
+        with Ops() as mode:
+            apply_penalties(logits, seqs)
+        return mode.names
+
+    few, many = ops(2), ops(24)
+    assert few == many
+    assert not {"bincount", "nonzero", "_local_scalar_dense", "item", "masked_select", "index_put_",
+                "index_put"} & set(many), many
+    assert {"searchsorted", "gather", "scatter_"} <= set(many)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_penalties_on_cuda_never_wait_on_the_device_and_equal_the_per_row_ones():
+    g = torch.Generator().manual_seed(1)
+    seqs = random_batch(g, rows=32, vocab=50272)
+    logits = torch.randn(len(seqs), 50272, generator=g)
+    want = per_row_penalties(logits, seqs)
+    gpu = logits.cuda()
+    apply_penalties(gpu, seqs)  # the first call allocates the pinned staging blocks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
+    try:
+        got = apply_penalties(gpu, seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # the repetition division may round differently on CUDA (torch divides by a CPU scalar as a product with its
+    # reciprocal there), by at most one unit in the last place
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-6)
