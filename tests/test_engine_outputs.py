@@ -117,6 +117,29 @@ def test_eos_ends_a_request_unless_ignored(llm):
     assert out.finish_reason == "length" and eos not in out.token_ids
 
 
+def test_vllm_detokenization_and_truncation_params(llm):
+    """The offline API takes vLLM's skip_special_tokens, include_stop_str_in_output and truncate_prompt_tokens."""
+    eos = llm.tokenizer.eos_token_id
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100})
+    assert llm.generate(PROMPTS[0], SamplingParams(**forced))[0].outputs[0].text == ""
+    kept = llm.generate(PROMPTS[0], SamplingParams(**forced, skip_special_tokens=False))[0].outputs[0]
+    assert kept.text == "</s></s></s>" and kept.token_ids == [eos] * 3
+    text = llm.generate(PROMPTS[1], greedy(max_tokens=24))[0].outputs[0].text
+    stop = text[8:11]
+    cut = llm.generate(PROMPTS[1], greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))[0]
+    assert cut.outputs[0].text == text[: text.index(stop) + len(stop)] and cut.outputs[0].stop_reason == stop
+    full_ids = llm.tokenizer.encode(PROMPTS[3])
+    short = llm.generate(PROMPTS[3], greedy(max_tokens=4, truncate_prompt_tokens=5))[0]
+    assert short.prompt_token_ids == [eos, *full_ids[-4:]] and short.prompt == PROMPTS[3]
+    alone = llm.generate([short.prompt_token_ids], greedy(max_tokens=4))[0]
+    assert short.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.generate([full_ids], greedy(max_tokens=1, truncate_prompt_tokens=2))[0].prompt_token_ids == \
+        full_ids[-2:]
+    with pytest.raises(ValidationError) as e:
+        llm.generate("x", SamplingParams(truncate_prompt_tokens=4096))
+    assert e.value.param == "truncate_prompt_tokens" and "2048" in e.value.message
+
+
 def test_logprobs_hold_the_sampled_token_and_top_k(llm):
     out = llm.generate(PROMPTS[0], greedy(max_tokens=4, logprobs=3, prompt_logprobs=2))[0]
     comp = out.outputs[0]
@@ -168,6 +191,9 @@ def test_bad_requests_raise_and_change_nothing(llm, prompt, params, match):
         (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(n=1000), "n"), (dict(logprobs=100), "logprobs"),
         (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop=[""]), "stop"), (dict(seed=2**70), "seed"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
     ],
 )
 def test_sampling_params_validation_names_the_field(kwargs, param):

@@ -33,7 +33,10 @@ json_values = st.recursive(
 # Bodies near the real ones: known field names with arbitrary values, so validation is exercised deeply.
 FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k", "stop", "seed",
           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "ignore_eos", "min_tokens",
-          "stop_token_ids", "user", "best_of", "logit_bias", "max_completion_tokens", "suffix", "tools"]
+          "stop_token_ids", "user", "best_of", "logit_bias", "max_completion_tokens", "suffix", "tools",
+          "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+          "truncate_prompt_tokens", "add_special_tokens", "prompt_logprobs", "return_tokens_as_token_ids",
+          "add_generation_prompt", "continue_final_message", "documents", "chat_template_kwargs", "guided_json"]
 near_valid = st.fixed_dictionaries(
     {}, optional={name: json_values for name in FIELDS} | {
         "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 70000), max_size=8),
