@@ -1,5 +1,6 @@
 """What real clients send, over real HTTP to server.py: vLLM benchmark_serving's payloads (the old
-completions backend, the new one, the chat backend), lm-evaluation-harness's local-completions payloads, and
+completions backend, the new one, the chat backend), guidellm's (continuous_usage_stats),
+lm-evaluation-harness's local-completions payloads (loglikelihood also as max_tokens 0), and
 the official `openai` client with content parts, the `developer` role, max_completion_tokens, penalties,
 logit_bias, min_p and priority. Every one is served; the penalties and logit_bias change the output the way
 they should. Priority reaching the scheduler's jobs is checked in process (aiohttp's test server)."""
@@ -74,6 +75,20 @@ def test_vllm_benchmark_chat_payload_with_content_parts(server, model):
     assert status == 200 and streamed_text(chunks) == full["choices"][0]["message"]["content"]
 
 
+def test_guidellm_payloads_with_continuous_usage_stats(server, model):
+    """guidellm's OpenAI HTTP backend: stream_options with continuous_usage_stats on every streaming request,
+    stop null + ignore_eos for a fixed output length; it reads the usage of the chunks as they come."""
+    body = {"model": model, "prompt": PROMPT, "stream": True, "max_tokens": 5, "stop": None, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = stream(server.url + "/v1/completions", body)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 5]
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+            "max_completion_tokens": 5, "stop": None, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = stream(server.url + "/v1/chat/completions", chat)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 5, 5]
+
+
 def test_lm_eval_local_completions_payloads(server, model):
     """lm-evaluation-harness's local-completions: loglikelihood (echo + logprobs 1, max_tokens 1, a batch of
     token-id prompts) and generate_until (stop sequences, seed)."""
@@ -83,6 +98,12 @@ def test_lm_eval_local_completions_payloads(server, model):
     assert status == 200 and len(body["choices"]) == 2
     lp = body["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == 5 and lp["token_logprobs"][0] is None
+    # A scoring-only variant (max_tokens 0): the prompt's logprobs and nothing generated.
+    status, _, body = post_json(url, {"model": model, "prompt": [[2, 50, 60, 70], [2, 80, 90]], "temperature": 0,
+                                      "max_tokens": 0, "logprobs": 1, "seed": 1234, "echo": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 0
+    assert [len(c["logprobs"]["tokens"]) for c in body["choices"]] == [4, 3]
+    assert body["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:4], abs=1e-5)
     status, _, body = post_json(url, {"model": model, "prompt": ["Question: 2+2?\nAnswer:"], "max_tokens": 8,
                                       "temperature": 0.0, "stop": ["\n\n", "</s>"], "seed": 1234})
     assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
