@@ -16,8 +16,11 @@ one request (others are unaffected), 503 queue full or shutting down (with Retry
 dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
 Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
 RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
-vocab_size; X-Request-Id is echoed or generated; vLLM's extras top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, repetition_penalty and priority are accepted (README.md's "Request fields" table).
+vocab_size; X-Request-Id is echoed or generated; vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
+stop_token_ids, repetition_penalty, priority, skip_special_tokens, include_stop_str_in_output,
+truncate_prompt_tokens, prompt_logprobs, stream_options.continuous_usage_stats, chat echo, ...) are
+served with vLLM's meaning, and those that cannot be honoured are refused naming the field
+(README.md's "Request fields" table).
 
 A client that disconnects has its requests aborted (a watcher polls the transports of live
 requests; a failed write does the same); a stream whose client stops reading for

@@ -8,18 +8,27 @@ thing; ResponseBuilder turns the engine's cumulative RequestOutputs into
 response bodies and SSE chunk bodies. What it is not: HTTP (server.py).
 
 Rules:
-  * Unknown fields are refused (400 naming them); OpenAI parameters this server
-    does not implement (best_of > 1, suffix, tools, response_format, ...) are
-    refused when set to anything but their "off" value. Nothing is ignored.
-    README.md's "Request fields" table lists every field and its status.
+  * Unknown fields are refused (400 naming them); OpenAI and vLLM parameters
+    this server does not implement (best_of > 1, suffix, tools, response_format,
+    guided_*, beam search, ...) are refused, saying why, when set to anything but
+    their "off" value. Nothing is ignored. README.md's "Request fields" table
+    lists every field and its status.
+  * vLLM's extras keep vLLM's meaning and defaults (continuous_usage_stats,
+    include_stop_str_in_output, truncate_prompt_tokens, chat echo, ...); where
+    this server differs (add_special_tokens defaults to true on chat; a
+    scoring-only echo counts 0 completion tokens) README.md says so.
   * Chat content is a string or a list of parts; text parts are joined with
     "\\n" (as vLLM does), any other part type is refused. The `developer` role
-    (OpenAI's newer name for `system`) reaches the template as `system`.
+    (OpenAI's newer name for `system`) reaches the template as `system`; a
+    message's `name` reaches it too.
   * `priority` (vLLM's request class, an integer, lower first) goes to every
     job of the request.
   * Several prompts and n > 1 map to choices at index prompt_index * n + k.
   * Every choice carries `"metrics"`: the engine's RequestMetrics.to_dict() of
     the request that produced it (in a stream: on the chunk that finishes it).
+  * completions max_tokens 0 + echo (lm-eval's loglikelihood) runs with
+    max_tokens 1, as vLLM does, and shows the prompt only: its text and
+    logprobs, finish_reason "length", 0 completion tokens.
 """
 
 from __future__ import annotations
