@@ -17,6 +17,7 @@ DEVICE_SPEED = {"cpu": (5e10, 1e10), "cuda": (3e14, 2e12)}
 PREFILL_LENS = [1, 16, 64, 128, 256, 512, 1024, 2048]
 DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXTS = [16, 128, 512, 1024, 2048]
+FORWARD_TOKENS = [1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def analytic_profile(cfg: OPTConfig, device_kind: str, dtype_bytes: int, dtype: str) -> ProfiledCostModel:
@@ -41,9 +42,11 @@ def roofline_profile(cfg: OPTConfig, flops_s: float, bytes_s: float, dtype_bytes
     attn = lambda q, c: 4 * cfg.num_hidden_layers * cfg.hidden_size * q * c  # noqa: E731
     prefill = [cost(s, s * kv_per_token, attn(s, s) / 2) for s in PREFILL_LENS]
     decode = [[cost(b, b * c * kv_per_token, attn(b, c)) for c in DECODE_CONTEXTS] for b in DECODE_BATCHES]
+    forward = [cost(n, n * kv_per_token, 0.0) for n in FORWARD_TOKENS]  # n one-token sequences: no attention
     return {
         "schema": PROFILE_SCHEMA,
         "key": key,
         "prefill": {"prompt_lens": PREFILL_LENS, "seconds": prefill},
         "decode": {"batch_sizes": DECODE_BATCHES, "context_lens": DECODE_CONTEXTS, "seconds": decode},
+        "forward": {"tokens": FORWARD_TOKENS, "seconds": forward},
     }

@@ -46,6 +46,7 @@ class ProfileGrid:
     prompt_lens: tuple[int, ...]  # t_init(s) for each s, one prompt alone
     batch_sizes: tuple[int, ...]  # t_dec(b, c) for each b x c
     context_lens: tuple[int, ...]
+    forward_tokens: tuple[int, ...] = ()  # F(n) for each n: n one-token sequences, no context (empty: not measured)
     repeats: int = 3  # timed runs per point (the median is kept)
     warmup: int = 1  # untimed runs per point first
 
@@ -58,9 +59,9 @@ class ProfileGrid:
 
 
 FULL_GRID = ProfileGrid((1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                        (16, 64, 128, 256, 512, 1024, 2048), repeats=5, warmup=2)
-QUICK_GRID = ProfileGrid((1, 16, 64, 256, 1024), (1, 4, 16), (16, 128, 512), repeats=3, warmup=1)
-STARTUP_GRID = ProfileGrid((1, 16, 64, 256, 512), (1, 8), (16, 256), repeats=2, warmup=1)  # ~0.5 s, tiny model, CPU
+                        (16, 64, 128, 256, 512, 1024, 2048), (1, 4, 16, 64, 256, 512), repeats=5, warmup=2)
+QUICK_GRID = ProfileGrid((1, 16, 64, 256, 1024), (1, 4, 16), (16, 128, 512), (1, 16, 64, 256), repeats=3, warmup=1)
+STARTUP_GRID = ProfileGrid((1, 16, 64, 256, 512), (1, 8), (16, 256), (1, 64), repeats=2, warmup=1)  # ~0.5 s, tiny, CPU
 
 
 # -- the key ------------------------------------------------------------------------------------
@@ -145,6 +146,32 @@ def measure_decode(executor: Executor, vocab_size: int, batch_size: int, context
     return _timed_batch(executor, batch, repeats, warmup)
 
 
+def measure_forward(executor: Executor, vocab_size: int, num_tokens: int, repeats: int = 3, warmup: int = 1,
+                    seed: int = 0) -> float:
+    """Seconds of one iteration of num_tokens sequences of one token each (one-token prompts): F(n) of
+    scheduler/cost_model.py, the forward pass and a logit row per sequence with next to no attention."""
+    gen = torch.Generator().manual_seed(seed + 7 * num_tokens + 1)
+    tokens = torch.randint(4, vocab_size, (num_tokens,), generator=gen).tolist()
+    blocks = _Blocks(executor)
+    batch = ModelBatch([_work(i, [t], 0, blocks.table(1)) for i, t in enumerate(tokens)], eos_token_id=None)
+    return _timed_batch(executor, batch, repeats, warmup)
+
+
+def measure_mixed(executor: Executor, vocab_size: int, prompt_lens: Sequence[int], decode_context_lens: Sequence[int],
+                  repeats: int = 3, warmup: int = 1, seed: int = 0) -> float:
+    """Seconds of one iteration that prefills these prompts and decodes one token for sequences of these
+    contexts, all in one batch (as the engine runs a mixed step)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = _Blocks(executor)
+    seqs = []
+    for p in prompt_lens:
+        seqs.append(_work(len(seqs), torch.randint(4, vocab_size, (p,), generator=gen).tolist(), 0, blocks.table(p)))
+    for c in decode_context_lens:
+        seqs.append(_work(len(seqs), [int(torch.randint(4, vocab_size, (1,), generator=gen))], c - 1,
+                          blocks.table(c)))
+    return _timed_batch(executor, ModelBatch(seqs, eos_token_id=None), repeats, warmup)
+
+
 def profile_executor(executor: Executor, vocab_size: int, key: dict, grid: ProfileGrid,
                      progress: Callable[[str], None] | None = None) -> ProfiledCostModel:
     """Measure the grid and return the profile (times monotone along each axis)."""
@@ -163,10 +190,17 @@ def profile_executor(executor: Executor, vocab_size: int, key: dict, grid: Profi
     for j in range(len(grid.context_lens)):  # non-decreasing in batch size too
         for i in range(1, len(decode)):
             decode[i][j] = max(decode[i][j], decode[i - 1][j])
-    return ProfiledCostModel.from_dict({
+    profile = {
         "schema": PROFILE_SCHEMA,
         "key": key,
         "prefill": {"prompt_lens": list(grid.prompt_lens), "seconds": list(accumulate(prefill, max))},
         "decode": {"batch_sizes": list(grid.batch_sizes), "context_lens": list(grid.context_lens),
                    "seconds": decode},
-    })
+    }
+    if grid.forward_tokens:
+        forward = []
+        for n in grid.forward_tokens:
+            forward.append(measure_forward(executor, vocab_size, n, grid.repeats, grid.warmup))
+            say(f"F({n} tokens) = {forward[-1] * 1e3:.3f} ms")
+        profile["forward"] = {"tokens": list(grid.forward_tokens), "seconds": list(accumulate(forward, max))}
+    return ProfiledCostModel.from_dict(profile)

@@ -8,8 +8,26 @@ A profile (written by scripts/profile_model.py, schema "fastserve.profile/1"):
               "pipeline_parallel_size": int, "hardware": str},
       "prefill": {"prompt_lens": [int, ...], "seconds": [float, ...]},
       "decode": {"batch_sizes": [int, ...], "context_lens": [int, ...],
-                 "seconds": [[float, ...], ...]}      # [batch_i][context_j]
+                 "seconds": [[float, ...], ...]},     # [batch_i][context_j]
+      "forward": {"tokens": [int, ...], "seconds": [float, ...]}   # optional
     }
+
+- t_init(s) = prefill.seconds: the first iteration of one prompt of s tokens, alone.
+- t_dec(b, c) = decode.seconds: one decode step of b sequences of context c.
+- F(n) = forward.seconds: one iteration of n sequences of one token each and no context (n one-token
+  prompts): the pass over the weights, the per-token work and one logit row per sequence. Without a
+  "forward" table, F(n) = t_dec(n, the shortest profiled context), which is that plus a short attention.
+
+An iteration is priced as the engine runs it (one flattened forward over all its tokens): with prompts
+p_1..p_k prefilled and b decoding sequences of mean context c, T = sum(p_i) + b tokens in all,
+
+    cost = F(T) + sum_i (t_init(p_i) - F(p_i)) + (t_dec(b, c) - F(b))
+
+one pass over the weights for all T tokens, plus what each part adds beyond that pass: a prompt's
+attention over itself, the decoders' attention over their contexts. Where F is linear in n the sum is
+exact for the per-token work and counts one logit row per sequence. The cost of a part alone is its
+profiled time (a single prompt costs t_init(p), a pure decode step t_dec(b, c)), and an iteration never
+costs less than its most expensive part alone.
 
 Lookups interpolate linearly (bilinearly for decode) and extrapolate linearly
 past the last grid point, so every length has a cost. Pure Python.
@@ -46,6 +64,8 @@ class ProfiledCostModel:
     decode_batch_sizes: tuple[int, ...]
     decode_context_lens: tuple[int, ...]
     decode_seconds: tuple[tuple[float, ...], ...]  # [batch_i][context_j]
+    forward_tokens: tuple[int, ...] = ()  # F(n): empty = t_dec(n, decode_context_lens[0])
+    forward_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prefill_lens or len(self.prefill_lens) != len(self.prefill_seconds):
@@ -63,16 +83,22 @@ class ProfiledCostModel:
             len(row) != len(self.decode_context_lens) for row in self.decode_seconds
         ):
             raise ValueError("profile: decode.seconds must be a [batch_sizes x context_lens] table")
+        if len(self.forward_tokens) != len(self.forward_seconds):
+            raise ValueError("profile: forward.tokens and .seconds must be equal in length")
+        if list(self.forward_tokens) != sorted(set(self.forward_tokens)):
+            raise ValueError(f"profile: forward.tokens must be strictly increasing, got {list(self.forward_tokens)}")
         # Lookups repeat (the same batch sizes and lengths every tick): memoized, as the profile is immutable.
         # Bounded by the distinct (batch size, context) pairs: at most max_num_seqs x max_model_len entries.
         object.__setattr__(self, "_t_init_memo", {})
         object.__setattr__(self, "_t_dec_memo", {})
+        object.__setattr__(self, "_forward_memo", {})
 
     # -- construction -----------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict) -> ProfiledCostModel:
         if data.get("schema") != PROFILE_SCHEMA:
             raise ValueError(f"profile: schema must be {PROFILE_SCHEMA!r}, got {data.get('schema')!r}")
+        forward = data.get("forward") or {}
         try:
             return cls(
                 key=dict(data.get("key", {})),
@@ -81,6 +107,8 @@ class ProfiledCostModel:
                 decode_batch_sizes=tuple(int(x) for x in data["decode"]["batch_sizes"]),
                 decode_context_lens=tuple(int(x) for x in data["decode"]["context_lens"]),
                 decode_seconds=tuple(tuple(float(x) for x in row) for row in data["decode"]["seconds"]),
+                forward_tokens=tuple(int(x) for x in forward.get("tokens", ())),
+                forward_seconds=tuple(float(x) for x in forward.get("seconds", ())),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"profile: missing or malformed field {e}") from None
@@ -97,7 +125,7 @@ class ProfiledCostModel:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "schema": PROFILE_SCHEMA,
             "key": self.key,
             "prefill": {"prompt_lens": list(self.prefill_lens), "seconds": list(self.prefill_seconds)},
@@ -107,6 +135,9 @@ class ProfiledCostModel:
                 "seconds": [list(r) for r in self.decode_seconds],
             },
         }
+        if self.forward_tokens:
+            out["forward"] = {"tokens": list(self.forward_tokens), "seconds": list(self.forward_seconds)}
+        return out
 
     # -- the CostModel protocol -----------------------------------------------------------
     def t_init(self, prompt_len: int) -> float:
@@ -124,8 +155,21 @@ class ProfiledCostModel:
             t = memo[(batch_size, context_len)] = _interp(self.decode_batch_sizes, per_batch, batch_size)
         return t
 
+    def forward(self, num_tokens: int) -> float:
+        """F(n): one iteration of n one-token sequences with no context (see the module docstring)."""
+        memo = self._forward_memo
+        t = memo.get(num_tokens)
+        if t is None:
+            if self.forward_tokens:
+                t = _interp(self.forward_tokens, self.forward_seconds, num_tokens)
+            else:
+                t = _interp(self.decode_batch_sizes, [row[0] for row in self.decode_seconds], num_tokens)
+            memo[num_tokens] = t
+        return t
+
     def iteration_cost(self, jobs: Sequence[Job]) -> float:
-        """Decode jobs share one step; each first iteration adds its prefill time."""
+        """The iteration's cost from its shape: first iterations (or recomputes) prefill their whole context,
+        the other jobs decode one token."""
         prefill: list[int] = []
         decode: list[int] = []
         for j in jobs:  # one pass with plain attributes: this runs every iteration over the whole batch
@@ -137,8 +181,24 @@ class ProfiledCostModel:
         return self.batch_cost(prefill, decode)
 
     def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int]) -> float:
-        """Cost of an iteration from its shape: prompts prefilled, and contexts of the decoding jobs."""
-        cost = sum(self.t_init(n) for n in prefill_lens)
-        if decode_context_lens:
-            cost += self.t_dec(len(decode_context_lens), sum(decode_context_lens) // len(decode_context_lens))
-        return cost
+        """Cost of an iteration from its shape (prompts prefilled, contexts of the decoding jobs): one forward
+        pass over all its tokens plus each part's attention (the module docstring's formula)."""
+        b = len(decode_context_lens)
+        if not prefill_lens:
+            return self.t_dec(b, sum(decode_context_lens) // b) if b else 0.0
+        if len(prefill_lens) == 1 and not b:
+            return self.t_init(prefill_lens[0])
+        forward, t_init = self.forward, self.t_init
+        tokens = b
+        cost = 0.0
+        floor = 0.0  # the most expensive part alone
+        for p in prefill_lens:
+            alone = t_init(p)
+            cost += alone - forward(p)
+            tokens += p
+            floor = max(floor, alone)
+        if b:
+            alone = self.t_dec(b, sum(decode_context_lens) // b)
+            cost += alone - forward(b)
+            floor = max(floor, alone)
+        return max(floor, cost + forward(tokens))

@@ -8,8 +8,10 @@ skip-join placement, quanta and ENST (FastServe section 4.1).
 
 It loads the model into a LocalExecutor and times real ModelBatches
 (engine/job_profiler.py): t_init(s), the first iteration of one prompt of s
-tokens alone, over a grid of prompt lengths; and t_dec(b, c), one decode step
-of b sequences of context c, over batch sizes x context lengths. Each point is
+tokens alone, over a grid of prompt lengths; t_dec(b, c), one decode step
+of b sequences of context c, over batch sizes x context lengths; and F(n), one
+iteration of n one-token sequences (the forward table that prices mixed
+iterations, scheduler/cost_model.py). Each point is
 the median of --repeats runs after --warmup untimed ones. Lengths past the
 model's context are clipped to it.
 
@@ -21,7 +23,8 @@ documents every field):
              "pipeline_parallel_size": 1, "hardware": "cpu: AMD EPYC"},
      "prefill": {"prompt_lens": [1, 16, ...], "seconds": [...]},
      "decode": {"batch_sizes": [1, 4, ...], "context_lens": [16, 128, ...],
-                "seconds": [[...], ...]}}                  # [batch_i][context_j]
+                "seconds": [[...], ...]},                  # [batch_i][context_j]
+     "forward": {"tokens": [1, 4, ...], "seconds": [...]}}
 
 By default it is written to the profile folder (profiles/, or
 $FASTSERVE_PROFILE_DIR) under a name made from the key, where the engine finds
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lens", type=_ints, help="comma-separated prompt lengths (overrides the grid's)")
     p.add_argument("--batch-sizes", type=_ints, help="comma-separated decode batch sizes")
     p.add_argument("--context-lens", type=_ints, help="comma-separated decode context lengths")
+    p.add_argument("--forward-tokens", type=_ints, help="comma-separated token counts of the forward table F(n)")
     p.add_argument("--repeats", type=int, help="timed runs per point (the median is kept)")
     p.add_argument("--warmup", type=int, help="untimed runs per point first")
     p.add_argument("--out", type=Path, help="output file (default: the profile folder, named by key)")
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     grid = QUICK_GRID if args.quick else FULL_GRID
     overrides = {"prompt_lens": args.prompt_lens, "batch_sizes": args.batch_sizes,
-                 "context_lens": args.context_lens, "repeats": args.repeats, "warmup": args.warmup}
+                 "context_lens": args.context_lens, "forward_tokens": args.forward_tokens, "repeats": args.repeats,
+                 "warmup": args.warmup}
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if grid.repeats < 1 or grid.warmup < 0:
         print("profile_model.py: error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
