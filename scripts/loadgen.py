@@ -55,7 +55,7 @@ from loadgen_metrics import (
 )
 from loadgen_tokenizer import TokenCounter, choose_counter, mismatch_warning
 from tqdm import tqdm
-from workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, load_workload
+from workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, filter_line, load_workload
 
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 TEXT_DATASETS = ("sharegpt", "alpaca")
@@ -174,15 +174,20 @@ def workload_for(args: argparse.Namespace, rate: float | None, max_len: int | No
     limit = max_len
     if max_len and args.text_prompts:  # the server adds BOS to text, and a chat template its own words
         limit = max_len - 1 - (CHAT_TEMPLATE_MARGIN if args.backend == "openai-chat" else 0)
-    if args.dataset_name == "sharegpt":  # vLLM's filter, within the context
-        lf = LengthFilter(max_total_len=min(2048, limit)) if limit else LengthFilter()
-    else:  # no empty prompts or outputs, and nothing that cannot fit
+    if args.dataset_name != "synthetic":  # one filter everywhere (vLLM's), within the context
+        lf = LengthFilter(max_prompt_len=min(1024, limit), max_total_len=min(2048, limit)) if limit else LengthFilter()
+    else:  # generated to the flags' lengths: only what cannot fit is left out
         lf = LengthFilter(min_len=1, max_prompt_len=limit or sys.maxsize, max_total_len=limit or sys.maxsize)
     synthetic = dict(input_len=args.random_input_len, output_len=args.random_output_len,
                      range_ratio=args.random_range_ratio, io_ratio=args.input_output_ratio)
-    return load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=args.count_tokens,
-                         rate=rate, burstiness=args.burstiness, trace_speedup=args.trace_speedup,
-                         length_filter=lf, synthetic=synthetic, seed=args.seed)
+    stats: dict = {}
+    items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path,
+                          count_tokens=args.count_tokens, rate=rate, burstiness=args.burstiness,
+                          trace_speedup=args.trace_speedup, length_filter=lf, synthetic=synthetic, seed=args.seed,
+                          stats=stats)
+    if stats["dropped"]:
+        print(filter_line(stats))
+    return items
 
 
 def payloads(args: argparse.Namespace, items: list[WorkItem], model: str, vocab: int) -> list[dict]:

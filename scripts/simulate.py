@@ -15,7 +15,10 @@ written on first use. Text datasets (sharegpt, alpaca) are counted with
 tokenizer (the line printed first says which). Profiles of the paper's A100
 setups are in profiles/sim/.
 
-Prints the paper's metrics (mean and P95 per-token latency), TTFT, the
+Every dataset goes through vLLM's length filter (prompt and output >= 4,
+prompt <= 1024, total <= 2048 tokens, within the model's context), the same
+one the load generator and the experiments apply; the first line says how
+many requests it dropped. Prints the paper's metrics (mean and P95 per-token latency), TTFT, the
 queued / executing / swap-wait breakdown, and simulation speed; --json writes
 them. Same seed, same result. A bad flag value is one line on stderr, exit 2.
 """
@@ -33,7 +36,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from loadgen_tokenizer import choose_counter, mismatch_warning  # noqa: E402  (scripts/ is this script's folder)
-from workload import DATASETS, load_workload  # noqa: E402
+from workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
 
 from engine.config import KV_POLICIES  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="batches in the pipeline at once (default: one per stage; 1 = no pipelining)")
     ap.add_argument("--num-host-blocks", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     ap.add_argument("--json", type=Path, help="write the summary here")
     return ap
 
@@ -110,19 +114,28 @@ def run(args: argparse.Namespace) -> dict:
         if warning := mismatch_warning(counter, vocab, "pass --gpt2-bpe DIR to count as OPT does"):
             print(warning, file=sys.stderr)
         count = counter.count
-    items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=count,
-                          rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
     from engine.simulation import run_trace, simulated_engine
+
+    limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings", 2048)
+    if args.max_model_len:
+        limit = min(limit, args.max_model_len)
+    stats: dict = {}
+    length_filter = (LengthFilter(max_prompt_len=min(1024, limit - 1), max_total_len=min(2048, limit))
+                     if args.dataset_name != "synthetic" else LengthFilter(min_len=1, max_prompt_len=limit - 1,
+                                                                           max_total_len=limit))
+    items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=count,
+                          rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
+                          length_filter=length_filter, stats=stats)
+    print(filter_line(stats))
 
     engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                               starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
                               starvation_factor=args.starvation_factor,
-                              pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight)
-    limit = engine.max_model_len
-    trace = [(it.arrival_s, max(1, min(it.prompt_len, limit - 1)), max(1, min(it.output_len, limit - it.prompt_len)))
-             for it in items]
+                              pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
+                              **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+    trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t

@@ -226,9 +226,11 @@ def select(items: list[WorkItem], n: int, seed: int, keep_order: bool) -> list[W
 def load_workload(name: str, n: int, *, path: str | Path | None = None, count_tokens: CountTokens | None = None,
                   rate: float | None = None, burstiness: float = 1.0, trace_speedup: float = 1.0,
                   length_filter: LengthFilter | None = None, synthetic: dict | None = None,
-                  seed: int = 0) -> list[WorkItem]:
+                  seed: int = 0, stats: dict | None = None) -> list[WorkItem]:
     """n WorkItems of dataset `name`, timed by a gamma process at `rate` (burstiness 1 = Poisson; inf = all at
-    once). rate None: trace datasets keep their timestamps (divided by trace_speedup), others get inf."""
+    once). rate None: trace datasets keep their timestamps (divided by trace_speedup), others get inf.
+    `stats`, when given, receives what the length filter did: {"read": items in the dataset, "kept": after
+    the filter, "dropped": read - kept, "filter": the filter's description} (see filter_line)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     if name != "synthetic" and path is None:
@@ -237,15 +239,19 @@ def load_workload(name: str, n: int, *, path: str | Path | None = None, count_to
         raise ValueError(f"dataset {name!r} needs a token counter (--tokenizer DIR or --gpt2-bpe DIR)")
     if name == "sharegpt":
         length_filter = length_filter or LengthFilter()
-        items = read_sharegpt(path, count_tokens, length_filter)
+        items = read_sharegpt(path, count_tokens, None)
     elif name == "alpaca":
-        items = read_alpaca(path, count_tokens, length_filter)
+        items = read_alpaca(path, count_tokens, None)
     elif name in TRACE_DATASETS:
-        items = read_azure_trace(path, length_filter)
+        items = read_azure_trace(path, None)
     elif name == "lengths":
-        items = read_lengths(path, length_filter)
+        items = read_lengths(path, None)
     else:
-        items = apply_filter(synthetic_lengths(n, seed=seed, **(synthetic or {})), length_filter)
+        items = synthetic_lengths(n, seed=seed, **(synthetic or {}))
+    read = len(items)
+    items = apply_filter(items, length_filter)
+    if stats is not None:
+        stats.update(read=read, kept=len(items), dropped=read - len(items), filter=describe_filter(length_filter))
     if not items:
         raise DatasetError(f"{path or name}: no items left after filtering by {length_filter}")
     picked = select(items, n, seed, keep_order=name in TRACE_DATASETS)
@@ -254,3 +260,18 @@ def load_workload(name: str, n: int, *, path: str | Path | None = None, count_to
     else:
         times = gamma_arrivals(len(picked), float("inf") if rate is None else rate, burstiness, seed)
     return [replace(it, arrival_s=t) for it, t in zip(picked, times)]
+
+
+def describe_filter(length_filter: LengthFilter | None) -> str:
+    if length_filter is None:
+        return "no length filter"
+    if length_filter == LengthFilter():
+        return "vLLM's length filter (prompt and output >= 4, prompt <= 1024, total <= 2048 tokens)"
+    return (f"length filter (prompt and output >= {length_filter.min_len}, prompt <= {length_filter.max_prompt_len},"
+            f" total <= {length_filter.max_total_len} tokens)")
+
+
+def filter_line(stats: dict) -> str:
+    """One line saying what the length filter dropped, from load_workload's `stats`."""
+    share = stats["dropped"] / stats["read"] if stats["read"] else 0.0
+    return f"{stats['filter']}: dropped {stats['dropped']} of {stats['read']} dataset items ({share:.1%})"

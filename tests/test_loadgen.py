@@ -319,7 +319,8 @@ def test_send_request_failures_are_results_not_exceptions(fake):
 
 def test_cli_against_the_fake_server_writes_report_json_and_plot(fake, tmp_path, capsys):
     lengths = tmp_path / "lengths.csv"
-    lengths.write_text("input_tokens,output_tokens\n5,3\n8,2\n0,4\n60,10\n12,4\n")  # 0 and 60+10 > 64 dropped
+    # vLLM's filter within the fake's 64-token context: 0 (< 4 tokens), 60+10 (> 64) and 8,3 (< 4) dropped
+    lengths.write_text("input_tokens,output_tokens\n5,4\n8,4\n0,4\n60,10\n12,4\n8,3\n")
     rc = loadgen.main(["--base-url", fake.url, "--dataset-name", "lengths", "--dataset-path", str(lengths),
                        "--num-prompts", "3", "--sweep", "50,100", "--seed", "3", "--disable-tqdm",
                        "--goodput", "e2el:60000", "--save-result", "--result-dir", str(tmp_path),
@@ -327,6 +328,7 @@ def test_cli_against_the_fake_server_writes_report_json_and_plot(fake, tmp_path,
                        "--slo-per-token", "10"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert "dropped 3 of 6 dataset items" in out
     assert "Serving Benchmark Result (50 req/s)" in out and "Serving Benchmark Result (100 req/s)" in out
     assert "Throughput at SLO (mean per-token latency <= 10 s): 100 req/s" in out
     result = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda c: pytest.fail(f"JSON has {c}"))

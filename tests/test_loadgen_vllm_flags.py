@@ -79,7 +79,7 @@ def test_completions_send_text_by_default_and_token_ids_on_request(fake, sharegp
 
 def test_failed_requests_are_named_beside_the_slo_verdict_and_vllms_fields_are_top_level(fake, tmp_path, capsys):
     lengths = tmp_path / "lengths.csv"
-    lengths.write_text("input_tokens,output_tokens\n5,3\n8,2\n12,4\n")
+    lengths.write_text("input_tokens,output_tokens\n5,4\n8,4\n12,4\n")
     rc = loadgen.main(["--base-url", fake.url, "--endpoint", "/flaky", "--dataset-name", "lengths",
                        "--dataset-path", str(lengths), "--num-prompts", "3", "--sweep", "50,100", "--disable-tqdm",
                        "--slo-per-token", "10", "--save-result", "--result-dir", str(tmp_path),
@@ -101,7 +101,7 @@ def test_plot_legends_use_each_runs_label(fake, tmp_path, monkeypatch):
     real, seen = loadgen_plot.plot_results, []
     monkeypatch.setattr(loadgen_plot, "plot_results", lambda *a: seen.append(real(*a)))
     lengths = tmp_path / "lengths.csv"
-    lengths.write_text("input_tokens,output_tokens\n5,3\n")
+    lengths.write_text("input_tokens,output_tokens\n5,4\n")
     common = ["--base-url", fake.url, "--dataset-name", "lengths", "--dataset-path", str(lengths), "--num-prompts",
               "1", "--sweep", "50,100", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path)]
     assert loadgen.main([*common, "--result-filename", "baseline-run.json"]) == 0  # no --label

@@ -294,3 +294,30 @@ def test_trace_arrivals_scale():
 def test_bad_arrival_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         gamma_arrivals(**kwargs)
+
+
+def test_load_workload_reports_what_the_filter_dropped(tmp_path):
+    """simulate.py, the load generator and the experiments print this line: the one filter and its drops."""
+    rows = [(3, 10), (10, 3), (1025, 10), (1000, 1049), (1000, 1048), (20, 30)]
+    path = write(tmp_path, "l.csv", "input_tokens,output_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    stats: dict = {}
+    items = workload.load_workload("lengths", 10, path=path, length_filter=LengthFilter(), stats=stats, seed=1)
+    assert {(it.prompt_len, it.output_len) for it in items} == {(1000, 1048), (20, 30)}
+    assert (stats["read"], stats["kept"], stats["dropped"]) == (6, 2, 4)
+    assert workload.filter_line(stats) == ("vLLM's length filter (prompt and output >= 4, prompt <= 1024, total "
+                                           "<= 2048 tokens): dropped 4 of 6 dataset items (66.7%)")
+
+
+def test_simulate_filters_instead_of_clipping(tmp_path, capsys):
+    """A request that does not fit vLLM's filter is dropped (and counted), not clipped to the context."""
+    import simulate
+
+    rows = [(2000, 10), (10, 2100), (100, 50)] * 3
+    path = write(tmp_path, "l.csv", "input_tokens,output_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))
+    repo = Path(__file__).resolve().parents[1]
+    summary = simulate.run(simulate.build_parser().parse_args([
+        "--model", str(repo / "models" / "opt-13b-config") if (repo / "models" / "opt-13b-config").is_dir()
+        else "opt-13b", "--profile", str(repo / "profiles" / "sim" / "opt-13b-a100-40gb-x1.json"),
+        "--dataset-name", "lengths", "--dataset-path", str(path), "--num-prompts", "6", "--request-rate", "1"]))
+    assert "dropped 6 of 9 dataset items" in capsys.readouterr().out
+    assert summary["requests"] == 6 and summary["mean_per_token_s"] > 0
