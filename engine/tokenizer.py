@@ -5,8 +5,9 @@ directory the way transformers 5's AutoTokenizer does for facebook/opt-* (byte-l
 as BOS), and `IncrementalDetokenizer`, which turns generated ids into text one step at a time without ever
 emitting half of a UTF-8 character.
 
-What this is not: a general AutoTokenizer (no SentencePiece, chat templates, truncation or padding), and not
-a trainer (modelmaker/tiny_tokenizer.py trains the built-in tiny model's tokenizer).
+What this is not: a general AutoTokenizer (no SentencePiece, chat templates or padding; truncation only from
+the left, for vLLM's truncate_prompt_tokens), and not a trainer (modelmaker/tiny_tokenizer.py trains the
+built-in tiny model's tokenizer).
 
 Loading rules (mirroring transformers 5):
   * tokenizer.json wins over vocab.json + merges.txt; with tokenizer.json, its own post-processor decides
