@@ -81,12 +81,14 @@ def test_guidellm_payloads_with_continuous_usage_stats(server, model):
     body = {"model": model, "prompt": PROMPT, "stream": True, "max_tokens": 5, "stop": None, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     chunks = stream(server.url + "/v1/completions", body)
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 5]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]  # [1, 2, 3, 4, 5, 5] unless steps merged
+    assert counts[-2:] == [5, 5] and all(b > a for a, b in zip(counts[:-1], counts[1:-1])) and counts[0] >= 1
     chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": True,
             "max_completion_tokens": 5, "stop": None, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     chunks = stream(server.url + "/v1/chat/completions", chat)
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 5, 5]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]  # [0, 1, 2, 3, 4, 5, 5] unless steps merged
+    assert counts[0] == 0 and counts[-2:] == [5, 5] and all(b > a for a, b in zip(counts[:-1], counts[1:-1]))
 
 
 def test_lm_eval_local_completions_payloads(server, model):

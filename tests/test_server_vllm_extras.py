@@ -46,6 +46,12 @@ def stream(url: str, body: dict) -> list[dict]:
     return asyncio.run(go())
 
 
+def rising_to(counts: list[int], n: int) -> bool:
+    """Per-chunk completion_tokens: one more each chunk as a rule (a chunk per token), but a busy machine may
+    merge two engine steps into one chunk, so only "strictly rising, ending at n" is certain."""
+    return all(b > a for a, b in zip(counts, counts[1:])) and counts[-1] == n and counts[0] >= 1
+
+
 def complete(server, **body) -> dict:
     status, _, out = post_json(server.url + "/v1/completions", body)
     assert status == 200, out
@@ -80,7 +86,7 @@ def test_continuous_usage_stats_on_every_completion_chunk(client, model):
     with_choices = [c for c in chunks if c.choices]
     prompt_tokens = chunks[-1].usage.prompt_tokens
     assert prompt_tokens > 5 and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    assert [c.usage.completion_tokens for c in with_choices] == [1, 2, 3, 4, 5, 6]
+    assert rising_to([c.usage.completion_tokens for c in with_choices], 6) and len(with_choices) > 1
     assert all(c.usage.prompt_tokens == prompt_tokens for c in with_choices)
     assert all(c.usage.total_tokens == prompt_tokens + c.usage.completion_tokens for c in with_choices)
     plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0,
@@ -100,7 +106,7 @@ def test_continuous_usage_stats_per_prompt_and_choice(server):
         assert set(c["usage"]) == USAGE_KEYS
         assert c["usage"]["prompt_tokens"] == (len(short) if choice["index"] < 2 else len(long))
         counts.setdefault(choice["index"], []).append(c["usage"]["completion_tokens"])
-    assert counts == {i: [1, 2, 3] for i in range(4)}
+    assert sorted(counts) == [0, 1, 2, 3] and all(rising_to(c, 3) for c in counts.values())
     assert chunks[-1] == {**chunks[-1], "choices": [],
                           "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}}
 
@@ -113,7 +119,8 @@ def test_continuous_usage_stats_on_chat_chunks(client, model):
     prompt_tokens = chunks[-1].usage.prompt_tokens
     assert chunks[0].choices[0].delta.role == "assistant"
     assert (chunks[0].usage.prompt_tokens, chunks[0].usage.completion_tokens) == (prompt_tokens, 0)
-    assert [c.usage.completion_tokens for c in chunks[1:-1]] == [1, 2, 3, 4]
+    assert rising_to([c.usage.completion_tokens for c in chunks[1:-1]], 4)
+    assert all(c.usage.prompt_tokens == prompt_tokens for c in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
 
 
