@@ -59,7 +59,7 @@ from scheduler.policy import PolicyName
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
-from serving.gpu_probe import DeviceRows, NvmlProbe
+from serving.gpu_probe import CachedRows, DeviceRows, NvmlProbe
 from serving.openai_protocol import ProtocolContext, ResponseBuilder, error_body, parse_chat, parse_completion
 from serving.routing import add_fallback_route, add_get, add_post
 from serving.server_metrics import CONTENT_TYPE, EngineSnapshot, ServerMetrics
@@ -102,7 +102,7 @@ class ServerState:
 ENGINE = web.AppKey("engine", AsyncEngine)
 CONFIG = web.AppKey("config", ServerConfig)
 STATE = web.AppKey("state", ServerState)
-DEVICES = web.AppKey("devices", DeviceRows)  # GPU rows (nvidia-ml-py) for /metrics, /health and the dashboard
+DEVICES = web.AppKey("devices", DeviceRows)  # GPU rows (nvidia-ml-py, read in a thread): /metrics, /health, dashboard
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
@@ -410,7 +410,8 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
     for path, handler in (("/v1/models", models), ("/version", version), ("/health", health), ("/metrics", metrics)):
         add_get(app, path, handler)
     app.cleanup_ctx.append(_engine_ctx)
-    app[DEVICES] = devices = NvmlProbe(async_engine.engine.executor.worker_devices())
+    app[DEVICES] = devices = CachedRows(NvmlProbe(async_engine.engine.executor.worker_devices()))
+    app.cleanup_ctx.append(devices.cleanup_ctx)  # NVML is read in a thread, never on the event loop
     add_dashboard(app, async_engine, cfg.served_model_names[0], devices)
     add_fallback_route(app)  # last: unknown paths and methods get 404 / 405 bodies
     app.on_shutdown.append(drain)

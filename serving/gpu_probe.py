@@ -8,13 +8,20 @@ on a GPU, with its UUID and PCI address) label the rows of the GPUs they run on:
 goes by UUID, else PCI address, never by index (CUDA and NVML number devices differently), and only for
 workers on this host (NVML sees this machine alone). Anything with `source`, `note` and `rows()` returning
 dicts of the same keys can stand in for NvmlProbe.
+
+Reading NVML is slow: its PCIe-throughput query samples a 20 ms window, and NvmlProbe.rows() makes two per GPU
+(160 ms on 4 GPUs, 320 ms on 8). So the server never calls a probe on its event loop: CachedRows reads it in a
+thread of its own every second and /health, /metrics and the dashboard read the last rows it kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from engine.executor.device_identity import WorkerDevice, normalize_uuid, pci_key_of_bus_id
@@ -125,3 +132,72 @@ class NvmlProbe:
             except Exception as e:  # one device failing to answer shows as an error on its row
                 rows.append(device_row(i, f"GPU {i}", worker=self._labels[i], error=f"{type(e).__name__}: {e}"))
         return rows
+
+
+class CachedRows:
+    """A DeviceRows whose rows() returns at once: the rows `probe` gave at its last sample, taken every
+    `interval_s` in a daemon thread (so a slow probe delays only the next sample, never the event loop). Before
+    the first sample, and when the probe has a note (no GPU), there are no rows. Start and stop it with the app
+    (`app.cleanup_ctx.append(rows.cleanup_ctx)`: the first sample is taken, in the thread, before serving)."""
+
+    def __init__(self, probe: DeviceRows, interval_s: float = 1.0) -> None:
+        self.probe, self.interval_s = probe, interval_s
+        self._rows: list[dict] = []
+        self.sampled_at: float | None = None  # time.monotonic() of the last sample
+        self.num_samples = 0
+        self._ready, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def source(self) -> str:
+        return self.probe.source
+
+    @property
+    def note(self) -> str | None:
+        return self.probe.note
+
+    def rows(self) -> list[dict]:
+        return self._rows
+
+    def sample(self) -> None:
+        """Read the probe once and keep its rows (the thread's work; callable directly off the loop)."""
+        rows = self.probe.rows()
+        self._rows, self.sampled_at = rows, time.monotonic()
+        self.num_samples += 1
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.sample()
+            except Exception:  # one failed sample keeps the last rows; the next one tries again
+                log.exception("GPU telemetry sample failed")
+            self._ready.set()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def start(self) -> None:
+        """Start sampling (nothing to sample when the probe has a note: no GPU)."""
+        if self.note is not None or self._thread is not None:
+            self._ready.set()
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="fastserve-gpu-telemetry", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Whether the first sample has been taken (within timeout s)."""
+        return self._ready.wait(timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+
+    async def cleanup_ctx(self, app) -> AsyncIterator[None]:
+        """aiohttp cleanup context: sample from start-up (the first sample awaited off the loop, at most 10 s)
+        until shutdown."""
+        self.start()
+        await asyncio.to_thread(self.wait_ready, 10.0)
+        yield
+        await asyncio.to_thread(self.stop, 10.0)
