@@ -11,7 +11,7 @@ Every number is a ratio against a baseline measured in the same run:
    the floor no step can beat: those matmuls plus one read of the step's K and V
    at the memory read bandwidth measured in the same run;
 2. 32 prompts x 128 tokens, 64 new tokens each: engine vs generate (same prefill work);
-3. 64 requests with ShareGPT lengths (capped at 128): generate in static
+3. 64 requests with ShareGPT lengths (capped at 128; --lengths says whose): generate in static
    batches of 32 run to their longest member vs continuous batching, useful
    tokens per second;
 4. batch 1: one 128-token prompt, 64 new tokens.
@@ -201,19 +201,31 @@ def hf_run(hf, prompts: list[list[int]], outputs: list[int], batch_size: int) ->
     return wall, cpu, useful
 
 
-def sharegpt_lengths(n: int, cap: int) -> tuple[list[int], list[int]]:
-    if not SHAREGPT_LENGTHS.exists():
-        raise SystemExit(f"{SHAREGPT_LENGTHS} not found: the ShareGPT workload needs the shared datasets")
-    rows = list(csv.DictReader(SHAREGPT_LENGTHS.open()))
-    rows = [r for r in rows if int(r["output_tokens"]) > 0][:n]
-    return ([min(cap, max(2, int(r["input_tokens"]))) for r in rows],
-            [min(cap, int(r["output_tokens"])) for r in rows])
+def sharegpt_lengths(n: int, cap: int, path: Path = SHAREGPT_LENGTHS) -> tuple[list[int], list[int]]:
+    """The first n requests with an output: (input lengths, output lengths), each capped at `cap`. `path`: a CSV
+    with input_tokens and output_tokens columns (the shared datasets' sharegpt_lengths.csv), or a trace JSON
+    whose "trace" rows are [arrival_s, prompt_len, output_len] (tests/data/sharegpt_fig15_trace.json: 300
+    ShareGPT requests, in the repository)."""
+    if not path.exists():
+        raise SystemExit(f"{path} not found: the ShareGPT workload needs the shared datasets, or --lengths "
+                         "tests/data/sharegpt_fig15_trace.json (ShareGPT lengths, in the repository)")
+    if path.suffix == ".json":
+        rows = [(int(p), int(o)) for _, p, o in json.loads(path.read_text())["trace"]]
+    else:
+        rows = [(int(r["input_tokens"]), int(r["output_tokens"])) for r in csv.DictReader(path.open())]
+    rows = [r for r in rows if r[1] > 0][:n]
+    if len(rows) < n:
+        raise SystemExit(f"{path}: {len(rows)} requests with an output, {n} wanted")
+    return [min(cap, max(2, i)) for i, _ in rows], [min(cap, o) for _, o in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "models" / "opt-125m-random")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
+    ap.add_argument("--lengths", type=Path, default=SHAREGPT_LENGTHS,
+                    help="the ShareGPT workload's lengths: a CSV (input_tokens, output_tokens) or a trace JSON "
+                    "(default: the shared datasets' CSV; tests/data/sharegpt_fig15_trace.json is in the repository)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -300,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         compare("fixed_32x128_new64", random_prompts(n, [128] * n, vocab, 1), [16 if q else 64] * n, 32)
     n = 16 if q else 64
     if "sharegpt" in parts:
-        ins, outs = sharegpt_lengths(n, 128)
+        ins, outs = sharegpt_lengths(n, 128, args.lengths)
+        results["sharegpt_lengths_from"] = str(args.lengths)
+        print(f"# ShareGPT lengths from {args.lengths}")
         compare("sharegpt_64_capped128", random_prompts(n, ins, vocab, 2), outs, 32)
     if "batch1" in parts:
         compare("batch1_128_new64", random_prompts(1, [128], vocab, 3), [16 if q else 64], 1)
