@@ -64,8 +64,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Ten
     (searchsorted in the sorted outputs), the listed logits gathered, penalised, and scattered back; a
     padding entry stands for its row's first token, so it writes that token's own value again. No bincount,
     nothing per row, nothing that waits on the device. The values are those of the per-row arithmetic
-    (tests/test_sampler_penalties.py keeps it as the reference); a row with repetition penalty 1 is divided
-    and multiplied by 1, which changes no value."""
+    (apply_penalties_reference; tests/test_sampler_penalties.py compares the two); a row with repetition
+    penalty 1 is divided and multiplied by 1, which changes no value."""
     wanted = [i for i, s in enumerate(seqs) if s.params.uses_history]
     if not wanted:
         return logits
@@ -102,6 +102,27 @@ def apply_penalties(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Ten
     new = new - (factors[:, 1:2] * counts + factors[:, 2:3] * (counts > 0).to(dtype))
     flat.scatter_(0, positions, torch.where(any_valid, new, old).view(-1))  # a row with no token: unchanged
     return out
+
+
+def apply_penalties_reference(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:  # [S, V] -> [S, V]
+    """The slow reference of apply_penalties: one row at a time, over the whole vocabulary (a bincount and two
+    small tensors per penalised row: each a wait on the device on CUDA). What the sampler ran before the
+    batched version; tests compare the two."""
+    logits = logits.clone()
+    vocab, dev = logits.shape[1], logits.device
+    for s, row in zip(seqs, logits):  # row: [V], a view
+        p = s.params
+        if not p.uses_history:
+            continue
+        out_ids = torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long, device=dev)
+        counts = torch.bincount(out_ids, minlength=vocab).to(logits.dtype)  # [V]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0  # [V]
+            seen[torch.tensor([t for t in s.prompt_token_ids if t < vocab], dtype=torch.long, device=dev)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:  # [R, V] tempered -> [R, V]

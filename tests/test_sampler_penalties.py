@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams, ValidationError
 from engine.batch import SequenceWork
-from engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
+from engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties, apply_penalties_reference
 from engine.sampler import Sampler
 
 LOGITS = [2.0, -1.0, 0.5, 0.0, -3.0, 1.9]  # one row, vocabulary of 6
@@ -147,26 +147,6 @@ def test_priority_reaches_every_job_and_is_validated(llm):
 
 
 # -- one batched operation for the whole batch -------------------------------------------------------------
-def per_row_penalties(logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:  # [S, V] -> [S, V]
-    """The reference: the penalties one row at a time (a bincount and two small tensors per penalised row, each
-    a wait on the device on CUDA), as the sampler did before the batched version."""
-    logits = logits.clone()
-    vocab = logits.shape[1]
-    for s, row in zip(seqs, logits):  # row: [V], a view
-        p = s.params
-        if not p.uses_history:
-            continue
-        counts = torch.bincount(torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long),
-                                minlength=vocab).to(logits.dtype)  # [V]
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0  # [V]
-            seen[torch.tensor([t for t in s.prompt_token_ids if t < vocab], dtype=torch.long)] = True
-            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, scaled, row))
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
 def random_batch(g: torch.Generator, rows: int, vocab: int, penalised: float = 0.6) -> list[SequenceWork]:
     """Rows with any mix of repetition, frequency and presence penalties (negative ones too) or none; outputs
     from empty to long with repeats; prompts; a few ids past the logits' vocabulary (a tokenizer's extras)."""
@@ -197,7 +177,7 @@ def test_batched_penalties_equal_the_per_row_ones_bit_for_bit():
                             penalised=(0.6, 1.0)[case % 2])  # every other batch: all rows penalised
         logits = torch.randn(len(seqs), vocab, generator=g) * 4
         logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
-        got, want = apply_penalties(logits, seqs), per_row_penalties(logits, seqs)
+        got, want = apply_penalties(logits, seqs), apply_penalties_reference(logits, seqs)
         assert torch.equal(got, want), case
         seen |= {(p.repetition_penalty != 1, p.frequency_penalty != 0, p.presence_penalty != 0)
                  for p in (s.params for s in seqs)}
@@ -242,7 +222,7 @@ def test_penalties_on_cuda_never_wait_on_the_device_and_equal_the_per_row_ones()
     g = torch.Generator().manual_seed(1)
     seqs = random_batch(g, rows=32, vocab=50272)
     logits = torch.randn(len(seqs), 50272, generator=g)
-    want = per_row_penalties(logits, seqs)
+    want = apply_penalties_reference(logits, seqs)
     gpu = logits.cuda()
     apply_penalties(gpu, seqs)  # the first call allocates the pinned staging blocks
     torch.cuda.synchronize()
