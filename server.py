@@ -452,6 +452,10 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "kv_policy": ("how device KV memory is freed when it runs low", list(KV_POLICIES)),
     "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
     "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
+    "mlfq_ladder": ("MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at "
+                    "the longest prompt's first iteration (the paper)", ["service", "prefill"]),
+    "starvation_age": ("a job in the system longer than this x the mean time in the system (jobs held / recent "
+                       "completion rate) runs to completion, oldest first; 'none' = off", None),
     "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
                           "to a first run), so promotions do not churn the batch (and a promoted new job goes "
                           "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),

@@ -52,6 +52,12 @@ class EngineConfig:
     # last queue that keeps its order (scheduler/skip_join_mlfq.py); None = the paper's rules.
     starvation_factor: float | None = 1.0
     quantum_ratio: float = 2.0
+    # Age promotion: a job in the system longer than this x the mean time in the system runs to completion,
+    # oldest first; None = off (scheduler/skip_join_mlfq.py).
+    starvation_age: float | None = None
+    # The MLFQ ladder: "service" (quanta cover the whole service a job can need, decode included) or
+    # "prefill" (the paper's: the last quantum covers t_init(max_model_len)); scheduler/policy.py.
+    mlfq_ladder: str = "service"
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;
     # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour).
@@ -101,6 +107,7 @@ class EngineConfig:
         need(self.starvation_factor is None or self.starvation_factor > 0,
              "starvation_factor must be > 0 (or none)")
         need(self.quantum_ratio > 1, "quantum_ratio must be > 1")
+        need(self.mlfq_ladder in ("service", "prefill"), "mlfq_ladder must be 'service' or 'prefill'")
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
         need(self.kv_overcommit is None or self.kv_overcommit >= 1, "kv_overcommit must be >= 1 (or none)")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")

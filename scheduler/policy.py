@@ -106,6 +106,9 @@ class KVAdmission(Protocol):
         ...
 
 
+MLFQ_LADDERS = ("service", "prefill")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: PolicyName = PolicyName.SKIP_JOIN_MLFQ
@@ -117,9 +120,19 @@ class SchedulerConfig:
     # (the paper's rule, this unit's default; the engine's default is 1, engine/config.py). See
     # scheduler/skip_join_mlfq.py and docs/benchmarks.md, "Past capacity".
     starvation_factor: float | None = None
+    # Age promotion (skip-join MLFQ and naive MLFQ): a job in the system longer than this x the current mean time
+    # in the system (Little's law: jobs held / recent completion rate) moves to a band above every queue and
+    # runs to completion there, oldest first, so no job waits without bound however much service it has had.
+    # None = off.
+    starvation_age: float | None = None
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init
+    # The MLFQ ladder: "service" (the engine's default, engine/config.py), the last quantum covers the whole
+    # service a job can need (its prefill and max_prompt_len decode steps of a full batch), so jobs keep sinking
+    # as they decode and the queues order them by attained service; "prefill" (the paper's, this unit's
+    # default), the last covers t_init(max_prompt_len).
+    mlfq_ladder: str = "prefill"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -130,12 +143,16 @@ class SchedulerConfig:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
         if self.starvation_factor is not None and not self.starvation_factor > 0:
             raise ValueError(f"starvation_factor must be > 0, got {self.starvation_factor}")
+        if self.starvation_age is not None and not self.starvation_age > 0:
+            raise ValueError(f"starvation_age must be > 0, got {self.starvation_age}")
         if not self.quantum_ratio > 1:
             raise ValueError(f"quantum_ratio must be > 1, got {self.quantum_ratio}")
         if self.demotion_step < 1:
             raise ValueError(f"demotion_step must be >= 1, got {self.demotion_step}")
         if self.max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1 token, got {self.max_prompt_len}")
+        if self.mlfq_ladder not in MLFQ_LADDERS:
+            raise ValueError(f"mlfq_ladder must be one of {', '.join(MLFQ_LADDERS)}, got {self.mlfq_ladder!r}")
 
 
 @dataclass

@@ -4,7 +4,13 @@ ENST from section 4.2).
 Rule, on the engine's clock, with every time a *profiled* cost:
 - Queues Q1..Qn (index 0..n-1, 0 the highest) have quanta
   q1 = t_dec(batch 1, a 16-token context) and q_(i+1) = quantum_ratio * q_i,
-  with just enough queues that q_n >= t_init(max_prompt_len).
+  with just enough queues that q_n covers the longest service: with the
+  "service" ladder (mlfq_ladder; the engine's default) t_init(max_prompt_len)
+  plus max_prompt_len decode steps of a full batch, so a job keeps sinking
+  as it decodes and the queues order jobs by the service they have had
+  (least attained service first, at a quantum_ratio granularity); with the
+  paper's "prefill" ladder t_init(max_prompt_len) (5 queues for OPT-13B, so
+  after a few output tokens every job is in the last queue).
 - Skip-join: a new job enters the highest queue whose quantum covers its
   first iteration, min{i : q_i >= t_init(prompt_len)} (the last queue if none).
 - Each iteration every job of the batch is charged the whole iteration's
@@ -34,6 +40,16 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   brings another back, copies that take batch room (measured in
   docs/benchmarks.md, "Past capacity"). Both change nothing while every job
   fits the batch.
+- Age promotion (starvation_age k; None = off): a job whose time in the
+  system exceeds k x the mean time in the system, N / mu (N the jobs held,
+  mu the completion rate over the last AGE_WINDOW completions: Little's law),
+  moves to the STARVING band, above every queue and class, oldest first,
+  and is never demoted there: it runs to completion. Under least attained
+  service the longest jobs would otherwise wait until the load lets up; this
+  bounds their wait by a multiple of the going time in the system, which
+  grows with the backlog as FCFS's waits do, so it does not turn into round
+  robin past capacity (a fixed alpha does: every waiting job is older than
+  alpha there). Measured in docs/benchmarks.md, "Skip-join at capacity".
 - Request classes (Job.priority, lower first): each class has its own queues
   Q1..Qn (a band), and every queue of a more urgent class comes before any
   queue of a less urgent one. "Q1" for promotion is Q1 of the most urgent
@@ -45,7 +61,9 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   the time the job entered its queue.
 - ENST(i) = min(alpha - starve_time(i), T_execute(i)) for job i in Q_b, with
   T_execute(i) = (1/B) * sum_{a<b} n_a (q_a + ... + q_(b-1)), n_a = jobs in
-  Q_a of i's band, B = max_num_seqs (the paper's formula); a job of a more
+  Q_a of i's band, B = the batch size running now (the last tick's batch, or
+  max_num_seqs when none runs; the paper's formula has the batch limit, which
+  past capacity memory keeps the batch far below); a job of a more
   urgent band in Q_a adds q_a + ... + q_max(a,b) (it runs at least through
   i's level before i does). 0 for a running job.
   It can be negative: the job is overdue for promotion. T_execute is the same
@@ -70,6 +88,7 @@ import bisect
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from scheduler.job import Job
@@ -77,16 +96,24 @@ from scheduler.policy import CostModel, PolicyName, SchedulerConfig
 from scheduler.priority_policy import Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
+STARVING = -(1 << 30)  # the band of age-promoted jobs: before every request class
+AGE_WINDOW = 256  # completions whose rate estimates the mean time in the system (age promotion)
+AGE_MIN_COMPLETIONS = 32  # no age promotion before this many completions
 
 
 def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
-    """[q1, q2, ...]: geometric by quantum_ratio, the last covering t_init(max_prompt_len)."""
+    """[q1, q2, ...]: geometric by quantum_ratio, the last covering the longest service a job can need: with the
+    "service" ladder its first iteration and max_prompt_len decode steps of a full batch at half the context
+    (every job is charged the whole iteration), with the paper's "prefill" ladder t_init(max_prompt_len)."""
     q1 = cost.t_dec(1, SHORT_CONTEXT)
     if not q1 > 0:
         raise ValueError(f"the profile's decode time at batch 1 is {q1} s; it must be > 0 to set quanta")
     longest = cost.t_init(config.max_prompt_len)
     if not math.isfinite(longest):
         raise ValueError(f"the profile's prefill time for {config.max_prompt_len} tokens is {longest} s")
+    if config.mlfq_ladder == "service":
+        step = cost.t_dec(config.max_num_seqs, max(1, config.max_prompt_len // 2))
+        longest += config.max_prompt_len * step
     quanta = [q1]
     while quanta[-1] < longest:
         quanta.append(quanta[-1] * config.quantum_ratio)
@@ -134,6 +161,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._entry: dict[Job, int] = {}  # job -> sequence number of its entry into its queue (FIFO order)
         self._queue_waits: dict[tuple[int, int], float] | None = None  # T_execute by (band, level)
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
+        # Age promotion: jobs in arrival order (popped once old enough), and the last completions' times.
+        self._by_arrival: deque[Job] = deque()
+        self._completions: deque[float] = deque(maxlen=AGE_WINDOW)
+        self._now = 0.0
         self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
         # Starving jobs left in Q1 because their class was the most urgent present; should a more urgent
         # class arrive, they are promoted into its Q1 (their heap entries are spent).
@@ -217,9 +248,13 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             heapq.heappush(self._fresh_starving, (job.last_scheduled_time, next(self._seq), job))
         else:
             self._wait_from(job.last_scheduled_time, [job])  # its arrival
+        if self.config.starvation_age is not None:
+            self._by_arrival.append(job)
 
     def remove(self, job: Job) -> None:
         if self._holds(job):
+            if self.config.starvation_age is not None:
+                self._completions.append(self._now)
             self._unplace(job)
             del self._band_of[job], self._entry[job]
             self._held_in_q1.pop(job, None)
@@ -357,9 +392,39 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     job.queue, job.service_in_queue = 0, 0.0
                     job.num_promotions += 1
                     promoted += 1
+        self._now = now
+        if self._by_arrival:
+            promoted += self._promote_by_age(now)
         if promoted:
             self.num_promotions += promoted
             self._queue_waits = None
+
+    def age_limit(self, now: float) -> float | None:
+        """Age promotion's threshold: starvation_age x the mean time in the system (jobs held / completion rate
+        over the last AGE_WINDOW completions); None while there are too few completions to say."""
+        done = self._completions
+        if len(done) < AGE_MIN_COMPLETIONS or now <= done[0]:
+            return None
+        rate = len(done) / (now - done[0])
+        return self.config.starvation_age * sum(self._classes.values()) / rate
+
+    def _promote_by_age(self, now: float) -> int:
+        """Move every job older than age_limit() to the STARVING band (oldest first); it runs to completion."""
+        limit = self.age_limit(now)
+        if limit is None:
+            return 0
+        queue, band_of, promoted = self._by_arrival, self._band_of, 0
+        while queue and (queue[0] not in band_of or now - queue[0].arrival_time > limit):
+            job = queue.popleft()
+            if job not in band_of:
+                continue  # it finished
+            started = job.first_scheduled_time is not None
+            self._unplace(job)
+            self._held_in_q1.pop(job, None)
+            self._place(job, STARVING, 0, not started)
+            job.num_promotions += 1
+            promoted += 1
+        return promoted
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
@@ -374,7 +439,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 held.pop(job, None)
             service = job.service_in_queue = job.service_in_queue + cost
             level = job.queue
-            if service > limits[level] and job in band_of:  # used up its quantum (and still held)
+            if service > limits[level] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
                 new = min(level + eta, last)
                 if new != level:
                     job.num_demotions += 1
@@ -394,15 +459,16 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             self._queue_waits = None
 
     def _execute_waits(self) -> dict[tuple[int, int], float]:
-        """T_execute for a job of each (band, queue); see the module docstring."""
-        off, seqs, n = self._offsets, self.config.max_num_seqs, len(self.quanta)
+        """B x T_execute for a job of each (band, queue), B the batch size (see the module docstring): the
+        queued service ahead of it; _wait_estimate divides by the batch size running now."""
+        off, n = self._offsets, len(self.quanta)
         waits: dict[tuple[int, int], float] = {}
         ahead = [0.0] * n  # per level b: what the jobs of more urgent bands add
         for key in self._band_keys:
             sizes = self._bands[key].sizes()
             for b in range(n):
                 same = sum(sizes[a] * (off[b] - off[a]) for a in range(b))
-                waits[(key, b)] = (same + ahead[b]) / seqs
+                waits[(key, b)] = same + ahead[b]
             if len(self._band_keys) > 1:
                 for b in range(n):
                     ahead[b] += sum(sizes[a] * (off[max(a, b) + 1] - off[a]) for a in range(n) if sizes[a])
@@ -412,7 +478,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         waits = self._queue_waits
         if waits is None:
             waits = self._queue_waits = self._execute_waits()
-        t_execute = waits[(self._band_of[job], job.queue)]
+        # B: the batch size running now (the last tick's batch), not max_num_seqs: past capacity memory, not the
+        # sequence limit, bounds the batch, and jobs ahead go through it B at a time (nothing runs: the limit).
+        t_execute = waits[(self._band_of[job], job.queue)] / (len(self._running) or self.config.max_num_seqs)
         alpha = self.promotion_threshold()
         # job.starve_time(now), inlined: the proactive planner and the eviction order call this per job.
         return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)

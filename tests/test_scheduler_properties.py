@@ -44,6 +44,8 @@ def setups(draw, policies=tuple(PolicyName), alphas=(None, 3.0, 6.0), factors=(N
         starvation_factor=draw(st.sampled_from(factors)),
         demotion_step=draw(st.integers(1, 2)),
         max_prompt_len=64,
+        mlfq_ladder=draw(st.sampled_from(("prefill", "service"))),
+        starvation_age=draw(st.sampled_from((None, 0.5, 2.0))),
     )
     kv = FakeKV(num_blocks=largest + draw(st.integers(0, 60)), block_size=BLOCK)
     return config, specs, kv
@@ -158,7 +160,7 @@ def test_enst_equals_the_papers_formula_on_every_tick(setup) -> None:
             b = job.queue
             same = sum(sum(quanta[a:b]) for other in jobs if band[other] == band[job] and (a := other.queue) < b)
             ahead = sum(sum(quanta[other.queue:max(other.queue, b) + 1]) for other in jobs if band[other] < band[job])
-            t_exec = (same + ahead) / seqs
+            t_exec = (same + ahead) / (len(policy._running) or seqs)  # B: the batch running now
             threshold = policy.promotion_threshold()
             if alpha is not None:
                 assert threshold == (alpha if config.starvation_factor is None else

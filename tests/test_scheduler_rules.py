@@ -191,6 +191,78 @@ def test_no_promotion_without_alpha() -> None:
     assert low.queue == 3 and policy.num_promotions == 0
 
 
+# -- the service ladder, ENST's batch size, age promotion (the engine's defaults) --------------------------
+
+
+def test_the_service_ladder_covers_a_whole_job_decode_included() -> None:
+    """Prefill ladder: the last quantum covers t_init(64) = 8. Service ladder: it covers t_init(64) plus 64
+    decode steps of a full batch (64 x 1 s): 72 s, so [1, 2, ..., 128]; skip-join's entry is the same."""
+    prefill, service = mlfq(), mlfq(mlfq_ladder="service")
+    assert prefill.quanta == [1, 2, 4, 8]
+    assert service.quanta == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [service.entry_queue(n) for n in (8, 16, 32, 64)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="mlfq_ladder"):
+        SchedulerConfig(mlfq_ladder="tokens")
+
+
+def test_on_the_service_ladder_jobs_keep_sinking_as_they_decode_and_the_least_served_runs_first() -> None:
+    """A job that has decoded 30 steps is in Q5, below one that has decoded 3 (Q2): the queues order jobs by
+    the service they have had. On the paper's ladder the old job stopped sinking at the last queue (Q4)."""
+    for ladder, levels in (("service", (4, 1)), ("prefill", (3, 1))):
+        policy, kv = mlfq(mlfq_ladder=ladder, max_num_seqs=1), roomy()
+        old = job("old", 8, output=100)
+        policy.add(old, 0.0)
+        t = 0.0
+        for _ in range(30):
+            _, t = step(policy, kv, t)
+        young = job("young", 8, arrival=t, output=100)
+        policy.add(young, t)
+        for _ in range(3):
+            assert step(policy, kv, t)[0] == ["young"]
+            t += 1
+        assert (old.queue, young.queue) == levels
+        assert [j.job_id for j in policy.schedule(t, kv).batch] == ["young"]
+
+
+def test_enst_divides_by_the_batch_running_now_not_the_batch_limit() -> None:
+    """Two jobs in Q1 ahead of a Q4 job; max_num_seqs 8 but memory lets one run at a time: T_execute is
+    2 x (q1 + q2 + q3) / 1 = 14, not / 8 = 1.75."""
+    policy = mlfq(max_num_seqs=8)
+    kv = FakeKV(num_blocks=3)  # one 8-token job's context (2 blocks of 4) at a time
+    a, b, t = job("a", 8), job("b", 8), job("t", 64)
+    for j in (a, b, t):
+        policy.add(j, 0.0)
+    assert policy.estimated_wait(t, 0.0) == pytest.approx(2 * 7 / 8)  # nothing runs yet: the limit
+    assert [j.job_id for j in policy.schedule(0.0, kv).batch] == ["a"]
+    assert policy.estimated_wait(t, 0.0) == pytest.approx(2 * 7 / 1)  # one at a time
+
+
+def test_age_promotion_runs_an_old_job_to_completion_ahead_of_new_ones() -> None:
+    """A stream of one-token jobs (Q1) keeps a long job (Q4) waiting under least-attained-service order.
+    With starvation_age 2, once 32 jobs have finished and the long job is older than 2x the mean time in
+    the system (jobs held / completion rate), it moves above every queue and runs to completion while the
+    stream goes on. Without it, it waits for the whole stream."""
+    for age, finished_by in ((2.0, 60), (None, None)):
+        policy, kv = mlfq(max_num_seqs=1, mlfq_ladder="service", starvation_age=age), roomy()
+        long = job("long", 64, output=20)
+        policy.add(long, 0.0)
+        t, done_at = 0.0, None
+        for i in range(80):
+            short = job(f"s{i}", 8, arrival=t, output=1)
+            policy.add(short, t)
+            while short.num_generated < 1:
+                batch, t = step(policy, kv, t)
+                if long.num_generated >= long.max_new_tokens and done_at is None:
+                    done_at = i
+                    policy.remove(long)
+            policy.remove(short)
+        if age is None:
+            assert done_at is None and long.num_generated == 0 and policy.num_promotions == 0
+        else:
+            assert done_at is not None and done_at <= finished_by
+            assert long.num_promotions == 1 and long.num_demotions == 0  # promoted once, never demoted
+
+
 # -- batch formation ----------------------------------------------------------------------------
 
 

@@ -39,7 +39,8 @@ def test_skip_join_preempts_a_long_job_for_a_short_one(sim_dirs):
     prefill (0-1.0) and decodes; at t=1.7 its service (1.7 s) exceeds the 1.6 s quantum and it is demoted;
     B (t=0.5) then runs: prefill 1.7-2.7, and its single token finishes it at 2.7 (the paper's rules:
     that queue is the last, and the last queue is round robin). Under FCFS B waits for all of A (to 3.9),
-    and so it does under the engine's default overload rules, where the last queue keeps its order."""
+    and so it does under the overload rules with the paper's ladder, where the last queue keeps its order;
+    the engine's default ladder covers the whole service, so A is demoted past B's queue and B goes first."""
     model, profile = sim_dirs
     trace = [(0.0, 10, 30), (0.5, 10, 1)]
     sj = run_trace(simulated_engine(model, profile, num_device_blocks=1000, scheduling_policy="skip-join-mlfq",
@@ -50,8 +51,12 @@ def test_skip_join_preempts_a_long_job_for_a_short_one(sim_dirs):
     assert e2e(sj)["1"] == pytest.approx(2.7 - 0.5)
     assert e2e(sj)["0"] == pytest.approx(4.9)  # A pays for B's prefill: 3.9 + 1.0
     in_order = run_trace(simulated_engine(model, profile, num_device_blocks=1000, max_num_seqs=1,
-                                          scheduling_policy="skip-join-mlfq", starvation_threshold=100.0), trace)
+                                          scheduling_policy="skip-join-mlfq", starvation_threshold=100.0,
+                                          mlfq_ladder="prefill"), trace)
     assert e2e(in_order) == e2e(fc)
+    default = run_trace(simulated_engine(model, profile, num_device_blocks=1000, max_num_seqs=1,
+                                         scheduling_policy="skip-join-mlfq", starvation_threshold=100.0), trace)
+    assert e2e(default) == pytest.approx(e2e(sj))
 
 
 @pytest.mark.parametrize("kv_policy", ["proactive", "reactive", "recompute"])
