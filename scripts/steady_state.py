@@ -1,0 +1,319 @@
+"""How a comparison is measured (the team's design notes, "How a comparison is measured"): steady state,
+load in units of FCFS's sustained capacity, several seeds with a 95% confidence interval, and the SRPT
+oracle in the same table. Shared by scripts/experiments.py's sections, scripts/simulate.py --steady and
+the benchmarks.
+
+    python scripts/steady_state.py --scale opt-13b --loads 0.5,0.8,1.0,1.5 --seeds 5 \\
+        --policies fcfs,skip-join-mlfq,srpt                   # the table of issue 24's goals
+
+- A point is one simulation of `n` requests (at least 3,000) of the dataset at a Poisson rate, filtered by
+  vLLM's length filter. Only requests that arrive in the middle 80% of the arrival span count; the run goes
+  on until every request has finished.
+- The served rate of a run is the number of requests (any) that finished while arrivals were in their middle
+  80%, per second of that window: under overload, what the policy sustains; below capacity, the offered rate.
+- Capacity C: FCFS's served rate when offered more than it can serve (measured once per setup, here, by the
+  same harness: a Poisson rate raised until it is at least 1.3x what FCFS serves).
+- Seeds: a seed draws both the requests (a sample of the dataset) and their arrival times; every policy of a
+  row runs the same traces, so ratios are paired per seed. Mean and a 95% interval (Student's t) over seeds.
+
+Runs go to a pool of worker processes (--jobs, default the machine's cores); results are cached on disk by
+their parameters (--cache, default .cache/steady/) so an interrupted regeneration resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from workload import LengthFilter, filter_line, load_workload  # noqa: E402  (scripts/ is this script's folder)
+
+SCALES = {  # name -> (model shape, profile, dataset default)
+    "opt-13b": ("opt-13b", "profiles/sim/opt-13b-a100-40gb-x1.json"),
+    "opt-13b-80gb": ("opt-13b", "profiles/sim/opt-13b-a100-80gb-x1.json"),
+    "opt-66b": ("opt-66b", "profiles/sim/opt-66b-a100-40gb-x4.json"),
+    "opt-175b": ("opt-175b", "profiles/sim/opt-175b-a100-40gb-x16.json"),
+}
+DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
+            "alpaca": REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv"}
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+MIN_REQUESTS = 3000
+WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a row of a table shares: the model/profile, the dataset, and engine settings."""
+
+    scale: str = "opt-13b"
+    dataset: str = "sharegpt"
+    n: int = MIN_REQUESTS
+    engine: tuple = ()  # sorted (name, value) pairs passed to simulated_engine (max_num_seqs, kv_policy, ...)
+    dataset_path: str | None = None
+
+    def path(self) -> str:
+        return self.dataset_path or str(DATASETS[self.dataset])
+
+
+@dataclass
+class Stat:
+    mean: float
+    half: float  # half-width of the 95% interval
+    values: list[float] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return fmt(self)
+
+
+def stat(values: Sequence[float]) -> Stat:
+    values = list(values)
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return Stat(mean, math.nan, values)
+    return Stat(mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)), values)
+
+
+def fmt(s: Stat, digits: int = 3, unit: str = "") -> str:
+    if math.isnan(s.half):
+        return f"{s.mean:.{digits}g}{unit}"
+    return f"{s.mean:.{digits}g} ± {s.half:.{2 if digits > 2 else 1}g}{unit}"
+
+
+def ratio_stat(num: Sequence[float], den: Sequence[float]) -> Stat:
+    """Per-seed ratios (paired: the same trace), mean and interval."""
+    return stat([a / b for a, b in zip(num, den) if b > 0])
+
+
+# -- one run -----------------------------------------------------------------------------------------------------
+def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, int, int]], dict]:
+    stats: dict = {}
+    items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, seed=seed, length_filter=LengthFilter(),
+                          stats=stats)
+    return [(it.arrival_s, it.prompt_len, it.output_len) for it in items], stats
+
+
+def windowed_metrics(outputs, arrivals: Sequence[float]) -> dict:
+    """The steady-state metrics of a finished run: requests arriving in the middle 80% of the span count."""
+    first, last = min(arrivals), max(arrivals)
+    lo, hi = first + WINDOW[0] * (last - first), first + WINDOW[1] * (last - first)
+    counted = [o for o in outputs if lo <= o.metrics.arrival_time <= hi]
+    per_token = sorted(o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) for o in counted)
+    ttft = sorted(o.metrics.ttft_s for o in counted)
+    e2e = [o.metrics.e2e_s for o in outputs]  # starvation: over every request
+    finished_in = sum(1 for o in outputs if lo <= o.metrics.finished_time <= hi)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0  # noqa: E731
+    return {
+        "counted": len(counted),
+        "mean_per_token_s": statistics.fmean(per_token),
+        "p50_per_token_s": q(per_token, 0.5),
+        "p95_per_token_s": q(per_token, 0.95),
+        "p99_per_token_s": q(per_token, 0.99),
+        "mean_ttft_s": statistics.fmean(ttft),
+        "p99_ttft_s": q(ttft, 0.99),
+        "mean_e2e_s": statistics.fmean(o.metrics.e2e_s for o in counted),
+        "max_e2e_s": max(e2e),
+        "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,
+        "window_s": hi - lo,
+    }
+
+
+def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
+    """One simulation; its windowed metrics plus KV counters and the wall time."""
+    from make_tiny_model import config_only_model
+
+    from engine.simulation import run_trace, simulated_engine
+
+    shape, profile = SCALES[setup.scale]
+    trace, stats = trace_for(setup, rate, seed)
+    kw = dict(setup.engine)
+    engine = simulated_engine(config_only_model(shape), REPO / profile, scheduling_policy=policy, **kw)
+    t = time.perf_counter()
+    result = run_trace(engine, trace)
+    wall = time.perf_counter() - t
+    kv = engine.kv.stats
+    out = windowed_metrics(result.outputs, [a for a, _, _ in trace])
+    out |= {"policy": policy, "rate": rate, "seed": seed, "wall_s": wall, "requests": len(trace),
+            "dropped_by_filter": stats["dropped"], "dataset_items": stats["read"],
+            "offloads": kv.num_offloads, "uploads": kv.num_uploads,
+            "swap_misses": kv.num_swap_misses, "drops": kv.num_drops,
+            "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
+    return out
+
+
+# -- the cache and the pool ----------------------------------------------------------------------------------------
+class Runner:
+    """Runs points in a process pool, cached on disk by (setup, policy, rate, seed, code version)."""
+
+    def __init__(self, jobs: int | None = None, cache: Path | None = None, version: str = "") -> None:
+        self.jobs = jobs or os.cpu_count() or 1
+        self.cache = cache if cache is not None else REPO / ".cache" / "steady"
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.version = version or code_version()
+        self.runs = 0
+        self.wall = 0.0
+
+    def _key(self, setup: Setup, policy: str, rate: float, seed: int) -> Path:
+        text = json.dumps([asdict(setup), policy, round(rate, 9), seed, self.version], sort_keys=True, default=str)
+        return self.cache / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
+
+    def many(self, points: Sequence[tuple[Setup, str, float, int]]) -> list[dict]:
+        results: list[dict | None] = []
+        todo = []
+        for i, p in enumerate(points):
+            path = self._key(*p)
+            if path.is_file():
+                results.append(json.loads(path.read_text()))
+            else:
+                results.append(None)
+                todo.append(i)
+        if todo:
+            from make_tiny_model import config_only_model
+
+            for shape in {SCALES[points[i][0].scale][0] for i in todo}:  # written once, before the workers read it
+                config_only_model(shape)
+            with ProcessPoolExecutor(min(self.jobs, len(todo))) as pool:
+                futures = {i: pool.submit(run_point, *points[i]) for i in todo}
+                for i, fut in futures.items():
+                    res = fut.result()
+                    self._key(*points[i]).write_text(json.dumps(res))
+                    results[i] = res
+                    self.runs += 1
+                    self.wall += res["wall_s"]
+        return results  # type: ignore[return-value]
+
+
+def code_version() -> str:
+    """A hash of the code a simulation runs (scheduler/, memory/, engine/, profiles/sim): the cache key's part."""
+    h = hashlib.sha256()
+    for folder in ("scheduler", "memory", "engine", "profiles/sim"):
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix in (".py", ".json"):
+                h.update(path.read_bytes())
+    h.update((REPO / "scripts" / "steady_state.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
+# -- capacity ---------------------------------------------------------------------------------------------------
+def capacity(runner: Runner, setup: Setup, seeds: Sequence[int] = (0,), start: float | None = None) -> dict:
+    """FCFS's sustained capacity: its served rate when offered more than it serves (offered >= 1.3x served),
+    averaged over seeds. Returns {"C": req/s, "offered": req/s, "per_seed": [...]}."""
+    offered = start or 1.0
+    while True:
+        res = runner.many([(setup, "fcfs", offered, s) for s in seeds])
+        served = statistics.fmean(r["served_rate"] for r in res)
+        if offered >= 1.3 * served:
+            return {"C": served, "offered": offered, "per_seed": [r["served_rate"] for r in res]}
+        offered = max(offered * 2, 1.5 * served)
+
+
+# -- a table ----------------------------------------------------------------------------------------------------
+METRICS = ("mean_per_token_s", "p95_per_token_s", "p99_per_token_s", "mean_ttft_s", "p99_ttft_s", "max_e2e_s",
+           "served_rate")
+
+
+def table(runner: Runner, setup: Setup, loads: Sequence[float], policies: Sequence[str], seeds: Sequence[int],
+          cap: float) -> dict:
+    """{(load, policy): {metric: [per-seed values]}} for every load (x cap) and policy."""
+    points = [(setup, p, load * cap, s) for load in loads for p in policies for s in seeds]
+    res = iter(runner.many(points))
+    out: dict = {}
+    for load in loads:
+        for p in policies:
+            rows = [next(res) for _ in seeds]
+            out[(load, p)] = {m: [r[m] for r in rows] for m in rows[0] if isinstance(rows[0][m], (int, float))}
+    return out
+
+
+def markdown(setup: Setup, cap: dict, data: dict, loads: Sequence[float], policies: Sequence[str],
+             reference: str = "srpt", subject: str = "skip-join-mlfq") -> str:
+    """A table: per load and policy, mean/P95/P99 per-token latency, P99 TTFT, max e2e and served rate, with
+    the subject's paired ratios to the reference and to FCFS."""
+    lines = [f"Capacity C = {cap['C']:.3f} req/s (FCFS served under a {cap['offered']:.2f} req/s offer; "
+             f"seeds {', '.join(f'{c:.3f}' for c in cap['per_seed'])}).", "",
+             "| load | policy | mean s/token | P95 | P99 | P99 TTFT s | max e2e s | served req/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for load in loads:
+        for p in policies:
+            d = data[(load, p)]
+            lines.append(f"| {load:g}C | {p} | {fmt(stat(d['mean_per_token_s']))} | "
+                         f"{fmt(stat(d['p95_per_token_s']))} | {fmt(stat(d['p99_per_token_s']))} | "
+                         f"{fmt(stat(d['p99_ttft_s']))} | "
+                         f"{fmt(stat(d['max_e2e_s']))} | {fmt(stat(d['served_rate']), 4)} |")
+    if subject in policies:
+        lines += ["", f"Paired ratios of {subject} (per seed, mean ± 95% interval):", "",
+                  "| load | mean / " + reference + " | P95 / " + reference + " | served / FCFS | max e2e / FCFS max |"
+                  " P99 / FCFS P99 |", "|---|---|---|---|---|---|"]
+        for load in loads:
+            s = data[(load, subject)]
+            ref = data.get((load, reference))
+            f = data.get((load, "fcfs"))
+            cells = [f"{load:g}C"]
+            cells.append(fmt(ratio_stat(s["mean_per_token_s"], ref["mean_per_token_s"])) if ref else "-")
+            cells.append(fmt(ratio_stat(s["p95_per_token_s"], ref["p95_per_token_s"])) if ref else "-")
+            cells.append(fmt(ratio_stat(s["served_rate"], f["served_rate"]), 4) if f else "-")
+            cells.append(fmt(ratio_stat(s["max_e2e_s"], f["max_e2e_s"])) if f else "-")
+            cells.append(fmt(ratio_stat(s["p99_per_token_s"], f["p99_per_token_s"])) if f else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scale", default="opt-13b", choices=sorted(SCALES))
+    ap.add_argument("--dataset", default="sharegpt", choices=sorted(DATASETS))
+    ap.add_argument("--dataset-path", default=None)
+    ap.add_argument("--num-prompts", type=int, default=MIN_REQUESTS)
+    ap.add_argument("--loads", default="0.5,0.8,1.0,1.5,2.0")
+    ap.add_argument("--policies", default="fcfs,skip-join-mlfq,srpt")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--capacity-seeds", type=int, default=3)
+    ap.add_argument("--engine", action="append", default=[], help="NAME=VALUE passed to the simulated engine "
+                    "(e.g. kv_policy=reactive, max_num_seqs=256); repeatable")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--cache", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    engine = tuple(sorted(_engine_arg(a) for a in args.engine))
+    setup = Setup(args.scale, args.dataset, args.num_prompts, engine, args.dataset_path)
+    runner = Runner(args.jobs, args.cache)
+    t0 = time.perf_counter()
+    _, stats = trace_for(setup, 1.0, 0)
+    print(filter_line(stats))
+    cap = capacity(runner, setup, range(args.capacity_seeds))
+    print(f"capacity C = {cap['C']:.3f} req/s", flush=True)
+    loads = [float(x) for x in args.loads.split(",")]
+    policies = args.policies.split(",")
+    data = table(runner, setup, loads, policies, range(args.seeds), cap["C"])
+    print(markdown(setup, cap, data, loads, policies))
+    print(f"\n{runner.runs} simulations, {time.perf_counter() - t0:.0f} s wall")
+    if args.json:
+        args.json.write_text(json.dumps({"capacity": cap, "data": {f"{k[0]}|{k[1]}": v for k, v in data.items()}},
+                                        indent=1))
+    return 0
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    name, _, value = text.partition("=")
+    for conv in (int, float):
+        try:
+            return name, conv(value)
+        except ValueError:
+            pass
+    return name, None if value.lower() == "none" else value
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
