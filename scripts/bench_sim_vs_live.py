@@ -41,9 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from workload_arrivals import poisson_arrivals  # noqa: E402  (scripts/ is this script's folder)
-
 from engine.simulation import p95  # noqa: E402
+from fastserve.bench.arrivals import poisson_arrivals  # noqa: E402
 from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
 
 DEFAULT_MODEL = Path("models/opt-125m-random")

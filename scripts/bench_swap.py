@@ -27,12 +27,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
-from workload import load_workload  # noqa: E402  (scripts/ is this script's folder)
 
 from engine import SamplingParams  # noqa: E402
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from fastserve.bench.workload import load_workload  # noqa: E402
 
 DEFAULT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
 

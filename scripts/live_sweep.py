@@ -1,6 +1,6 @@
-"""Compare scheduling policies live: for each policy, start server.py with the same flags, run
-scripts/loadgen.py --sweep against it over real HTTP, stop it. Prints each policy's latency per rate and its
-throughput at the per-token SLO, saves every loadgen result JSON plus a summary, and can draw the paper's
+"""Compare scheduling policies live: for each policy, start server.py with the same flags, run the load
+generator (`fastserve bench serve`) --sweep against it over real HTTP, stop it. Prints each policy's latency per
+rate and its throughput at the per-token SLO, saves every loadgen result JSON plus a summary, and can draw the paper's
 Fig. 11 (per-token latency vs rate, one line per policy).
 
     python scripts/live_sweep.py --policies fcfs,skip-join-mlfq --dataset-name lengths \\
@@ -8,7 +8,7 @@ Fig. 11 (per-token latency vs rate, one line per policy).
         --slo-per-token 0.05 --result-dir results/live --plot fig11.png -- --num-gpu-blocks-override 990
 
 Everything after `--` goes to every server (model, KV sizes, profile...; default: the built-in tiny model);
-flags this script does not know go to every loadgen.py run (e.g. --random-range-ratio 0.9 for synthetic).
+flags this script does not know go to every load generator run (e.g. --random-range-ratio 0.9 for synthetic).
 Each server is started with OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
 With two or more policies, a last table puts their latencies side by side, with the first policy's mean over
 each other's (`make compare`: FCFS over skip-join MLFQ on the built-in tiny model).
@@ -38,7 +38,7 @@ def run_policy(policy: str, args: argparse.Namespace, server_args: list[str], lo
                            env=os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
     try:
         server.wait_ready(timeout=120)
-        cmd = [sys.executable, str(REPO / "scripts" / "loadgen.py"), "--base-url", server.url,
+        cmd = [sys.executable, "-m", "fastserve.bench.loadgen", "--base-url", server.url,
                "--dataset-name", args.dataset_name, "--num-prompts", str(args.num_prompts), "--sweep", args.sweep,
                "--slo-per-token", str(args.slo_per_token), "--seed", str(args.seed), "--label", policy,
                "--disable-tqdm", "--save-result", "--result-dir", str(args.result_dir),
@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(summary) > 1:
         print(format_side_by_side(summary))
     if args.plot:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from loadgen_plot import plot_results
+        from fastserve.bench.plot import plot_results
 
         plot_results(list(results.values()), args.plot, args.slo_per_token)
         print(f"plot saved to {args.plot}")

@@ -35,10 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from loadgen_tokenizer import choose_counter, mismatch_warning  # noqa: E402  (scripts/ is this script's folder)
-from workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
-
 from engine.config import KV_POLICIES  # noqa: E402
+from fastserve.bench.tokens import choose_counter, mismatch_warning  # noqa: E402
+from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
 from scheduler.policy import PolicyName  # noqa: E402
 

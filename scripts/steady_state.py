@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from workload import LengthFilter, filter_line, load_workload  # noqa: E402  (scripts/ is this script's folder)
+from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
 
 SCALES = {  # name -> (model shape, profile, dataset default)
     "opt-13b": ("opt-13b", "profiles/sim/opt-13b-a100-40gb-x1.json"),

@@ -1,5 +1,6 @@
-"""scripts/loadgen*.py: metric arithmetic on hand-computed fake timings, SSE parsing, goodput, sweep selection,
-the saved JSON, the CLI against a tiny in-test fake OpenAI server, and end to end against the real server.py."""
+"""fastserve/bench/ (the load generator): metric arithmetic on hand-computed fake timings, SSE parsing, goodput,
+sweep selection, the saved JSON, the CLI against a tiny in-test fake OpenAI server, and end to end against the
+real server.py."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from aiohttp import web
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
 
-import loadgen  # noqa: E402
-from loadgen_client import DONE, RequestResult, StreamState, parse_sse_line, send_request  # noqa: E402
-from loadgen_metrics import (  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+from fastserve.bench import loadgen  # noqa: E402
+from fastserve.bench.client import DONE, RequestResult, StreamState, parse_sse_line, send_request  # noqa: E402
+from fastserve.bench.metrics import (  # noqa: E402
     compute_metrics,
     format_report,
     parse_goodput,
@@ -27,7 +30,6 @@ from loadgen_metrics import (  # noqa: E402
     run_json,
     slo_points,
 )
-from server_process import ServerProcess  # noqa: E402
 
 
 # -- metric arithmetic on fake timings ------------------------------------------------------------------------
@@ -372,7 +374,7 @@ def real_server(tiny_model_dir, tmp_path_factory):
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "loadgen.py"), *args, "--disable-tqdm"],
+    return subprocess.run([sys.executable, "-m", "fastserve.bench.loadgen", *args, "--disable-tqdm"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

@@ -1,7 +1,7 @@
-"""scripts/loadgen.py as a vLLM user types it: --backend openai|openai-chat|vllm, --host/--port, text prompts by
-default, the tokenizer chosen without being named (and a warning when it cannot be the server's), failed
-requests named beside the SLO verdict, vLLM's top-level result fields; against the in-test fake server and,
-end to end, against the real server.py with the issue's first command."""
+"""The load generator (fastserve bench serve) as a vLLM user types it: --backend openai|openai-chat|vllm,
+--host/--port, text prompts by default, the tokenizer chosen without being named (and a warning when it cannot
+be the server's), failed requests named beside the SLO verdict, vLLM's top-level result fields; against the
+in-test fake server and, end to end, against the real server.py with the issue's first command."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from tests.test_loadgen import REPO, FakeServer
 
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
 
-import loadgen  # noqa: E402
-import loadgen_plot  # noqa: E402
-import loadgen_tokenizer  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
+
+from fastserve.bench import loadgen  # noqa: E402
+from fastserve.bench import plot as loadgen_plot  # noqa: E402
+from fastserve.bench import tokens as loadgen_tokenizer  # noqa: E402
 
 CONVERSATIONS = [("Tell me about the sea and the sky today", "The sea is blue and the sky is wide open"),
                  ("What is a good name for a small red cat", "A good name is Pepper or maybe Ginger"),
@@ -137,8 +138,9 @@ def test_the_issues_first_command_against_the_real_server(tiny_model_dir, shareg
         srv.wait_ready(timeout=120)
         for backend in ("openai", "openai-chat"):
             proc = subprocess.run(
-                [sys.executable, "scripts/loadgen.py", "--base-url", srv.url, "--backend", backend, "--dataset-name",
-                 "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "3", "--request-rate", "4",
+                [sys.executable, "-m", "fastserve.bench.loadgen", "--base-url", srv.url, "--backend", backend,
+                 "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "3",
+                 "--request-rate", "4",
                  "--save-result", "--result-dir", str(tmp_path / backend), "--disable-tqdm"],
                 cwd=REPO, capture_output=True, text=True, timeout=300)
             assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""scripts/workload.py and scripts/workload_arrivals.py: dataset readers on the project's shared files (marked
+"""fastserve/bench/workload.py and fastserve/bench/arrivals.py: dataset readers on the project's shared files (marked
 `datasets`) and on small files in the same formats, malformed files, synthetic lengths, and the arrival processes
 (seeded, with the right means and burstiness)."""
 
@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # scripts/ is not a package: its modules import each other by name
-
-import loadgen_tokenizer  # noqa: E402
-import workload  # noqa: E402
-from workload import DatasetError, LengthFilter, WorkItem  # noqa: E402
-from workload_arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals  # noqa: E402
-
-from tests.conftest import DATA  # noqa: E402
-from tests.conftest import shared_dataset as dataset  # noqa: E402
+from fastserve.bench import tokens as loadgen_tokenizer
+from fastserve.bench import workload
+from fastserve.bench.arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals
+from fastserve.bench.workload import DatasetError, LengthFilter, WorkItem
+from tests.conftest import DATA
+from tests.conftest import shared_dataset as dataset
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 
-from workload import load_workload
-
 from experiment_sections.common import MAIN, Ctx, clip_trace
 from experiment_sections.sched import CAPACITY, sharegpt
+from fastserve.bench.workload import load_workload
 
 AZURE_LOADS = (0.75, 1.0)
 AZURE_POLICIES = ("fcfs", "skip-join-mlfq")

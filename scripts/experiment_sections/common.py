@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workload import LengthFilter, load_workload  # scripts/ is on the path (scripts/experiments.py puts it there)
+from fastserve.bench.workload import LengthFilter, load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 

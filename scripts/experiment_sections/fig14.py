@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import statistics
 
-from workload import synthetic_lengths
-
 from experiment_sections.common import MAIN, POLICIES, Ctx, _plt, _save, clip_trace, kv_tokens
+from fastserve.bench.workload import synthetic_lengths
 
 IO_RATIOS = (0.25, 1, 4, 16, 64, 256)
 NO_STARVE = "skip-join (no promotion)"
@@ -47,7 +46,7 @@ def section_fig14(ctx: Ctx) -> str:
              "threshold causes.", "",
              "| ratio | prompt/output | rate req/s | " + " | ".join(POLICIES) + f" | {NO_STARVE} | fcfs / skip-join |",
              "|---|---|---|" + "---|" * (len(POLICIES) + 2)]
-    from workload_arrivals import poisson_arrivals
+    from fastserve.bench.arrivals import poisson_arrivals
 
     variants = [(p, p, {}) for p in POLICIES] + [(NO_STARVE, "skip-join-mlfq", {"starvation_threshold": None})]
     results = {name: [] for name, _, _ in variants}

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import random
 
-from workload import load_workload
-
 from experiment_sections.common import MAIN, Ctx, _plt, _save, clip_trace
+from fastserve.bench.workload import load_workload
 
 # Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT
 # lengths, req/s: the measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.

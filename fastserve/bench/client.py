@@ -6,7 +6,7 @@ between text chunks, end-to-end latency, generated token count from `usage` or e
 chunks) and, when the server gives them, FastServe's per-request metrics (queued_s, executing_s,
 swap_wait_s, preemptions: the finishing choice's or `usage`'s "metrics" object; absent on vLLM).
 `server_info()` asks /v1/models for the model name and, if told, max_model_len and vocab_size.
-What this is not: metric arithmetic (loadgen_metrics.py) or pacing (loadgen.py).
+What this is not: metric arithmetic (metrics.py) or pacing (loadgen.py).
 
 SSE rules: only `data:` lines matter; `data: [DONE]` ends the stream; a `data: {"error": ...}` chunk fails the
 request with its message; a stream that ends without [DONE] has failed; a chunk that is not JSON fails it.

@@ -1,10 +1,11 @@
 """Load generator: replays a workload against any OpenAI-compatible server (ours or vLLM), streaming, and
 reports vLLM benchmark_serving's metrics plus the paper's (per-token latency, throughput at SLO, breakdown).
 
-    python scripts/loadgen.py --base-url http://127.0.0.1:8000 --dataset-name sharegpt \\
+    fastserve bench serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt \\
         --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json --num-prompts 20 --request-rate 4
-    python scripts/loadgen.py --backend openai-chat --port 8000 --dataset-name sharegpt --dataset-path ...
-    python scripts/loadgen.py ... --sweep 1,2,4,8 --label skip-join --save-result --plot fig11.png
+    fastserve bench serve --backend openai-chat --port 8000 --dataset-name sharegpt --dataset-path ...
+    fastserve bench serve ... --sweep 1,2,4,8 --label skip-join --save-result --plot fig11.png
+    python -m fastserve.bench.loadgen ...       (the same, without the console script)
 
 Flags follow benchmark_serving's names (--backend openai|openai-chat|vllm, --base-url or --host/--port,
 --endpoint, --model, --served-model-name, --tokenizer, --dataset-name, --dataset-path, --num-prompts,
@@ -16,11 +17,11 @@ Prompts: datasets with text (sharegpt, alpaca) send their text, as vLLM does (--
 ids of the same counted length instead); the others (lengths, azure-*, synthetic) have no text and send random
 token ids in [4, vocab) from --seed, exactly the dataset's prompt length, with ignore_eos. The chat backend
 (openai-chat) sends `messages` with the text as a content part, as vLLM's does; it needs text. Text is counted
-with the served model's tokenizer when it can be found (loadgen_tokenizer.py says which one it chose).
+with the served model's tokenizer when it can be found (fastserve/bench/tokens.py says which one it chose).
 Trace datasets (azure-*) keep their own arrival times unless --request-rate or --sweep is given. Items that
 cannot fit the context (--max-model-len, else what /v1/models says) are dropped.
 Each request has a timeout, so a run always ends. Exit status: 0, 1 on an error (unreachable server, bad
-dataset), 2 on bad flags, 3 when some requests failed. What this is not: a server, or a simulator (scripts/ has one).
+dataset), 2 on bad flags, 3 when some requests failed. What this is not: a server, or a simulator (fastserve simulate).
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ try:
     import aiohttp
     import numpy as np
 except ImportError as e:  # the system Python: say how to run it instead of a traceback
-    raise SystemExit(f"loadgen.py: the module {e.name} is missing; run it with the project's virtualenv: "
-                     ".venv/bin/python scripts/loadgen.py ..., or `source .venv/bin/activate` first "
+    raise SystemExit(f"fastserve bench serve: the module {e.name} is missing; run it with the project's "
+                     "virtualenv: .venv/bin/fastserve bench serve ..., or `source .venv/bin/activate` first "
                      "(`make test` or `make serve` creates it)") from None
-from loadgen_client import RequestResult, ServerInfo, send_request, server_info
-from loadgen_metrics import (
+from tqdm import tqdm
+
+from fastserve.bench.client import RequestResult, ServerInfo, send_request, server_info
+from fastserve.bench.metrics import (
     LATENCY_METRICS,
     compute_metrics,
     format_report,
@@ -53,17 +56,17 @@ from loadgen_metrics import (
     run_json,
     slo_points,
 )
-from loadgen_tokenizer import TokenCounter, choose_counter, mismatch_warning
-from tqdm import tqdm
-from workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, filter_line, load_workload
+from fastserve.bench.tokens import TokenCounter, choose_counter, mismatch_warning
+from fastserve.bench.workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, filter_line, load_workload
 
 BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 TEXT_DATASETS = ("sharegpt", "alpaca")
+PROG = "fastserve bench serve"
 CHAT_TEMPLATE_MARGIN = 16  # tokens a server's chat template may add around a message
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--backend", choices=sorted(BACKENDS), default="openai",
@@ -115,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class FlagError(SystemExit):
-    """A bad flag value: `loadgen.py: error: MESSAGE` on stderr, exit status 2 (as argparse's own errors)."""
+    """A bad flag value: `fastserve bench serve: error: MESSAGE` on stderr, exit status 2 (as argparse's own errors)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(2)
@@ -158,7 +161,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def token_counter(args: argparse.Namespace, info: ServerInfo | None) -> TokenCounter | None:
-    """The text datasets' token counter (loadgen_tokenizer.py's choice, printed with a warning when it cannot be
+    """The text datasets' token counter (tokens.py's choice, printed with a warning when it cannot be
     the server's); None for datasets that give counts."""
     if args.dataset_name not in TEXT_DATASETS:
         return None
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         _validate(args)
         result = asyncio.run(benchmark(args))
     except FlagError as e:
-        print(f"loadgen.py: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         raise
     except (RuntimeError, ValueError) as e:  # unreachable server, bad dataset, bad --goodput
         print(f"error: {e}", file=sys.stderr)
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(jsonable(result), allow_nan=False))
         print(f"result saved to {path}")
     if args.plot:
-        from loadgen_plot import plot_results
+        from fastserve.bench.plot import plot_results
 
         others = []
         for f in args.compare:  # a run without a label is named after its file in the legend

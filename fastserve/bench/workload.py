@@ -2,7 +2,7 @@
 
 What this is: dataset readers that turn a file into `WorkItem`s (prompt length, output length, prompt
 text when the dataset has it, arrival time), synthetic length distributions, and `load_workload()`,
-which picks items and gives them arrival times (the arrival processes live in workload_arrivals.py).
+which picks items and gives them arrival times (the arrival processes live in arrivals.py).
 
     ShareGPT JSON   [{"id", "conversations": [{"from", "value"}]}]: the first human turn and the gpt turn
                     right after it; vLLM benchmark_serving's filters (see `LengthFilter`)
@@ -12,7 +12,7 @@ which picks items and gives them arrival times (the arrival processes live in wo
     synthetic       fixed, uniform (+-range ratio) or input:output-ratio lengths, no text
 
 Token counts exclude BOS/EOS (as the *_lengths.csv files do); a caller passes `count_tokens(text) -> int`
-(loadgen_tokenizer.py builds one from a model directory or GPT-2's BPE files).
+(tokens.py builds one from a model directory or GPT-2's BPE files).
 What this is not: an HTTP client (loadgen.py) or a tokenizer (engine/tokenizer.py). Paths always come from
 the caller; nothing here knows where datasets live. A malformed file raises `DatasetError` naming the file
 and the record index (JSON) or line number (CSV).
@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from workload_arrivals import gamma_arrivals, trace_arrivals
+from fastserve.bench.arrivals import gamma_arrivals, trace_arrivals
 
 CountTokens = Callable[[str], int]
 DATASETS = ("sharegpt", "alpaca", "azure-conv", "azure-code", "lengths", "synthetic")

@@ -6,7 +6,7 @@ What this is: plot_results(results, png, slo) draws, side by side,
   * the mean queued / executing / swap-wait seconds per request, stacked, for each rate and label (Fig. 15b;
     empty when the server sent no per-request metrics, as vLLM does not).
 Runs whose rate is not a finite number (rate inf) are left out. matplotlib is imported here only, so the
-load generator runs without it. What this is not: a report (loadgen_metrics.py prints the numbers).
+load generator runs without it. What this is not: a report (metrics.py prints the numbers).
 """
 
 from __future__ import annotations

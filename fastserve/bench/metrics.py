@@ -1,6 +1,6 @@
 """The load generator's arithmetic: a run's metrics, goodput, throughput at SLO, the printed report, the JSON.
 
-What this is: pure functions of RequestResults (loadgen_client.py) and a run's duration.
+What this is: pure functions of RequestResults (client.py) and a run's duration.
   * vLLM benchmark_serving's metrics, the same way: TTFT, TPOT = (e2e - ttft) / (output tokens - 1) over
     requests with more than one token, ITL = every gap between text chunks, E2EL; mean, median, std and
     the requested percentiles (numpy's linear interpolation), in ms; request / output / total token
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from loadgen_client import BREAKDOWN_KEYS, RequestResult
+
+from fastserve.bench.client import BREAKDOWN_KEYS, RequestResult
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")

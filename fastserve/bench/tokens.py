@@ -15,13 +15,11 @@ or a tokenizer (engine/tokenizer.py).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from workload import CountTokens, DatasetError
+from fastserve.bench.workload import CountTokens, DatasetError
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB_PADDING = 128  # a checkpoint's embedding rows beyond its tokenizer's ids (OPT: 50272 vs 50265)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
@@ -34,8 +32,6 @@ class TokenCounter:
 
 
 def model_dir_counter(model_dir: str | Path, why: str) -> TokenCounter:
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from engine.tokenizer import Tokenizer
 
     try:
@@ -81,8 +77,6 @@ def choose_counter(tokenizer: str | None, gpt2_bpe: str | None, model: str | Non
     for name, why in ((model, "--model"), (served_model, "the model the server lists at /v1/models")):
         if (path := readable_model_dir(name)) is not None:
             return model_dir_counter(path, why)
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from modelmaker.tiny_model import ensure_tiny_model
 
     listed = f"the server lists {served_model!r}, not a directory here" if served_model else "no model named"
