@@ -47,21 +47,25 @@ class EngineConfig:
     scheduling_policy: str = "skip-join-mlfq"
     seed: int = 0
     kv_policy: str = "proactive"
-    starvation_threshold: float | None = 0.3  # alpha, seconds
+    # alpha, seconds: the paper's starvation rule; off by default, since past capacity every waiting job is older
+    # than alpha and promoting them all turns the queues into round robin (docs/benchmarks.md, "Skip-join at
+    # capacity"); age promotion (starvation_age) bounds waits instead.
+    starvation_threshold: float | None = None
     # Overload rules: promotion after max(alpha, f x W), to the arrival place for a job that never ran, and a
     # last queue that keeps its order (scheduler/skip_join_mlfq.py); None = the paper's rules.
     starvation_factor: float | None = 1.0
     quantum_ratio: float = 2.0
     # Age promotion: a job in the system longer than this x the mean time in the system runs to completion,
     # oldest first; None = off (scheduler/skip_join_mlfq.py).
-    starvation_age: float | None = None
+    starvation_age: float | None = 3.0
     # The MLFQ ladder: "service" (quanta cover the whole service a job can need, decode included) or
     # "prefill" (the paper's: the last quantum covers t_init(max_model_len)); scheduler/policy.py.
     mlfq_ladder: str = "service"
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;
-    # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour).
-    kv_overcommit: float | None = 4.0
+    # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour, and the
+    # default: with least-attained-service order the limit kept new jobs waiting behind started long ones).
+    kv_overcommit: float | None = None
     profile: str | None = None  # a job-profile JSON (scripts/profile_model.py)
     # Decode steps replay CUDA graphs captured per batch bucket (engine/cuda_graphs.py) unless this is set;
     # on CPU, and on tensor-parallel workers, they always run eagerly.

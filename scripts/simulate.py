@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from engine.config import KV_POLICIES  # noqa: E402
+from engine.config import KV_POLICIES, EngineConfig  # noqa: E402
 from fastserve.bench.tokens import choose_counter, mismatch_warning  # noqa: E402
 from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
@@ -68,14 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: %(default)s (srpt: the oracle that knows output lengths)")
     ap.add_argument("--kv-policy", default="proactive", choices=KV_POLICIES, help="default: %(default)s")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--starvation-threshold", type=float, default=0.3)
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
-    ap.add_argument("--kv-overcommit", type=none_or_float, default=4.0,
+    d = EngineConfig()  # the server's defaults
+    ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
+                    help="alpha: seconds of waiting before a job is promoted to Q1 (the paper's rule, 0.3); "
+                         "default: %(default)s")
+    ap.add_argument("--starvation-age", type=none_or_float, default=d.starvation_age,
+                    help="a job older than this x the mean time in the system runs to completion; default: %(default)s")
+    ap.add_argument("--mlfq-ladder", default=d.mlfq_ladder, choices=("service", "prefill"),
+                    help="MLFQ quanta cover a job's whole service, or only the longest prefill (the paper); "
+                         "default: %(default)s")
+    ap.add_argument("--kv-overcommit", type=none_or_float, default=d.kv_overcommit,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
-                         "(the paper)")
-    ap.add_argument("--starvation-factor", type=none_or_float, default=1.0,
-                    help="a waiting job is promoted after max(alpha, this x the recent wait to a first run); "
-                         "'none' = alpha (the paper)")
+                         "(the paper); default: %(default)s")
+    ap.add_argument("--starvation-factor", type=none_or_float, default=d.starvation_factor,
+                    help="with alpha: a waiting job is promoted after max(alpha, this x the recent wait to a first "
+                         "run); 'none' = alpha (the paper); default: %(default)s")
     ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
     ap.add_argument("--pipeline-parallel-size", type=int, default=None,
                     help="pipeline stages (default: the profile's key; each stage takes the profiled time)")
@@ -131,7 +139,8 @@ def run(args: argparse.Namespace) -> dict:
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                               starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
-                              starvation_factor=args.starvation_factor,
+                              starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
+                              mlfq_ladder=args.mlfq_ladder,
                               pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
                               **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
