@@ -13,9 +13,10 @@ starvation promotions, new prefills. Baseline, measured in the same run: the
 tiny model's decode step at batch 1 through the live engine (Engine.step()).
 Aim: a tick under 0.2 ms with 1,000 waiting, under 0.5 ms with 10,000.
 
-The policies get the engine's defaults (EngineConfig: alpha 0.3 s and the
-starvation factor f, promotion after max(alpha, f x W)). With
---starvation-factor none (the paper's rule alone) and the tiny CPU profile a
+The policies get the engine's defaults (EngineConfig: the service ladder, age
+promotion, no alpha); jobs finish after 16-512 tokens and a new one takes each
+finished job's place, so the queues keep their size. With the paper's rule
+(--starvation-threshold 0.3 --starvation-factor none) and the tiny CPU profile a
 256-job iteration costs 0.14 s against alpha 0.3 s, so every waiting job is
 promoted every ~3 iterations and ~230 jobs are promoted, demoted and
 preempted per tick: the worst case of churn, not the engine's steady state.
@@ -94,20 +95,27 @@ def decode_step_times(llm: LLM, steps: int) -> list[float]:
 
 
 def loaded_policy(name: str, cost: CostModel, waiting: int, running: int, seed: int,
-                  alpha: float | None = 0.3, factor: float | None = None) -> SchedulingPolicy:
+                  alpha: float | None = 0.3, factor: float | None = None, ladder: str = "service",
+                  age: float | None = None) -> SchedulingPolicy:
     config = SchedulerConfig(policy=name, max_num_seqs=running, max_prompt_len=2048, starvation_threshold=alpha,
-                             starvation_factor=factor)
+                             starvation_factor=factor, mlfq_ladder=ladder, starvation_age=age)
     policy = make_policy(config, cost)
     rng = random.Random(seed)
     for i in range(waiting + running):
         arrival = i * 1e-4
-        policy.add(Job(f"j{i}", rng.randint(8, 512), max_new_tokens=10**9, arrival_time=arrival), arrival)
+        policy.add(new_job(rng, f"j{i}", arrival), arrival)
     return policy
+
+
+def new_job(rng: random.Random, job_id: str, arrival: float) -> Job:
+    """A prompt of 8-512 tokens and 16-512 output tokens (it finishes, so completions feed age promotion)."""
+    return Job(job_id, rng.randint(8, 512), max_new_tokens=rng.randint(16, 512), arrival_time=arrival)
 
 
 def tick_times(policy: SchedulingPolicy, cost: CostModel, warmup: int, ticks: int) -> dict[str, list[float]]:
     """Seconds of each timed tick, whole and by part (schedule, cost, done), and each batch size."""
     kv, now = AlwaysFits(), 1.0
+    rng, arrivals = random.Random(1), 0
     out: dict[str, list[float]] = {"tick": [], "schedule": [], "cost": [], "done": [], "batch": []}
     for i in range(warmup + ticks):
         t0 = time.perf_counter()
@@ -125,6 +133,10 @@ def tick_times(policy: SchedulingPolicy, cost: CostModel, warmup: int, ticks: in
         for job in batch:  # the engine's part: the step computed these tokens and sampled one
             job.num_computed = job.context_len
             job.num_generated += 1
+            if job.num_generated >= job.max_new_tokens:  # finished: a new request takes its place
+                policy.remove(job)
+                arrivals += 1
+                policy.add(new_job(rng, f"new{arrivals}", now), now)
     return out
 
 
@@ -144,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--starvation-factor", type=none_or_float, default=defaults.starvation_factor,
                    help="promotion after max(alpha, f x W), or 'none': the paper's rule, which with the tiny "
                         "profile promotes every waiting job every ~3 iterations (default: the engine's, %(default)s)")
+    p.add_argument("--starvation-age", type=none_or_float, default=defaults.starvation_age,
+                   help="age promotion, or 'none' (default: the engine's, %(default)s)")
+    p.add_argument("--mlfq-ladder", default=defaults.mlfq_ladder, choices=("service", "prefill"))
     args = p.parse_args(argv)
 
     llm = LLM(model=args.model, profile=args.profile, kv_policy="recompute", num_gpu_blocks_override=256)
@@ -154,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     for waiting in (int(w) for w in args.waiting.split(",")):
         aim = AIM_MS.get(waiting, max(AIM_MS.values()))
         print(f"scheduler tick, {waiting} waiting + {args.running} running jobs, {args.ticks} ticks, "
-              f"alpha {args.starvation_threshold}, starvation factor {args.starvation_factor}:")
+              f"alpha {args.starvation_threshold}, starvation factor {args.starvation_factor}, "
+              f"ladder {args.mlfq_ladder}, age promotion {args.starvation_age}:")
         print(f"  {'policy':<16}{'median ms':>10}{'best ms':>9}{'median/step':>13}{'best/step':>11}"
               f"   median ms of schedule / cost / done   batch")
         worst = 0.0
         for name in ("skip-join-mlfq", "fcfs"):
             policy = loaded_policy(name, cost, waiting, args.running, args.seed, args.starvation_threshold,
-                                   args.starvation_factor)
+                                   args.starvation_factor, args.mlfq_ladder, args.starvation_age)
             t = tick_times(policy, cost, args.warmup, args.ticks)
             med, best = summary(t["tick"])
             worst = max(worst, med)
