@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+FASTSERVE := $(VENV)/bin/fastserve
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
@@ -22,9 +23,9 @@ models/tiny-opt/config.json: $(STAMP)
 
 model: models/tiny-opt/config.json
 
-## serve: the OpenAI-compatible server on 127.0.0.1:8000 (the built-in tiny model unless ARGS="--model DIR")
+## serve: the OpenAI-compatible server on 127.0.0.1:8000 (the built-in tiny model unless ARGS="DIR" or "--model DIR")
 serve: $(STAMP) models/tiny-opt/config.json
-	$(PY) server.py $(ARGS)
+	$(FASTSERVE) serve $(ARGS)
 
 ## browser: Debian's chromium, which the dashboard's browser test drives headless (installed when missing)
 browser:
@@ -52,16 +53,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_engine.py $(ARGS)
 
-## compare: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at 1 and 2 req/s
-## (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores). Uses the
-## ShareGPT lengths when COMPARE_DATA exists, else synthetic lengths of a wide spread.
-COMPARE_DATA ?= ../shared/datasets/sharegpt_lengths.csv
-COMPARE_WORKLOAD = $(if $(wildcard $(COMPARE_DATA)),--dataset-name lengths --dataset-path $(COMPARE_DATA),\
-	--dataset-name synthetic --random-input-len 120 --random-output-len 200 --random-range-ratio 0.9)
+## compare: `fastserve compare`: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at
+## 1 and 2 req/s (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores).
+## Uses ShareGPT's lengths when ../shared/datasets/sharegpt_lengths.csv exists, else synthetic lengths of a wide
+## spread (settings in fastserve/cli.py; ARGS="--dataset-name lengths --dataset-path FILE" or "-- SERVER FLAGS" add).
 compare: $(STAMP) models/tiny-opt/config.json
-	$(PY) scripts/live_sweep.py --policies fcfs,skip-join-mlfq $(COMPARE_WORKLOAD) --num-prompts 30 --sweep 1,2 \
-		--slo-per-token 0.045 --result-dir results/compare $(ARGS) \
-		-- --num-gpu-blocks-override 987 --num-host-blocks-override 8192 --max-model-len 512
+	$(FASTSERVE) compare $(ARGS)
 
 ## experiments: regenerate docs/experiments.md and docs/figures/ (simulated at the paper's scale + a live check)
 experiments: $(STAMP)

@@ -1,6 +1,7 @@
 """FastServe's HTTP server: OpenAI-compatible completions and chat on aiohttp + uvloop.
 
-    python server.py --model DIR [--port 8000] ...        (--help documents every flag)
+    fastserve serve [MODEL] [--port 8000] ...     (--help documents every flag; MODEL = --model DIR)
+    python server.py [MODEL] [--port 8000] ...    (the same)
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
 /v1/models, /version, /metrics (Prometheus text, serving/server_metrics.py), /dashboard (a page to watch;
@@ -488,8 +489,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="server.py", description="FastServe: an OpenAI-compatible server for OPT models.")
+def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="FastServe: an OpenAI-compatible server for OPT models.")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model directory, the same as --model (`fastserve serve MODEL`, as `vllm serve MODEL`)")
 
     def flag(name: str, doc: str, **kw) -> None:  # every help line says its default
         p.add_argument(name, help=doc if "default" in doc else doc + " (default: %(default)s)", **kw)
@@ -523,6 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Both configs from the flags; a bad value raises ValueError."""
+    if args.model_tag is not None:  # the positional MODEL: --model's value, unless both are given and differ
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give the model once")
+        args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.stream_write_timeout <= 0:
@@ -577,14 +584,15 @@ async def serve(app: web.Application, sock: socket.socket, access_log: bool = Fa
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "server.py") -> int:
+    """`python server.py ...` and `fastserve serve ...` (prog: how errors name the command)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_cfg, server_cfg = _configs(args)
         sock = listen(args.host, args.port)
     except (ValueError, OSError) as e:  # bad flag values, unreadable template file, address in use
-        print(f"server.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
     try:
         from engine.engine import Engine  # torch and the model: only once the flags and the port are good
@@ -596,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(engine_cfg)
     except (ValueError, OSError, RuntimeError) as e:  # bad or unreadable model files, workers that failed to start
         sock.close()
-        print(f"server.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     app = create_app(AsyncEngine(engine, engine_cfg.max_queued_requests), server_cfg)
     coro = serve(app, sock, access_log=args.log_level == "debug")

@@ -27,6 +27,10 @@ from pathlib import Path
 from server_process import ServerProcess  # scripts/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fastserve.bench.loadgen import build_parser as loadgen_parser  # noqa: E402
+
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 
 
@@ -122,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    args, loadgen_args = build_parser().parse_known_args(ours)
+    parser = build_parser()
+    args, loadgen_args = parser.parse_known_args(ours)
+    _, unknown = loadgen_parser().parse_known_args(loadgen_args)  # checked now, not after a server has started
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (neither this script's nor the load generator's)")
     policies = [p for p in args.policies.split(",") if p]
     unknown = set(policies) - set(POLICIES)
     if unknown:

@@ -25,14 +25,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python server.py --port P ARGS`, logging to LOG_DIR/server-NAME.log (NAME: the port by default)."""
+    """`python server.py --port P ARGS`, logging to LOG_DIR/server-NAME.log (NAME: the port by default);
+    `command` runs another form of it (e.g. [".venv/bin/fastserve", "serve"])."""
 
     def __init__(self, args: Sequence[str], log_dir: Path, name: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, command: Sequence[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"server-{name or self.port}.log"
-        cmd = [sys.executable, str(REPO / "server.py"), "--port", str(self.port), *args]
+        command = [sys.executable, str(REPO / "server.py")] if command is None else list(command)
+        cmd = [*command, "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=None if env is None else dict(env))

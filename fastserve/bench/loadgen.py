@@ -65,8 +65,13 @@ PROG = "fastserve bench serve"
 CHAT_TEMPLATE_MARGIN = 16  # tokens a server's chat template may add around a message
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--backend", choices=sorted(BACKENDS), default="openai",

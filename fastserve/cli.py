@@ -1,0 +1,157 @@
+"""`fastserve`: the project's one command (installed by `pip install -e .`, as `make install` does).
+
+    fastserve serve [MODEL] [flags]     the OpenAI-compatible server (server.py; MODEL = --model, as `vllm serve`)
+    fastserve bench serve [flags]       the load generator, with vLLM `vllm bench serve`'s flags (fastserve/bench/)
+    fastserve simulate [flags]          the engine, scheduler and KV manager on a virtual clock (scripts/simulate.py)
+    fastserve compare [flags] [-- SERVER FLAGS]
+                                        FCFS vs skip-join MLFQ served live on the tiny model, the same load
+                                        (scripts/live_sweep.py with `make compare`'s settings)
+
+`fastserve COMMAND --help` lists a command's flags. A bad command or flag is one line on stderr, exit 2.
+`python server.py ...` and `python -m fastserve ...` work too. `simulate` and `compare` run scripts of the
+source checkout (they are development tools, not shipped in a wheel); this file finds them beside itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+PROG = "fastserve"
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+USAGE = f"usage: {PROG} {{serve,bench serve,simulate,compare}} ...  ({PROG} --help for more)"
+
+# `make compare`'s settings: the tiny model, 30 requests a rate at 1 and 2 req/s, a per-token SLO of 45 ms,
+# and a KV cache small enough that memory matters; flags given after these win (argparse keeps the last).
+COMPARE_ARGS = ["--policies", "fcfs,skip-join-mlfq", "--num-prompts", "30", "--sweep", "1,2",
+                "--slo-per-token", "0.045", "--result-dir", "results/compare"]
+COMPARE_SERVER_ARGS = ["--num-gpu-blocks-override", "987", "--num-host-blocks-override", "8192",
+                       "--max-model-len", "512"]
+COMPARE_DATA = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"  # ShareGPT's lengths, when present
+COMPARE_SYNTHETIC = ["--dataset-name", "synthetic", "--random-input-len", "120", "--random-output-len", "200",
+                     "--random-range-ratio", "0.9"]
+
+
+class CommandError(Exception):
+    """A bad command line: `PROG: error: MESSAGE`, exit 2."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(f"{prog}: error: {message}")
+
+
+def _serve(argv: list[str]) -> int:
+    import server
+
+    return server.main(argv, prog=f"{PROG} serve")
+
+
+def _bench(argv: list[str]) -> int:
+    benchmarks = ("serve",)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} bench serve [flags]   (the load generator; {PROG} bench serve --help)")
+        return 0 if argv else 2
+    if argv[0] not in benchmarks:
+        raise CommandError(f"{PROG} bench", f"unknown benchmark {argv[0]!r} (choose from {', '.join(benchmarks)})")
+    from fastserve.bench.loadgen import main
+
+    return main(argv[1:])
+
+
+def _script(name: str, prog: str, argv: list[str]) -> int:
+    """Run scripts/NAME.py's main(argv) in this process, its parser named `prog` and its errors one line."""
+    path = SCRIPTS / f"{name}.py"
+    if not path.is_file():
+        raise CommandError(prog, f"needs the source checkout ({path} is missing; this command runs the "
+                                 "repository's scripts/, which a wheel does not ship)")
+    if str(SCRIPTS) not in sys.path:  # the scripts import their neighbours by name (server_process.py)
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(f"fastserve_scripts_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build_parser = _renamed(module.build_parser, prog)
+    return module.main(argv)
+
+
+def _renamed(build_parser: Callable[[], argparse.ArgumentParser], prog: str):
+    def build() -> argparse.ArgumentParser:
+        parser = build_parser()
+        parser.prog = prog
+        parser.error = lambda message: parser.exit(2, f"{prog}: error: {message}\n")  # one line, no usage dump
+        return parser
+
+    return build
+
+
+def _simulate(argv: list[str]) -> int:
+    return _script("simulate", f"{PROG} simulate", argv)
+
+
+def compare_argv(argv: Sequence[str], data: Path = COMPARE_DATA) -> list[str]:
+    """scripts/live_sweep.py's command line for `fastserve compare ARGV`: `make compare`'s settings, then the
+    caller's flags (which win), then `--`, the server's settings and the caller's server flags."""
+    argv = list(argv)
+    ours, server = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    workload = (["--dataset-name", "lengths", "--dataset-path", str(data)] if data.is_file()
+                else COMPARE_SYNTHETIC)
+    return [*COMPARE_ARGS, *workload, *ours, "--", *COMPARE_SERVER_ARGS, *server]
+
+
+def _compare(argv: list[str]) -> int:
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    if "-h" in ours or "--help" in ours:
+        print(f"{PROG} compare [flags] [-- SERVER FLAGS]: FCFS and skip-join MLFQ, each served live on the tiny "
+              f"model and swept with the same load (ShareGPT's lengths from {COMPARE_DATA} when it exists, else "
+              f"synthetic lengths); prints their per-token latency side by side.\nIts settings: "
+              f"{' '.join(COMPARE_ARGS)} -- {' '.join(COMPARE_SERVER_ARGS)}; flags given here win. "
+              f"scripts/live_sweep.py's flags:\n")
+        return _script("live_sweep", f"{PROG} compare", ["--help"])
+    return _script("live_sweep", f"{PROG} compare", compare_argv(argv))
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "serve": (_serve, "the OpenAI-compatible server: fastserve serve [MODEL] [--port 8000] ..."),
+    "bench": (_bench, "benchmarks against a running server: fastserve bench serve (the load generator)"),
+    "simulate": (_simulate, "a serving run on a virtual clock with profiled costs"),
+    "compare": (_compare, "FCFS vs skip-join MLFQ served live on the tiny model (what `make compare` runs)"),
+}
+
+
+def _help() -> str:
+    lines = [USAGE.split("  (")[0], "", "FastServe: an OpenAI-compatible server for OPT models with skip-join MLFQ "
+             "scheduling, and the tools to load, measure and simulate it.", ""]
+    lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", f"{PROG} COMMAND --help: that command's flags."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if not argv:
+            raise CommandError(PROG, f"a command is required (choose from {', '.join(COMMANDS)}; {PROG} --help)")
+        if argv[0] in ("-h", "--help"):
+            print(_help())
+            return 0
+        if argv[0] == "--version":
+            from importlib import metadata
+
+            try:
+                print(f"{PROG} {metadata.version('fastserve')}")
+            except metadata.PackageNotFoundError:
+                print(f"{PROG} (not installed)")
+            return 0
+        command = COMMANDS.get(argv[0])
+        if command is None:
+            raise CommandError(PROG, f"unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})")
+        return command[0](argv[1:])
+    except CommandError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The `fastserve` command (fastserve/cli.py) as a user types it: the console script the package installs, each
+command for real (`serve MODEL` answering over HTTP, `bench serve` against a fake server, `simulate`, a small
+`compare`), and every bad command or flag as one line on stderr with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastserve import cli
+from tests.server_fixtures import QUICK_ARGS, REPO, ServerProcess, get_json, post_json
+from tests.test_loadgen import FakeServer
+
+FASTSERVE = Path(sys.executable).parent / "fastserve"  # the console script `pip install -e .` wrote
+PROFILE = str(REPO / "profiles" / "sim" / "opt-13b-a100-40gb-x1.json")
+
+
+def run(*args: str, timeout: float = 120, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FASTSERVE), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_package_installs_the_console_script():
+    assert FASTSERVE.is_file() and os.access(FASTSERVE, os.X_OK), \
+        f"{FASTSERVE} is missing: the package's [project.scripts] entry is not installed (make install)"
+    r = run("--help")
+    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "bench serve", "simulate", "compare"))
+    # `python -m fastserve` is the same command
+    r2 = subprocess.run([sys.executable, "-m", "fastserve", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert r2.returncode == 0 and r2.stdout == r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "fastserve: error: a command is required"),
+    (["srve"], "fastserve: error: unknown command 'srve' (choose from serve, bench, simulate, compare)"),
+    (["bench", "latency"], "fastserve bench: error: unknown benchmark 'latency' (choose from serve)"),
+    (["serve", "--no-such-flag"], "fastserve serve: error: unrecognized arguments: --no-such-flag"),
+    (["serve", "--port", "http"], "fastserve serve: error: argument --port: invalid int value: 'http'"),
+    (["serve", "models/a", "--model", "models/b"], "fastserve serve: error: MODEL 'models/a' and --model 'models/b' "
+                                                   "differ"),
+    (["serve", "models/a", "models/b"], "fastserve serve: error: unrecognized arguments: models/b"),
+    (["bench", "serve", "--no-such-flag"], "fastserve bench serve: error: unrecognized arguments: --no-such-flag"),
+    (["bench", "serve", "--backend", "tgi"], "fastserve bench serve: error: argument --backend: invalid choice"),
+    (["simulate", "--model", "opt-13b"], "fastserve simulate: error: the following arguments are required: "
+                                         "--profile"),
+    (["compare", "--no-such-flag"], "fastserve compare: error: unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_command_or_flag_is_one_line_and_exit_2(tmp_path, args, message):
+    r = run(*args, cwd=tmp_path)  # from anywhere: the command finds its scripts beside itself
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_serve_takes_the_model_as_its_first_argument(tiny_model_dir, tmp_path):
+    """`fastserve serve MODEL`, as `vllm serve MODEL`: the model it serves is MODEL, under MODEL's name."""
+    srv = ServerProcess([str(tiny_model_dir), *QUICK_ARGS, "--num-gpu-blocks-override", "64"], tmp_path,
+                        command=[str(FASTSERVE), "serve"])
+    try:
+        srv.wait_ready(120)
+        status, models = get_json(srv.url + "/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [str(tiny_model_dir)]
+        status, _, body = post_json(srv.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        srv.stop()
+        assert srv.proc.returncode == 0
+    finally:
+        srv.stop()
+
+
+def test_bench_serve_is_the_load_generator(tmp_path):
+    fake = FakeServer()
+    try:
+        r = run("bench", "serve", "--base-url", fake.url, "--dataset-name", "synthetic", "--random-input-len", "8",
+                "--random-output-len", "4", "--num-prompts", "3", "--request-rate", "inf", "--disable-tqdm",
+                "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
+    finally:
+        fake.close()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Successful requests:                     3" in r.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["completed"] == 3
+    assert len(fake.bodies) == 3 and all(b["max_tokens"] == 4 for b in fake.bodies)
+
+
+def test_simulate_runs_scripts_simulate(tmp_path):
+    out, lengths = tmp_path / "s.json", tmp_path / "lengths.csv"
+    lengths.write_text("input_tokens,output_tokens\n" + "".join(f"{20 + 7 * i},{10 + 3 * i}\n" for i in range(30)))
+    r = run("simulate", "--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "lengths", "--dataset-path",
+            str(lengths), "--num-prompts", "20", "--request-rate", "2", "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == 20 and summary["policy"] == "skip-join-mlfq"
+
+
+def test_compare_runs_make_compares_settings_and_flags_given_win(tmp_path):
+    with_data = tmp_path / "lengths.csv"
+    with_data.write_text("input_tokens,output_tokens\n10,10\n")
+    argv = cli.compare_argv(["--num-prompts", "5", "--", "--max-model-len", "256"], data=with_data)
+    assert argv[:argv.index("--")] == [*cli.COMPARE_ARGS, "--dataset-name", "lengths", "--dataset-path",
+                                       str(with_data), "--num-prompts", "5"]
+    assert argv[argv.index("--") + 1:] == [*cli.COMPARE_SERVER_ARGS, "--max-model-len", "256"]
+    argv = cli.compare_argv([], data=tmp_path / "absent.csv")  # no ShareGPT lengths beside the clone: synthetic
+    assert argv == [*cli.COMPARE_ARGS, *cli.COMPARE_SYNTHETIC, "--", *cli.COMPARE_SERVER_ARGS]
+
+
+def test_compare_end_to_end_on_one_policy(tmp_path):
+    """A small `fastserve compare` (one policy, one rate, 3 requests): a real server and the load generator."""
+    r = run("compare", "--policies", "fcfs", "--sweep", "8", "--num-prompts", "3", "--result-dir",
+            str(tmp_path / "out"), "--", "--profile", "analytic", timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert list(summary["policies"]) == ["fcfs"] and summary["num_prompts"] == 3
+    assert "--num-gpu-blocks-override" in summary["server_args"] and "analytic" in summary["server_args"]
