@@ -7,11 +7,16 @@ cpu_decode_layers.cpp), building both with torch's cpp_extension (g++ and ninja)
 and loading the cached build after that; or None when it cannot be built or is turned off, and the CPU path
 falls back to the sparse-op kernel (kernels/cpu_decode_attention.py) and the model's Python layer loop.
 `make install` builds them (`python -m kernels.cpu_decode_extension`), so the first request does not wait for
-g++ (~20 s); later processes load the cached build (~1 s). torch's cpp_extension keeps it under
-~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere) and rebuilds it when a source changes.
+g++ (~20 s); later processes load the cached build (well under a second). torch's cpp_extension keeps it under
+~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere).
 
-The build is compiled for the CPU it runs on (-march=native), so the build directory's name carries a hash of
-the CPU's model and flags: a home directory shared by different machines gets one build each.
+The build folder is named after everything the build depends on (`build_name()`): the sources' bytes (every
+file in kernels/csrc), the compiler ($CXX or c++: its path and version), torch's version and install folder,
+Python's headers, the C++ ABI, the flags, and the CPU (-march=native: its model and flags). The sources are
+copied into the folder (src/) and compiled from there, so its build.ninja names no clone's own paths: every
+clone with the same sources and environment shares one build and never rebuilds it (a folder named after the CPU
+alone was shared by every clone, and each start rebuilt it with its own paths, 29-73 s); a changed byte or
+environment gets a folder of its own. Old folders are not removed (a few hundred KB each).
 FASTSERVE_CPU_KERNEL=0 turns both off (the sparse-op path and the Python loop serve; benchmarks compare this way).
 """
 
@@ -20,7 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -30,7 +38,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_decode_layers.cpp"]
+SOURCE_SUFFIXES = (".cpp", ".h")  # what a build reads from kernels/csrc (the .cpp files include the headers)
+# -fopenmp: at::parallel_for's pragma (the symbols resolve to torch's own OpenMP runtime)
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "FASTSERVE_CPU_KERNEL"
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "op": the op or None once tried; "error": why it is None
@@ -46,6 +56,62 @@ def _cpu_fingerprint() -> str:
 
         keep = [platform.machine(), platform.processor()]
     return hashlib.sha256("\n".join(keep).encode()).hexdigest()[:10]
+
+
+def _compiler() -> str:
+    """The C++ compiler cpp_extension runs ($CXX, else c++): its name, resolved path and version line."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    try:
+        version = subprocess.run([path or cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    first_line = version.strip().splitlines()[0] if version.strip() else "-"
+    return f"{cxx} {os.path.realpath(path) if path else '-'} {first_line}"
+
+
+def _source_files(csrc: Path) -> list[Path]:
+    return sorted(f for f in csrc.iterdir() if f.suffix in SOURCE_SUFFIXES and f.is_file())
+
+
+def build_environment() -> list[str]:
+    """What a build depends on besides the sources; build.ninja names the torch and Python folders too."""
+    return [f"torch {torch.__version__} at {Path(torch.__file__).resolve().parent}",
+            f"python headers {sysconfig.get_paths()['include']}",
+            f"cxx11 abi {int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"compiler {_compiler()}",
+            f"flags {' '.join(CFLAGS)}", f"cpu {_cpu_fingerprint()}"]
+
+
+def build_name(csrc: Path = CSRC) -> str:
+    """The build folder's (and library's) name: a hash of the sources' names and bytes and of
+    build_environment(); not of where the sources are."""
+    digest = hashlib.sha256()
+    for f in _source_files(csrc):
+        data = f.read_bytes()
+        digest.update(f"{f.name}\0{len(data)}\0".encode())
+        digest.update(data)
+    digest.update("\n".join(build_environment()).encode())
+    return f"fastserve_cpu_decode_{digest.hexdigest()[:16]}"
+
+
+def _stage_sources(csrc: Path, src_dir: Path) -> list[str]:
+    """Copy the sources into the build folder (once: a file already there with the same bytes is left alone, so
+    its time stamp does not make ninja rebuild); the .cpp paths to compile."""
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for f in _source_files(csrc):
+        data, dest = f.read_bytes(), src_dir / f.name
+        if dest.is_file() and dest.read_bytes() == data:
+            continue
+        tmp = src_dir / f".{f.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, dest)  # atomic and never replaces: a process staging the same bytes at once wins
+        except FileExistsError:
+            if dest.read_bytes() != data:  # a damaged copy
+                os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return [str(src_dir / f.name) for f in _source_files(csrc) if f.suffix == ".cpp"]
 
 
 def enabled() -> bool:
@@ -84,9 +150,12 @@ def describe() -> str:
 
 
 def _load():
-    name = f"fastserve_cpu_decode_{_cpu_fingerprint()}"
     try:
         from torch.utils import cpp_extension
+
+        name = build_name()
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # $TORCH_EXTENSIONS_DIR/pyXY_cpu/
+        sources = _stage_sources(CSRC, build_dir / "src")
 
         # cpp_extension runs `ninja`; the ninja wheel puts it beside this interpreter, which may not be on PATH.
         bin_dir = str(Path(sys.executable).parent)
@@ -95,9 +164,9 @@ def _load():
         started = time.perf_counter()
         library = cpp_extension.load(
             name=name,
-            sources=[str(src) for src in SOURCES],
-            # -fopenmp: at::parallel_for's pragma (the symbols resolve to torch's own OpenMP runtime)
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            sources=sources,
+            extra_cflags=CFLAGS,
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
