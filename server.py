@@ -15,6 +15,9 @@ Errors are OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 ba
 wrong API key, 404 unknown model or route, 413 body over --max-request-bytes, 500 a failure inside
 one request (others are unaffected), 503 queue full or shutting down (with Retry-After) or engine
 dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
+When the engine dies (a worker process died, the engine loop failed) the requests in flight get that error,
+the workers are stopped, and the process exits with status 1 within a few seconds, so that its supervisor
+restarts it (vLLM's behaviour; deploy/ has a systemd unit and a Dockerfile).
 Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
 RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
 vocab_size; X-Request-Id is echoed or generated; vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
@@ -559,7 +562,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 async def serve(app: web.Application, sock: socket.socket, access_log: bool = False) -> int:
-    """Serve on the bound `sock` until SIGTERM/SIGINT, then drain and return 0."""
+    """Serve on the bound `sock` until SIGTERM/SIGINT, then drain and return 0; or until the engine dies (a
+    worker process died, the engine loop failed), then return 1 at once, as vLLM does, so that a supervisor
+    (systemd, Kubernetes) restarts the server: every request in flight has had its error by then, and every
+    worker has been stopped and reaped."""
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0,
                            access_log=logging.getLogger("aiohttp.access") if access_log else None)
     await runner.setup()
@@ -576,7 +582,19 @@ async def serve(app: web.Application, sock: socket.socket, access_log: bool = Fa
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(app[ENGINE].wait_failed())
+    await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if not stopped.done():  # the engine died; every request has ended with its error (AsyncEngine._run)
+        stopped.cancel()
+        error = failed.result()
+        log.error("exiting with status 1: the engine is dead (%s: %s); a supervisor should restart the server",
+                  type(error).__name__, error)
+        app[STATE].draining = True
+        await runner.cleanup()  # the handlers write the errors they hold; the workers are stopped and reaped
+        log.info("stopped")
+        return 1
+    failed.cancel()
     log.info("shutting down: no new requests; in-flight ones get %.1f s", cfg.shutdown_timeout)
     await drain(app)  # the listener stays open meanwhile, answering 503
     await runner.cleanup()

@@ -13,7 +13,8 @@ in flight at once (Engine.launch_steps). Requests are admitted and aborted on
 the loop thread while steps run; an executor only touches the tensors of the
 plans it was given, and freed blocks are reused only by later steps, which
 every device runs in order, so no lock is needed. An executor that dies (a
-worker process killed) ends every request with an error and the loop stops.
+worker process killed) ends every request with an error and the loop stops;
+wait_failed() returns then (the server exits, so that a supervisor restarts it).
 
 A stream keeps only the newest snapshot (outputs are cumulative), so a slow
 reader never holds the engine back and never grows a buffer.
@@ -98,6 +99,7 @@ class AsyncEngine:
         self._accepting = True
         self._closed = False
         self.error: BaseException | None = None
+        self._failed = asyncio.Event()  # set when the loop dies (not when it is shut down)
         # Called with each finished request's last output (finished, aborted or failed), on the loop.
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
 
@@ -107,7 +109,21 @@ class AsyncEngine:
             loop = asyncio.get_running_loop()
             self._task = loop.create_task(self._run(), name="fastserve-engine-loop")
             # A worker that dies while the loop is idle must still end every request within a second.
-            self.engine.executor.add_failure_listener(lambda _message: loop.call_soon_threadsafe(self._wakeup.set))
+            self.engine.executor.add_failure_listener(lambda _message: self._wake_from_thread(loop))
+
+    def _wake_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the loop from the executor's thread; nothing to do once the event loop has closed (a worker that
+        dies during or after shutdown: nobody waits any more)."""
+        try:
+            loop.call_soon_threadsafe(self._wakeup.set)
+        except RuntimeError:  # "Event loop is closed"
+            pass
+
+    async def wait_failed(self) -> BaseException | None:
+        """Return, with the error, once the engine loop has died (a dead worker, a bug); never while it runs or
+        after a shutdown."""
+        await self._failed.wait()
+        return self.error
 
     @property
     def accepting(self) -> bool:
@@ -213,8 +229,12 @@ class AsyncEngine:
         except asyncio.CancelledError:
             raise
         except BaseException as e:
-            log.exception("engine loop died")
+            if isinstance(e, ExecutorDeadError):  # said in one line where it was found (engine/executor/)
+                log.error("engine loop stopped: %s", e)
+            else:
+                log.exception("engine loop died")
             self.error = e
+            self._failed.set()
             message = f"the engine loop died: {type(e).__name__}: {e}"
             for stream in self._streams.values():
                 stream._fail(EngineDeadError(message))

@@ -315,19 +315,23 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._broadcast(m.Shutdown())
-        except (OSError, ExecutorDeadError):
-            pass
-        deadline = time.monotonic() + 5.0
-        for proc in self._procs.values():
+        if self._error is None:  # healthy workers finish what they are doing and exit; after a fault, no waiting
             try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+                self._broadcast(m.Shutdown())
+            except (OSError, ExecutorDeadError):
                 pass
+            deadline = time.monotonic() + 5.0
+            for proc in self._procs.values():
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
         self._kill_all()
         for conn in self._conns.values():
             conn.close()
+        if self._procs:
+            log.info("workers stopped: %s", ", ".join(f"rank {rank} (pid {proc.pid}) exit code {proc.returncode}"
+                                                      for rank, proc in self._procs.items()))
 
     # -- messages -----------------------------------------------------------------------------------
     def _step_message(self, step_id: int, batch: ModelBatch) -> m.StepMessage:

@@ -24,6 +24,9 @@ previous stage (unless first), run its layers, send the hidden states on
 (unless last); the last stage's tensor rank 0 samples and replies. A worker
 exits when the controller's connection closes, when its parent dies, or on
 any exception (after reporting it): the controller treats that as a fault.
+A worker ignores SIGINT (Ctrl-C reaches a terminal's whole process group; the controller stops its workers on
+its own SIGINT). A collective that fails because a peer died is one line in the log, a moment later, and only
+if the controller has not stopped this worker by then (it names the worker that died).
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 
 log = logging.getLogger("fastserve.worker")
+PEER_FAILURE_GRACE_S = 1.0  # how long a worker whose collective failed waits for the controller to stop it
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another rank went away (gloo's and NCCL's errors)."""
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(w in text for w in ("gloo", "NCCL", "Connection reset by peer",
+                                                                    "Connection closed by peer"))
 
 CLUSTER_KEY_ENV = "FASTSERVE_CLUSTER_KEY"
 HOST_REPORT_S = 0.05  # while the host tier is being locked: how often the idle loop looks for progress to report
@@ -269,6 +283,7 @@ def run_worker(rank: int, local_rank: int, control_addr: tuple[str, int], authke
     parent = os.getppid()
     if die_with_parent:
         _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller decides when its workers stop
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
     if threads:
         torch.set_num_threads(threads)
@@ -284,7 +299,12 @@ def run_worker(rank: int, local_rank: int, control_addr: tuple[str, int], authke
     except (EOFError, ConnectionError):
         pass  # the controller is gone
     except BaseException as e:
-        log.error("worker %d failed:\n%s", rank, traceback.format_exc())
+        if peer_failure(e):  # most likely a peer died: the controller sees it too, and stops this worker
+            time.sleep(PEER_FAILURE_GRACE_S)
+            log.error("worker %d: a collective failed (%s: %s)", rank, type(e).__name__,
+                      str(e).strip().splitlines()[0] if str(e).strip() else "")
+        else:
+            log.error("worker %d failed:\n%s", rank, traceback.format_exc())
         try:
             conn.send(m.WorkerFailed(rank, f"{type(e).__name__}: {e}"))
         except OSError:
