@@ -6,7 +6,7 @@ FASTSERVE := $(VENV)/bin/fastserve
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-datasets test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
+.PHONY: serve test test-clients test-datasets test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The third-party clients of `make test-clients` (requirements-clients.txt), on top of the test dependencies.
+CLIENTS_STAMP := $(VENV)/.clients-installed
+$(CLIENTS_STAMP): $(STAMP) requirements-clients.txt
+	$(PY) -m pip install --quiet -r requirements-clients.txt
+	touch $(CLIENTS_STAMP)
 
 models/tiny-opt/config.json: $(STAMP)
 	$(PY) scripts/make_tiny_model.py --out models/tiny-opt
@@ -34,10 +40,15 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-## test: lint + the test suite (slow tests excluded; see test-slow)
+## test: lint + the test suite (slow tests excluded; see test-slow; the third-party clients: see test-clients)
 test: $(STAMP) browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow and not cuda" $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not cuda" --ignore=tests/clients $(ARGS)
+
+## test-clients: guidellm, lm-eval, langchain-openai and litellm (installed first, versions pinned in
+## requirements-clients.txt) run against a live server.py with the built-in tiny model (tests/clients)
+test-clients: $(CLIENTS_STAMP)
+	$(PY) -m pytest -q tests/clients $(ARGS)
 
 ## test-datasets: only the tests of the workload readers against the project's shared datasets (../shared/datasets
 ## beside the clone); they fail when it is absent (make test leaves them out then, and says so)

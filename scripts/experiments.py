@@ -5,7 +5,9 @@ simulated at the paper's scale with roofline profiles, plus a small live measure
     python scripts/experiments.py --only fig5,fig14     # some figures; prints their sections, keeps the doc
     python scripts/experiments.py --no-live --num-prompts 200
 
-Sections: Fig. 1 (queueing share of latency under FCFS), Fig. 5 (first-iteration vs decode cost), Fig. 8
+Sections: skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle
+(5 seeds, 95% intervals; scripts/steady_state.py), Fig. 1 (queueing share of latency under FCFS), Fig. 5
+(first-iteration vs decode cost), Fig. 8
 (peak KV memory, MLFQ vs FCFS), Fig. 12 (P95 per-token latency vs rate), Fig. 13 (goodput at 5x/10x/20x
 light-load SLOs, per phase), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
 rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), sim vs live
@@ -127,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overload-prompts", type=int, default=1500, help="requests per point of the overload, "
                     "ablation and alpha sections")
     ap.add_argument("--ablation-load", type=float, default=1.0, help="load of the ENST ablation (x capacity)")
+    ap.add_argument("--steady-prompts", type=int, default=3000, help="requests per point of the capacity section")
+    ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
+    ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
+    ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
     ap.add_argument("--update", action="store_true", help="with --only: replace those sections in --out")
     args = ap.parse_args(argv)
     args.scales = [MAIN] + [s for s in args.scales.split(",") if s != MAIN]

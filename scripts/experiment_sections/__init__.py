@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 # section name -> the module under experiment_sections/ that defines section_<name>; in the document's order.
 SECTIONS: dict[str, str] = {
+    "capacity": "steady",
     "fig1": "fig1",
     "fig5": "fig5",
     "fig8": "fig8",

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from experiment_sections.common import MAIN, Ctx, clip_trace
 from experiment_sections.sched import CAPACITY, sharegpt
-from fastserve.bench.workload import load_workload
+from fastserve.bench.workload import LengthFilter, load_workload
 
 AZURE_LOADS = (0.75, 1.0)
 AZURE_POLICIES = ("fcfs", "skip-join-mlfq")
@@ -39,7 +39,8 @@ def azure_trace(ctx: Ctx, rate: float, n: int) -> tuple[list[tuple[float, int, i
     times = [it.arrival_s for it in raw]
     speedup = speedup_for_rate(times, rate)
     timed = load_workload("azure-conv", n, path=ctx.args.azure, trace_speedup=speedup)
-    lengths = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed)
+    lengths = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed,
+                            length_filter=LengthFilter())
     items = [replace(it, arrival_s=t.arrival_s) for it, t in zip(lengths, timed)]
     return clip_trace(items, 2048), rate / speedup
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 from experiment_sections.common import MAIN, Ctx, _plt, _save, clip_trace
-from fastserve.bench.workload import load_workload
+from fastserve.bench.workload import LengthFilter, load_workload
 
 # Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT
 # lengths, req/s: the issue's measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.
@@ -34,9 +34,9 @@ PAPER_MAX_LOAD = 2.0  # every load: with recompute evicting the lowest-priority 
 
 
 def sharegpt(ctx: Ctx, rate: float, n: int) -> list[tuple[float, int, int]]:
-    """As scripts/simulate.py reads it (the issue's measure): n ShareGPT lengths, no length filter, clipped
-    to the 2048-token context, Poisson at `rate`."""
-    items = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed)
+    """As scripts/simulate.py reads it: n ShareGPT lengths through vLLM's length filter, Poisson at `rate`."""
+    items = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed,
+                          length_filter=LengthFilter())
     return clip_trace(items, 2048)
 
 
@@ -223,7 +223,7 @@ def section_robustness(ctx: Ctx) -> str:
             print(f"  profiler {load:.2f}x init x{si} dec x{sd}: mean {s['mean_per_token_s']:.3f}", flush=True)
         for burst in (1.0, 0.5, 0.25):
             items = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, burstiness=burst,
-                                  seed=ctx.args.seed)
+                                  seed=ctx.args.seed, length_filter=LengthFilter())
             btrace = clip_trace(items, 2048)
             for policy in ("fcfs", "skip-join-mlfq"):
                 s = ctx.simulate(MAIN, btrace, policy)[0]

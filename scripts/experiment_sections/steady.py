@@ -1,0 +1,82 @@
+"""The section of `make experiments` measured the way every comparison should be (the team's design notes, "How a
+comparison is measured"; scripts/steady_state.py): skip-join MLFQ against FCFS and the SRPT oracle at 0.5x to 2x
+of FCFS's sustained capacity, steady state, 3,000 requests a point, 5 seeds with 95% intervals; the engine's
+previous defaults beside it; and the other setups (Alpaca, the 80GB profile, OPT-66B on 4 GPUs, OPT-175B on 16).
+
+Runs are cached on disk by their parameters and the code (.cache/steady/), so a second regeneration is fast.
+"""
+
+from __future__ import annotations
+
+import time
+
+from steady_state import Runner, Setup, capacity, fmt, markdown, ratio_stat, stat, table
+
+from experiment_sections.common import Ctx
+
+LOADS = (0.5, 0.8, 1.0, 1.5, 2.0)
+MAIN_POLICIES = ("fcfs", "skip-join-mlfq", "srpt")
+PREVIOUS = (("mlfq_ladder", "prefill"), ("starvation_threshold", 0.3), ("starvation_age", None),
+            ("kv_overcommit", 4.0))  # the defaults before issue 24 (with the starvation factor 1, still the default)
+OTHER_SETUPS = (("opt-13b", "alpaca"), ("opt-13b-80gb", "sharegpt"), ("opt-66b", "sharegpt"), ("opt-175b", "sharegpt"))
+GOALS = {0.5: 1.3, 0.8: 1.3, 1.0: 1.3, 1.5: 2.0}  # skip-join / oracle, mean and P95
+
+
+def section_capacity(ctx: Ctx) -> str:
+    seeds, other_seeds = range(ctx.args.steady_seeds), range(ctx.args.steady_other_seeds)
+    runner = Runner(jobs=ctx.args.steady_jobs)
+    t0 = time.perf_counter()
+    main = Setup("opt-13b", "sharegpt", ctx.args.steady_prompts)
+    cap = capacity(runner, main, range(3))
+    data = table(runner, main, LOADS, MAIN_POLICIES, seeds, cap["C"])
+    previous = Setup("opt-13b", "sharegpt", ctx.args.steady_prompts, tuple(sorted(PREVIOUS)))
+    prev_cap = capacity(runner, previous, range(3))
+    prev = table(runner, previous, LOADS, ("skip-join-mlfq",), seeds, cap["C"])
+    lines = ["## Skip-join at capacity: steady state, in units of FCFS's capacity, beside the SRPT oracle", "",
+             f"`{ctx.cmd('capacity')}` (scripts/steady_state.py; {ctx.args.steady_prompts} requests a point, the "
+             f"middle 80% of arrivals counted, {len(seeds)} seeds, mean ± 95% interval). OPT-13B, A100 40GB "
+             "roofline profile, ShareGPT lengths through vLLM's length filter, the engine's defaults (the service "
+             "ladder, age promotion 3, no alpha, no overcommit admission; skip-join MLFQ's docstring).", "",
+             markdown(main, cap, data, LOADS, MAIN_POLICIES), ""]
+    lines += ["Goals (issue 24) against these numbers:", "", "| load | mean / oracle (goal) | P95 / oracle | served / "
+              "FCFS (>= 0.98) | max e2e / FCFS max (<= 2) | P99 / FCFS P99 (<= 1) |", "|---|---|---|---|---|---|"]
+    for load in LOADS:
+        s, o, f = data[(load, "skip-join-mlfq")], data[(load, "srpt")], data[(load, "fcfs")]
+        goal = GOALS.get(load)
+        mean = ratio_stat(s["mean_per_token_s"], o["mean_per_token_s"])
+        p95 = ratio_stat(s["p95_per_token_s"], o["p95_per_token_s"])
+        served = ratio_stat(s["served_rate"], f["served_rate"])
+        e2e = ratio_stat(s["max_e2e_s"], f["max_e2e_s"])
+        p99 = ratio_stat(s["p99_per_token_s"], f["p99_per_token_s"])
+        mark = lambda st, lim: f"{fmt(st)} {'met' if lim is None or st.mean <= lim else 'NOT met'}"  # noqa: E731
+        lines.append(f"| {load:g}C | {mark(mean, goal)} ({goal or '-'}) | {mark(p95, goal)} | "
+                     f"{fmt(served, 4)} {'met' if served.mean >= 0.98 else 'NOT met'} | {mark(e2e, 2.0)} | "
+                     f"{mark(p99, 1.0)} |")
+    lines += ["", f"The previous defaults (the paper's prefill ladder, alpha 0.3 s with the starvation factor 1, "
+              f"`--kv-overcommit 4`; C measured again for them: {prev_cap['C']:.3f} req/s), same traces:", "",
+              "| load | mean s/token | P95 | P99 | mean / oracle | served / FCFS |", "|---|---|---|---|---|---|"]
+    for load in LOADS:
+        p, o, f = prev[(load, "skip-join-mlfq")], data[(load, "srpt")], data[(load, "fcfs")]
+        vs_oracle = fmt(ratio_stat(p["mean_per_token_s"], o["mean_per_token_s"]))
+        lines.append(f"| {load:g}C | {fmt(stat(p['mean_per_token_s']))} | {fmt(stat(p['p95_per_token_s']))} | "
+                     f"{fmt(stat(p['p99_per_token_s']))} | {vs_oracle} | "
+                     f"{fmt(ratio_stat(p['served_rate'], f['served_rate']), 4)} |")
+    lines += ["", f"Other setups, skip-join against FCFS ({len(other_seeds)} seeds; the goal: no worse than FCFS on "
+              "any row, within the interval):", ""]
+    for scale, dataset in OTHER_SETUPS:
+        setup = Setup(scale, dataset, ctx.args.steady_prompts)
+        c = capacity(runner, setup, range(2))
+        d = table(runner, setup, LOADS, ("fcfs", "skip-join-mlfq"), other_seeds, c["C"])
+        lines += [f"**{scale}, {dataset}**: C = {c['C']:.3f} req/s.", "",
+                  "| load | FCFS mean s/token | skip-join | skip-join / FCFS mean | P95 / FCFS P95 | served / FCFS |",
+                  "|---|---|---|---|---|---|"]
+        for load in LOADS:
+            s, f = d[(load, "skip-join-mlfq")], d[(load, "fcfs")]
+            r = ratio_stat(s["mean_per_token_s"], f["mean_per_token_s"])
+            lines.append(f"| {load:g}C | {fmt(stat(f['mean_per_token_s']))} | {fmt(stat(s['mean_per_token_s']))} | "
+                         f"{fmt(r)} | {fmt(ratio_stat(s['p95_per_token_s'], f['p95_per_token_s']))} | "
+                         f"{fmt(ratio_stat(s['served_rate'], f['served_rate']), 4)} |")
+        lines.append("")
+    lines.append(f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
+                 f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache).")
+    return "\n".join(lines) + "\n"
