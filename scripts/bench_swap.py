@@ -4,7 +4,7 @@
     python scripts/bench_swap.py --rates 4,8 --num-prompts 40
 
 Drives the engine's async API (no HTTP) with a Poisson trace of ShareGPT
-lengths (scripts/workload.py), on a device KV tier sized so jobs must be
+lengths (fastserve/bench/workload.py), on a device KV tier sized so jobs must be
 offloaded or dropped, under skip-join MLFQ. For each rate and kv-policy it
 prints mean and P95 per-token latency (e2e / output tokens) and swap wait as a
 share of end-to-end latency, then the ratios reactive/proactive and

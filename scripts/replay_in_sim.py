@@ -1,5 +1,5 @@
 """Replay a load generator run in the simulator: the same requests (arrival times, prompt and output lengths,
-read from a scripts/loadgen.py --save-result JSON) under each scheduling policy, the oracle SRPT included, on a
+read from a `fastserve bench serve --save-result` JSON) under each scheduling policy, the oracle SRPT included, on a
 virtual clock with a job profile's costs. It answers "how much could any scheduler have gained on that trace"
 and "how close is the live run to the profile".
 
@@ -67,7 +67,7 @@ def replay(model: Path, profile: dict, trace, policy: str, max_num_seqs: int, de
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--result", type=Path, required=True, help="a scripts/loadgen.py --save-result JSON")
+    ap.add_argument("--result", type=Path, required=True, help="a `fastserve bench serve --save-result` JSON")
     ap.add_argument("--profile", type=Path, required=True, help="job profile JSON (scripts/profile_model.py)")
     ap.add_argument("--model", type=Path, default=REPO / "models" / "tiny-opt", help="the served model's directory")
     ap.add_argument("--dtype", default="float32")
