@@ -364,6 +364,10 @@ class KVManager:
         return sum(1 for kv in self._jobs.values() if kv.residency in (Residency.HOST, Residency.OFFLOADING))
 
     @property
+    def num_free_device_blocks(self) -> int:
+        return self.device.num_free
+
+    @property
     def pending_free_blocks(self) -> int:
         """Device blocks that free when the copies in flight complete."""
         return self._pending_free

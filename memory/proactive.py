@@ -24,22 +24,51 @@ on demand (KVManager.allocate); good ENST ranking makes those rare.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from memory.residency import JobKV
 
-if TYPE_CHECKING:
-    from memory.kv_manager import KVManager
+
+class KVView(Protocol):
+    """What the planner reads of the KV state and the two verbs it may use (memory.KVManager implements it; the
+    planner knows nothing else of it, so memory/kv_manager.py imports this module and not the other way)."""
+
+    reserved_blocks: int  # device blocks kept free for bursts of new jobs
+
+    @property
+    def num_free_device_blocks(self) -> int: ...
+
+    @property
+    def pending_free_blocks(self) -> int:
+        """Device blocks that offloads in flight will free."""
+        ...
+
+    @property
+    def owed_free_blocks(self) -> int:
+        """Free device blocks promised this tick to jobs that wait for room."""
+        ...
+
+    def host_resident(self) -> list[JobKV]: ...
+
+    def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
+        """Device-resident jobs that may be offloaded: idle, not in `exclude` (job ids), no copy in flight."""
+        ...
+
+    def smallest_host_copy(self) -> int: ...
+
+    def start_offload(self, kv: JobKV) -> bool: ...
+
+    def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool: ...
 
 
-def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
+def plan_transfers(kv: KVView, batch, estimated_wait, now: float) -> None:
     """Cost: O(1) when the watermark holds and nothing is on the host (most ticks below capacity);
     otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job.
     When not even the smallest host job fits beyond the watermark (past capacity, most ticks) the host
     jobs are not sorted: rule 3 needs only whether one of them is due before the top idle job."""
     watermark = len(batch) + kv.reserved_blocks
     host = kv.host_resident()
-    if not host and kv.device.num_free + kv.pending_free_blocks >= watermark:
+    if not host and kv.num_free_device_blocks + kv.pending_free_blocks >= watermark:
         return
     enst: dict[str, float] = {}
 
@@ -55,13 +84,13 @@ def plan_transfers(kv: KVManager, batch, estimated_wait, now: float) -> None:
         return sorted(kv.offload_candidates({j.job_id for j in batch}), key=wait, reverse=True)
 
     # 1. Watermark (blocks being offloaded count as free-to-be).
-    if kv.device.num_free + kv.pending_free_blocks < watermark:
+    if kv.num_free_device_blocks + kv.pending_free_blocks < watermark:
         idle = idle_jobs()
-        while idle and kv.device.num_free + kv.pending_free_blocks < watermark:
+        while idle and kv.num_free_device_blocks + kv.pending_free_blocks < watermark:
             if not kv.start_offload(idle.pop(0)):
                 break  # host full
 
-    free = kv.device.num_free - kv.owed_free_blocks  # free blocks not promised to a job that waits for room
+    free = kv.num_free_device_blocks - kv.owed_free_blocks  # free blocks not promised to a job that waits for room
     if host and free - kv.smallest_host_copy() < watermark:
         # No host job fits (step 1 only offloads, so none left the host): step 2 would stop at the first
         # in ENST order, and rule 3 asks only whether the smallest host ENST is below the top idle job's.

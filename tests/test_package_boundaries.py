@@ -67,3 +67,17 @@ def test_server_with_no_model_builds_the_tiny_one(tmp_path: Path):
     finally:
         srv.stop()
     assert "FastServe: serving tiny-opt" in srv.log(), srv.log()
+
+
+def test_no_module_of_the_serving_stack_imports_one_that_imports_it():
+    """No import circles inside the serving stack (memory/kv_manager.py <-> memory/proactive.py was one: the
+    planner now reads the KV state through the KVView protocol, defined beside it)."""
+    graph: dict[str, set[str]] = {}
+    for package in SERVING_STACK:
+        for path in (REPO / package).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            graph[name] = {m for m in imported_modules(path) if m.split(".")[0] in SERVING_STACK}
+    pairs = [(a, b) for a, deps in graph.items() for b in deps
+             if b in graph and a in graph[b] and not (a == b.rsplit(".", 1)[0] or b == a.rsplit(".", 1)[0])]
+    assert not pairs, f"modules that import each other: {sorted(pairs)}"
+    assert "memory.kv_manager" not in graph["memory.proactive"]
