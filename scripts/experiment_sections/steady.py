@@ -78,5 +78,6 @@ def section_capacity(ctx: Ctx) -> str:
                          f"{fmt(ratio_stat(s['served_rate'], f['served_rate']), 4)} |")
         lines.append("")
     lines.append(f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
-                 f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache).")
+                 f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
+                 f"version {runner.version} (scripts/steady_state.py, code_version).")
     return "\n".join(lines) + "\n"
