@@ -75,7 +75,8 @@ def test_serve_takes_the_model_as_its_first_argument(tiny_model_dir, tmp_path):
 def test_bench_serve_is_the_load_generator(tmp_path):
     fake = FakeServer()
     try:
-        r = run("bench", "serve", "--base-url", fake.url, "--dataset-name", "synthetic", "--random-input-len", "8",
+        # as a vLLM user types it: `vllm bench serve --dataset-name random ...`
+        r = run("bench", "serve", "--base-url", fake.url, "--dataset-name", "random", "--random-input-len", "8",
                 "--random-output-len", "4", "--num-prompts", "3", "--request-rate", "inf", "--disable-tqdm",
                 "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json")
     finally:

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", help="model name to send, and its tokenizer when it is a local directory "
         "(default: the first that /v1/models lists)")
     add("--served-model-name", help="model name to send when it differs from --model")
-    add("--dataset-name", choices=DATASETS, default="sharegpt", help="default: %(default)s")
+    add("--dataset-name", choices=(*DATASETS, "random"), default="sharegpt",
+        help="random is synthetic (vLLM's name for it) (default: %(default)s)")
     add("--dataset-path", help="the dataset file (not needed for synthetic)")
     add("--num-prompts", type=int, default=100, help="requests per run (default: %(default)s)")
     add("--request-rate", type=float, default=None,
@@ -141,6 +142,8 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def _validate(args: argparse.Namespace) -> None:
+    if args.dataset_name == "random":  # `vllm bench serve --dataset-name random`
+        args.dataset_name = "synthetic"
     if args.dataset_name != "synthetic" and not args.dataset_path:
         raise FlagError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     has_text = args.dataset_name in TEXT_DATASETS
