@@ -6,10 +6,13 @@ from __future__ import annotations
 import fractions
 import json
 import logging
+import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from engine.errors import CheckpointError
 from engine.loader import load_model_stage
@@ -149,3 +152,50 @@ def test_bin_is_loaded_weights_only(tmp_path):
     torch.save(sd, d / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="weights-only"):
         load(d)
+
+
+class _Float32Bytes(TorchDispatchMode):
+    """Counts the bytes of float32 storages off the meta device that ops create while it is on, and the peak of
+    those alive at once (a storage counts until its last reference goes: weakref.finalize on the storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self._seen:
+                    self._seen.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_half_precision_weights_are_never_made_in_float32(tmp_path, dtype, load_format):
+    """Issue 26: the stage was materialised in float32 and then cast, a peak of twice the final size. Now at most
+    one checkpoint tensor is ever float32 at a time (the read of a float32 file, or the dummy weights' float32
+    draw), never the model; and the weights are the same as the float32 load cast."""
+    shape = dict(SMALL_PRE_LN, num_hidden_layers=8)  # the largest tensor is a small part of the model
+    path = write_opt_checkpoint(tmp_path / "ckpt", opt_config(**shape), weight_format="safetensors")
+    cfg, group = OPTConfig.from_model_dir(path), TensorParallelGroup(ParallelLayout())
+    with _Float32Bytes() as tracked:
+        stage = load_model_stage(path, cfg, group, dtype, "cpu", load_format=load_format)
+    model_fp32 = sum(p.numel() * 4 for p in stage.parameters())
+    largest_fp32 = max(t.numel() * 4 for t in load_file(path / "model.safetensors").values())
+    assert all(p.dtype == dtype for p in stage.parameters())
+    assert tracked.peak <= largest_fp32 < model_fp32 / 4, (tracked.peak, largest_fp32, model_fp32)
+    want = load_model_stage(path, cfg, group, torch.float32, "cpu", load_format=load_format).to(dtype)
+    for (name, got), (_, ref) in zip(stage.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(got, ref), name
