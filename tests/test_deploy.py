@@ -95,6 +95,9 @@ def test_the_health_check_asks_health_and_the_entry_point_is_a_valid_serve(comma
     args = server.build_parser().parse_args(argv[4:])  # what `fastserve serve` will be given
     assert args.host == "0.0.0.0" and args.port == int(by_name(commands, "EXPOSE")[0].value[0])
     assert f"127.0.0.1:{args.port}/health" in check.value[-1]
+    # `docker run IMAGE MODEL FLAGS` appends them to the entry point (deploy/README.md's example)
+    args = server.build_parser().parse_args([*argv[4:], "/models/opt-1.3b", "--max-model-len", "2048"])
+    assert args.model_tag == "/models/opt-1.3b" and args.max_model_len == 2048
 
 
 def unit() -> configparser.ConfigParser:
