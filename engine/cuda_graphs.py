@@ -33,6 +33,7 @@ import torch
 
 from engine.batch import ModelBatch
 from engine.decode_inputs import DecodeInputs
+from engine.device_memory import free_storage
 from engine.model.opt import OPTStage
 from kernels.paged_attention import AttentionMetadata, Workspace
 
@@ -117,6 +118,20 @@ class DecodeGraphs:
             self._pool = graph.pool()
         log.debug("captured the decode graph of batch %d x %d blocks", *bucket)
         return _Captured(graph, output)
+
+    def release(self) -> None:
+        """Free the graphs' memory now (an engine closing; ModelRunner.release): each graph's output, which lives
+        in the shared pool, then the graph itself (reset() gives its pool back to the allocator), the pool, and
+        the persistent input buffers. Call with the device idle; nothing may run on this object afterwards."""
+        for captured in self._graphs.values():
+            if captured is not None:
+                free_storage(captured.output)
+                captured.graph.reset()
+        self._graphs.clear()
+        self._pool = None
+        for value in vars(self.buffers).values():
+            if isinstance(value, torch.Tensor):
+                free_storage(value)
 
     def capture_all(self, batch_sizes: list[int] | None = None, widths: list[int] | None = None) -> int:
         """Capture the graphs of these buckets now (all by default) rather than on first use; returns how many

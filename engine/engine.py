@@ -245,6 +245,10 @@ class Engine:
         """Stop the executor's workers (idempotent)."""
         self.executor.shutdown()
 
+    def close(self) -> None:
+        """Stop the executor for good and release its device memory now (LLM.close; idempotent)."""
+        self.executor.close()
+
     # -- telemetry --------------------------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
         """Counters read from the policy; changes nothing."""

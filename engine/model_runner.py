@@ -28,6 +28,7 @@ import torch
 from engine.batch import ModelBatch, SequenceResult, SequenceWork
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_inputs import DecodeInputs
+from engine.device_memory import free_storage
 from engine.host_tier import HostTier, SlowLockForTests
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
 from engine.model.opt import OPTStage
@@ -123,6 +124,35 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.swapper is not None:
             self.swapper.shutdown()
+
+    def release(self) -> None:
+        """Free every device tensor this runner holds, for good (LocalExecutor.close): the swapper's copies
+        finish, its host tier is unlocked and freed; the captured graphs, their outputs and pool, the decode
+        buffers, the KV cache, the attention scratch, the sampler's device generators and the weights are freed
+        in place (engine/device_memory.py), so the memory comes back even where something still references them
+        (a graph, a stream, an output, a test's traceback); on CUDA the allocator's cached blocks then go back to
+        the device (empty_cache), where the next engine's KV sizing (mem_get_info) sees them. Idempotent; the
+        runner cannot run afterwards."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # no kernel still reads what is freed below
+        if self.swapper is not None:
+            self.swapper.release()
+            self.swapper = None
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+        self.decode_graphs, self._decode_settings = None, None
+        free_storage(self.kv_cache)
+        self.kv_cache = None
+        self.workspace.release()
+        self.sampler.release()
+        if self.attention_backend == "triton":
+            from kernels import triton_attention
+
+            triton_attention.forget_last_step()
+        self.model.release_weights()
+        if cuda:
+            torch.cuda.empty_cache()
 
     # -- KV sizing, phase one --------------------------------------------------------------------
     def measure_peak_memory(self, max_num_batched_tokens: int, max_model_len: int) -> int:

@@ -83,6 +83,11 @@ class Sampler:
         # host generator of a seeded sequence -> its twin on a device; dropped with the sequence's generator
         self._twins: weakref.WeakKeyDictionary[torch.Generator, torch.Generator] = weakref.WeakKeyDictionary()
 
+    def release(self) -> None:
+        """Drop the generators kept on devices (the engine's and the seeded sequences' twins): an engine closing."""
+        self._engine_generators.clear()
+        self._twins.clear()
+
     def _generator(self, seq: SequenceWork, device: torch.device) -> torch.Generator:
         """The generator a row draws from, on `device`."""
         if device.type == "cpu":

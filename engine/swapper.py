@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.device_memory import free_storage
 from engine.host_tier import HostTier
 from memory.transfers import Direction
 
@@ -138,3 +139,11 @@ class Swapper:
                 thread.shutdown(wait=True)
         if self.tier is not None:
             self.tier.close()
+
+    def release(self) -> None:
+        """shutdown(), then free the host tier's memory now and drop the copy streams and the device cache (whose
+        owner, the ModelRunner, frees it): an engine closing. The swapper cannot copy afterwards."""
+        self.shutdown()
+        free_storage(self.host_cache)
+        self.device_cache = self.host_cache = self.tier = None
+        self._streams = self._threads = {}

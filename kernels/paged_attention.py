@@ -142,6 +142,13 @@ class Workspace:
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
+    def release(self) -> None:
+        """Free every buffer now, views included (an engine closing: engine/device_memory.py says why); a later
+        get() allocates anew."""
+        for buf in self._buffers.values():
+            buf.untyped_storage().resize_(0)
+        self._buffers.clear()
+
 
 def gather_kv(
     kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]

@@ -359,6 +359,12 @@ def prefill_attention(
 _last_prefill: tuple[AttentionMetadata, PrefillRows] | None = None
 
 
+def forget_last_step() -> None:
+    """Drop the last step's PrefillRows (and the metadata it holds on to): an engine closing frees its memory."""
+    global _last_prefill
+    _last_prefill = None
+
+
 def _prefill_rows(meta: AttentionMetadata, device: torch.device) -> PrefillRows:
     global _last_prefill
     last = _last_prefill

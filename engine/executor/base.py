@@ -66,4 +66,9 @@ class Executor(ABC):
         apart from the engine)."""
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in process
-        """Release workers and device memory. Idempotent."""
+        """Stop the workers (worker processes exit, and their device memory with them). Idempotent."""
+
+    def close(self) -> None:
+        """For good: shutdown(), and every device tensor released now (LLM.close). Idempotent. Executors whose
+        shutdown() already ends their workers (and so their memory) need nothing more."""
+        self.shutdown()

@@ -79,6 +79,7 @@ class LocalExecutor(Executor):
             self.runner.use_decode_graphs(max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
                                           capture=True)
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
+        self._closed = False  # close(): the device memory is released, no step can run
         self._gpu = describe_cuda_device(0, 0, 0, self.device)  # rank 0 of a 1 x 1 layout; None on CPU
 
     @property
@@ -96,6 +97,8 @@ class LocalExecutor(Executor):
         return self.runner.attach_host_tier(num_host_blocks)
 
     def submit(self, batch: ModelBatch) -> Future[BatchResult]:
+        if self._closed:
+            raise RuntimeError("this executor was closed (LLM.close): its model and KV cache are released")
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastserve-step")
         return self._thread.submit(self._run, batch)
@@ -108,8 +111,18 @@ class LocalExecutor(Executor):
         return BatchResult(results, time.perf_counter() - start)
 
     def shutdown(self) -> None:
-        """Stop the step thread (a later submit starts a new one) and the swapper's copy thread."""
+        """Stop the step thread (a later submit starts a new one) and the swapper's copy thread. The memory stays:
+        a server's engine is shut down with each AsyncEngine over it (tests reuse one engine across apps)."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
         self.runner.shutdown()
+
+    def close(self) -> None:
+        """shutdown(), then release every device tensor explicitly (ModelRunner.release: KV cache, graphs and
+        their pool, the swapper's buffers, scratch, weights; empty_cache on CUDA), rather than when the executor
+        happens to become garbage. Idempotent; no step can run afterwards."""
+        self.shutdown()
+        if not self._closed:
+            self._closed = True
+            self.runner.release()

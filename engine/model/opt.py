@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine.device_memory import free_storage
 from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel import TensorParallelGroup
@@ -108,6 +109,12 @@ class OPTStage(nn.Module):
             )
             self.project_out = nn.Linear(e, p, bias=False) if cfg.has_projections else None
         self.requires_grad_(False)
+
+    def release_weights(self) -> int:
+        """Free every parameter's memory now, whoever still holds the module (engine/device_memory.py); returns
+        the bytes freed. The stage cannot run afterwards."""
+        self._layer_weights = None
+        return sum(free_storage(t) for t in (*self.parameters(), *self.buffers()))
 
     def use_attention(self, attention: AttentionFn) -> None:
         """Run every layer's attention with `attention` (kernels/attention_backend.py)."""
