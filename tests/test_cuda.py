@@ -54,10 +54,14 @@ def test_cuda_greedy_equals_cpu(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_half_precision_serves(tiny_model_dir, dtype):
-    llm = LLM(model=str(tiny_model_dir), device="cuda", dtype=dtype, profile="analytic")
-    assert llm.engine.executor.num_device_blocks > 1000  # sized from gpu_memory_utilization
-    outs = llm.generate(PROMPTS * 4, greedy())
-    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    """Both dtypes in one process: the first LLM's close() gives its memory back (issue 26), so the second sizes
+    its cache against the whole device, not against what is left (0 blocks before)."""
+    free_before = torch.cuda.mem_get_info()[0]
+    with LLM(model=str(tiny_model_dir), device="cuda", dtype=dtype, profile="analytic") as llm:
+        assert llm.engine.executor.num_device_blocks > 1000  # sized from gpu_memory_utilization
+        outs = llm.generate(PROMPTS * 4, greedy())
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert torch.cuda.mem_get_info()[0] >= free_before - (256 << 20), "close() left device memory allocated"
 
 
 def test_the_gpu_row_the_engine_runs_on_carries_rank_0(tiny_model_dir):
