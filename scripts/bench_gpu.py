@@ -19,10 +19,15 @@ the same run on the same device:
    printed as a ratio too;
 3. prefill of 8 x 1024 tokens / bare GEMMs of the same FLOPs (matmul
    FLOPs of every layer + causal attention + the sampled rows' lm_head; the
-   GEMM is the model's fc1 shape, tokens x E x F, timed and scaled);
+   GEMM is the model's fc1 shape, tokens x E x F, timed and scaled), with
+   each attention backend the decode rows use (the Triton prefill kernel is
+   what serving runs on CUDA);
 4. swaps: a batched offload and upload of many jobs' blocks through the
-   Swapper (copy streams, pinned host tier) / one pinned memcpy of the same
-   bytes; goal at least 80%;
+   Swapper (copy streams, pinned host tier) / one memcpy of the same bytes
+   made the way the swapper copies: one pinned host buffer (a single
+   allocation, so the copy crosses no boundary between separately pinned
+   chunks, which the swapper never crosses either) and the device blocks
+   block-major contiguous, one copy per direction; goal at least 80%;
 5. (CUDA) sampling a mixed batch on the device / copying the logits to the
    host and sampling there (the path it replaced).
 
@@ -179,7 +184,19 @@ def prefill_flops(cfg: OPTConfig, seqs: int, tokens: int) -> float:
     return seqs * (tokens * layers * per_token_layer + layers * attention + lm_head)
 
 
-def bench_prefill(runner: ModelRunner, seqs: int, tokens: int, repeat: int) -> dict:
+def bench_prefill(runner: ModelRunner, seqs: int, tokens: int, repeat: int) -> list[dict]:
+    """One row per attention backend available here (attention_backends: the decode rows' set), each against the
+    same GEMM baseline; the model is left on the torch backend."""
+    backends, _ = attention_backends(runner.device)
+    rows = []
+    for name, fn in backends.items():
+        runner.model.use_attention(fn)
+        rows.append(dict(bench_prefill_once(runner, seqs, tokens, repeat, name), backend=name))
+    runner.model.use_attention(paged_attention)
+    return rows
+
+
+def bench_prefill_once(runner: ModelRunner, seqs: int, tokens: int, repeat: int, backend: str = "torch") -> dict:
     cfg, dev = runner.model.cfg, runner.device
     n_blocks = -(-tokens // runner.block_size)
     g = torch.Generator().manual_seed(7)
@@ -198,13 +215,25 @@ def bench_prefill(runner: ModelRunner, seqs: int, tokens: int, repeat: int) -> d
     r = {"seqs": seqs, "tokens": tokens, "tflop": flops / 1e12, "step_ms": step_s * 1e3, "gemm_ms": gemm_s * 1e3,
          "gemm_shape": [m, k, n], "vs_gemm": step_s / gemm_s, "step_tflops": flops / step_s / 1e12,
          "gemm_tflops": flops / gemm_s / 1e12}
-    print(f"prefill {seqs} x {tokens}: step {r['step_ms']:.2f} ms ({r['step_tflops']:.3f} TFLOP/s)   GEMM "
+    print(f"prefill {backend:<7} {seqs} x {tokens}: step {r['step_ms']:.2f} ms ({r['step_tflops']:.3f} TFLOP/s)   GEMM "
           f"{m}x{k}x{n} scaled to {flops / 1e12:.2f} TFLOP {r['gemm_ms']:.2f} ms ({r['gemm_tflops']:.3f} TFLOP/s)   "
           f"{r['vs_gemm']:.2f}x GEMM", flush=True)
     return r
 
 
 # -- 4. swaps ----------------------------------------------------------------------------------------------------
+def memcpy_times(device_cache: torch.Tensor, n: int, repeat: int) -> dict[str, float]:
+    """The swaps' baseline: seconds of one copy of device blocks 0..n-1 (block-major: one contiguous range) to and
+    from one host buffer of n blocks, pinned in a single allocation on CUDA (cudaHostAlloc), as the swapper
+    copies. Not through the host tier: its blocks are pinned chunk by chunk (engine/host_tier.py), and a copy
+    across two separately pinned chunks, which the swapper never makes, is slower than either."""
+    dev, src = device_cache.device, device_cache[:n]
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=dev.type == "cuda")
+    times = {"memcpy_d2h": median_time(lambda: host.copy_(src, non_blocking=True), dev, repeat),
+             "memcpy_h2d": median_time(lambda: src.copy_(host, non_blocking=True), dev, repeat)}
+    return times  # the buffer goes back to the pinned allocator's cache before the swaps run
+
+
 def bench_swap(runner: ModelRunner, jobs: int, blocks_per_job: int, repeat: int) -> dict:
     """Offload then upload `jobs` jobs of `blocks_per_job` blocks each, every other block (fragmented on the device,
     as a live cache is), against one pinned memcpy of the same bytes in each direction."""
@@ -221,23 +250,23 @@ def bench_swap(runner: ModelRunner, jobs: int, blocks_per_job: int, repeat: int)
             [(h, d) for d, h in zip(dev_ids, range(n))]
         swapper.copy(direction, pairs).wait()
 
-    host, cache = swapper.host_cache, swapper.device_cache
     times = {
-        "memcpy_d2h": median_time(lambda: host[:n].copy_(cache[:n], non_blocking=True), dev, repeat),
-        "memcpy_h2d": median_time(lambda: cache[:n].copy_(host[:n], non_blocking=True), dev, repeat),
+        **memcpy_times(swapper.device_cache, n, repeat),
         "offload_contiguous": median_time(lambda: swap(Direction.OFFLOAD, contiguous), dev, repeat),
         "upload_contiguous": median_time(lambda: swap(Direction.UPLOAD, contiguous), dev, repeat),
         "offload_fragmented": median_time(lambda: swap(Direction.OFFLOAD, device_blocks), dev, repeat),
         "upload_fragmented": median_time(lambda: swap(Direction.UPLOAD, device_blocks), dev, repeat),
     }
     gbs = {k: nbytes / s / 1e9 for k, s in times.items()}
-    r = {"blocks": n, "bytes": nbytes, "gb_per_s": gbs, "pinned": host.is_pinned() if dev.type == "cuda" else False}
+    r = {"blocks": n, "bytes": nbytes, "gb_per_s": gbs,
+         "pinned": swapper.host_cache.is_pinned() if dev.type == "cuda" else False,
+         "memcpy": "one host buffer (pinned in one allocation on CUDA), device blocks 0..n-1, one copy a direction"}
     for kind in ("offload", "upload"):
         base = gbs["memcpy_d2h" if kind == "offload" else "memcpy_h2d"]
         for layout in ("contiguous", "fragmented"):
             got = gbs[f"{kind}_{layout}"]
             r[f"{kind}_{layout}_vs_memcpy"] = got / base
-            print(f"{kind:<7} {layout:<10} {n} blocks ({nbytes / 2**30:.2f} GiB): {got:7.2f} GB/s   one memcpy "
+            print(f"{kind:<7} {layout:<10} {n} blocks ({nbytes / 2**30:.2f} GiB): {got:7.2f} GB/s   one pinned memcpy "
                   f"{base:7.2f} GB/s   {got / base:5.1%} of it", flush=True)
     swapper.shutdown()
     runner.swapper = None
