@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", help="text datasets: model dir whose tokenizer counts tokens (default: --model's)")
     ap.add_argument("--gpt2-bpe", help="text datasets: dir with GPT-2 encoder.json + vocab.bpe to count tokens")
     ap.add_argument("--num-prompts", type=int, default=1000, help="default: %(default)s")
+    ap.add_argument("--random-input-len", type=int, default=128, help="synthetic: prompt tokens (default: 128)")
+    ap.add_argument("--random-output-len", type=int, default=128, help="synthetic: output tokens (default: 128)")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0, help="synthetic: uniform within +-this fraction")
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson rate (default: trace times / all at 0)")
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -137,7 +140,9 @@ def run(args: argparse.Namespace) -> dict:
                                                                            max_total_len=limit))
     items = load_workload(args.dataset_name, args.num_prompts, path=args.dataset_path, count_tokens=count,
                           rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
-                          length_filter=length_filter, stats=stats)
+                          length_filter=length_filter, stats=stats,
+                          synthetic=dict(input_len=args.random_input_len, output_len=args.random_output_len,
+                                         range_ratio=args.random_range_ratio))
     print(filter_line(stats))
 
     engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,

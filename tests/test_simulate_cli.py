@@ -80,3 +80,14 @@ def test_bad_choices_list_the_allowed_values(capsys):
     assert "'sjf'" in err and "'fcfs', 'skip-join-mlfq', 'mlfq', 'fixed-priority', 'srpt'" in err
     help_text = simulate.build_parser().format_help()
     assert "opt-13b-a100-40gb-x1.json" in help_text and "opt-175b" in help_text
+
+
+def test_synthetic_lengths_take_vllms_random_flags(models_here, tmp_path):
+    """--dataset-name synthetic needs no file: lengths from --random-input-len / --random-output-len (it failed with a
+    TypeError before the flags existed)."""
+    out = tmp_path / "s.json"
+    assert simulate.main(["--model", "opt-125m", "--profile", PROFILE, "--dataset-name", "synthetic",
+                          "--num-prompts", "20", "--request-rate", "4", "--random-input-len", "64",
+                          "--random-output-len", "16", "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["requests"] == 20 and summary["mean_per_token_s"] > 0

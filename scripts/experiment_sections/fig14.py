@@ -32,7 +32,7 @@ def section_fig14(ctx: Ctx) -> str:
     lines = ["## Fig. 14: policies over input:output ratios", "", f"Command: `{ctx.cmd('fig14')}`", "",
              "![fig14](figures/fig14_io_ratio.png)", "",
              f"OPT-13B, {n} requests whose mean total length is {total} tokens, split input:output = r:1 "
-             f"(scripts/workload.py synthetic_lengths io_ratio), each length drawn uniformly over "
+             f"(fastserve/bench/workload.py synthetic_lengths io_ratio), each length drawn uniformly over "
              f"[{1 - spread:g}x, {1 + spread:g}x] of its mean (`--io-spread {spread:g}`), independently for input and "
              f"output, then clipped to the 2048-token context; Poisson arrivals at {load}x an estimated capacity "
              "for each ratio (rates in the table). Mean per-token latency. Why this spread: the paper's Fig. 14 "

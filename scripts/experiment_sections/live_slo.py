@@ -28,7 +28,7 @@ def section_live_slo(ctx: Ctx) -> str:
     lines = ["## Live: throughput at the SLO on this machine, tiny model", "",
              f"Command: `{ctx.cmd('live_slo')}` (runs `scripts/live_sweep.py`)", "",
              "Every policy served for real: `server.py` (tiny model, one torch thread) started once per policy and "
-             "dataset, `scripts/loadgen.py --sweep` against it over loopback HTTP (streaming, token-id prompts of "
+             "dataset, `fastserve bench serve --sweep` against it over loopback HTTP (streaming, token-id prompts of "
              f"the dataset's lengths, ignore_eos), {ctx.args.live_prompts} requests per rate. Scaled to "
              "this machine the way the paper's setup is: the SLO is 0.3 s x t_dec(1, 16) of the tiny model / "
              "t_dec(1, 16) of OPT-13B on an A100 40GB "
