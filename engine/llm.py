@@ -39,13 +39,16 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self.engine.emit_running_outputs = False
         self._ids = itertools.count()
-        # Worker processes (tensor/pipeline parallelism) end with the LLM, and in process the model, KV cache and
-        # graphs are freed (Engine.close): on close(), leaving a `with` block, garbage collection, or exit.
-        self._finalizer = weakref.finalize(self, self.engine.close)
+        # Worker processes (tensor/pipeline parallelism) end with the LLM: on close(), leaving a `with` block,
+        # garbage collection, or exit. The in-process model, KV cache and graphs are freed by close() and `with`
+        # (Engine.close); garbage collection of the LLM alone leaves them usable, since code may keep its engine
+        # (llm.engine), which then frees them when it is collected itself.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def close(self) -> None:
         """Release the engine now: its device memory comes back at once, even while this object (or its engine)
         is still referenced, so a next LLM in the process sizes its KV cache against all of the device."""
+        self.engine.close()
         self._finalizer()
 
     def __enter__(self) -> LLM:

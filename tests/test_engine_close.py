@@ -117,3 +117,23 @@ def test_release_resets_the_graphs_and_returns_cached_blocks_to_the_device(tiny_
     assert graphs._graphs == {} and graphs._pool is None and runner.decode_graphs is None
     llm.close()  # idempotent
     assert calls.count("synchronize") == 1
+
+
+def test_an_engine_kept_after_its_llm_is_collected_still_serves(tiny_model_dir):
+    """Only close() (or leaving a `with` block) frees the model and cache: code that keeps llm.engine and drops the
+    LLM (as tests and benchmarks do) keeps a working engine; close() then stops it."""
+    import gc
+
+    llm = LLM(str(tiny_model_dir), device="cpu", block_size=4, num_gpu_blocks_override=32, profile="analytic")
+    engine = llm.engine
+    del llm
+    gc.collect()
+    engine.add_request("r", [2, 10, 11, 12], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 3
+    engine.close()
+    engine.add_request("s", [2, 10], SamplingParams(temperature=0, max_tokens=1))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()
