@@ -36,6 +36,12 @@ output token:
   (a smaller one among those may still slip in). Past capacity thousands of
   jobs wait fresh, so this is what keeps a tick's walk proportional to the
   started jobs and the batch, not to the queue;
+- once nothing is left to evict (every ready resident job below the refused
+  one is evicted), a later job is refused without asking when its whole KV
+  does not fit the room left (free, or freeing and unpromised: `kv.room_for`),
+  and the walk ends when not one block is left: past capacity thousands of
+  started jobs wait on the host, and each refusal went through the eviction
+  machinery;
 - a job whose KV waits on the host for free room it may not evict for is
   passed over without asking once memory/ says none of those fit
   (`kv.parked_unfit()`, asked when one is refused): past capacity most
@@ -172,6 +178,7 @@ class PriorityPolicy(SchedulingPolicy):
         parked: Container[Job] = ()
         ask = True
         refused = False
+        exhausted = False  # every eviction candidate is spent: a later job runs only if its KV fits what is left
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
@@ -194,6 +201,8 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
                 continue
+            if exhausted and not kv.room_for(job.num_computed + n):
+                continue  # nothing left to evict and its whole KV does not fit the room left (make_room's answer)
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
                     if ask:
@@ -203,6 +212,12 @@ class PriorityPolicy(SchedulingPolicy):
                 parked, ask = (), True
                 if not room:
                     refused = True
+                    exhausted = victims.spent  # stays so for the tick: no candidate comes back
+                    if exhausted and not kv.room_for(1):
+                        # Every ready resident job below this one is evicted and not one block is free or
+                        # freeing unpromised: no later job in the walk can get room this tick. Past capacity
+                        # thousands of started jobs wait on the host; this ends the walk here.
+                        break
                     # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick,
                     # so a new job that needs more than it (or than this one) cannot start in this tick.
                     if victims.spent and gate.fresh and (
