@@ -59,7 +59,7 @@ from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merg
 from engine.config import ATTENTION_BACKENDS, KV_POLICIES, LOAD_FORMATS, EngineConfig
 from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
-from scheduler.policy import PolicyName
+from scheduler.policy import MLFQ_LADDERS, PolicyName
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
@@ -457,7 +457,7 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
     "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
     "mlfq_ladder": ("MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at "
-                    "the longest prompt's first iteration (the paper)", ["service", "prefill"]),
+                    "the longest prompt's first iteration (the paper)", list(MLFQ_LADDERS)),
     "starvation_age": ("a job in the system longer than this x the mean time in the system (jobs held / recent "
                        "completion rate) runs to completion, oldest first; 'none' = off", None),
     "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kernels.attention_backend import ATTENTION_BACKENDS
-from scheduler.policy import PolicyName
+from scheduler.policy import MLFQ_LADDERS, PolicyName
 
 # Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
 # The engine only loads it; server.py, `make model` and scripts/make_tiny_model.py build it (modelmaker/).
@@ -111,7 +111,7 @@ class EngineConfig:
         need(self.starvation_factor is None or self.starvation_factor > 0,
              "starvation_factor must be > 0 (or none)")
         need(self.quantum_ratio > 1, "quantum_ratio must be > 1")
-        need(self.mlfq_ladder in ("service", "prefill"), "mlfq_ladder must be 'service' or 'prefill'")
+        need(self.mlfq_ladder in MLFQ_LADDERS, f"mlfq_ladder must be one of {', '.join(MLFQ_LADDERS)}")
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
         need(self.kv_overcommit is None or self.kv_overcommit >= 1, "kv_overcommit must be >= 1 (or none)")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")

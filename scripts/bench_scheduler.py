@@ -39,7 +39,7 @@ import bench_engine  # noqa: E402  (scripts/ is this script's folder)
 from engine import LLM  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy  # noqa: E402
-from scheduler.policy import CostModel  # noqa: E402
+from scheduler.policy import MLFQ_LADDERS, CostModel  # noqa: E402
 
 AIM_MS = {1000: 0.2, 10000: 0.5}  # waiting jobs -> aim for the median tick (ms); other sizes: the larger
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         "profile promotes every waiting job every ~3 iterations (default: the engine's, %(default)s)")
     p.add_argument("--starvation-age", type=none_or_float, default=defaults.starvation_age,
                    help="age promotion, or 'none' (default: the engine's, %(default)s)")
-    p.add_argument("--mlfq-ladder", default=defaults.mlfq_ladder, choices=("service", "prefill"))
+    p.add_argument("--mlfq-ladder", default=defaults.mlfq_ladder, choices=MLFQ_LADDERS)
     args = p.parse_args(argv)
 
     llm = LLM(model=args.model, profile=args.profile, kv_policy="recompute", num_gpu_blocks_override=256)

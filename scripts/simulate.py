@@ -44,7 +44,7 @@ from engine.config import KV_POLICIES, EngineConfig  # noqa: E402
 from fastserve.bench.tokens import choose_counter, mismatch_warning  # noqa: E402
 from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
-from scheduler.policy import PolicyName  # noqa: E402
+from scheduler.policy import MLFQ_LADDERS, PolicyName  # noqa: E402
 
 POLICIES = [p.value for p in PolicyName]
 TEXT_DATASETS = ("sharegpt", "alpaca")
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default: %(default)s")
     ap.add_argument("--starvation-age", type=none_or_float, default=d.starvation_age,
                     help="a job older than this x the mean time in the system runs to completion; default: %(default)s")
-    ap.add_argument("--mlfq-ladder", default=d.mlfq_ladder, choices=("service", "prefill"),
+    ap.add_argument("--mlfq-ladder", default=d.mlfq_ladder, choices=MLFQ_LADDERS,
                     help="MLFQ quanta cover a job's whole service, or only the longest prefill (the paper); "
                          "default: %(default)s")
     ap.add_argument("--kv-overcommit", type=none_or_float, default=d.kv_overcommit,

@@ -40,14 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from experiment_sections.common import SCALES  # noqa: E402  (name -> (model shape, profile), as the sections use)
+
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
 
-SCALES = {  # name -> (model shape, profile, dataset default)
-    "opt-13b": ("opt-13b", "profiles/sim/opt-13b-a100-40gb-x1.json"),
-    "opt-13b-80gb": ("opt-13b", "profiles/sim/opt-13b-a100-80gb-x1.json"),
-    "opt-66b": ("opt-66b", "profiles/sim/opt-66b-a100-40gb-x4.json"),
-    "opt-175b": ("opt-175b", "profiles/sim/opt-175b-a100-40gb-x16.json"),
-}
 DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
             "alpaca": REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
