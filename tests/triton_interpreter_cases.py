@@ -88,6 +88,19 @@ def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dty
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_over_any_cached_prefix_matches_reference(dtype):
+    """Issue 25: any number of new tokens over any number of cached ones (prefixes of 0, mid-block, on a block
+    boundary, past one query tile; chunks of 1, a block, sizes that divide nothing), in one flat batch."""
+    seqs = [(0, 1), (1, 1), (3, 1), (4, 4), (3, 4), (5, 7), (8, 3), (7, 13), (16, 2), (2, 31), (21, 17), (0, 9)]
+    q, k, v, kv, meta, _ = make_batch(seqs, h=2, d=16, bs=4, dtype=dtype, seed=11)
+    expected_kv = kv.clone()
+    expected = ref.paged_attention(q, k, v, expected_kv, 1, meta, 16**-0.5)
+    out = tri.paged_attention(q, k, v, kv, 1, meta, 16**-0.5)
+    assert torch.equal(kv, expected_kv)
+    torch.testing.assert_close(out, expected, **tol(dtype))
+
+
 def test_engine_on_triton_kernels_matches_transformers(small_checkpoint):
     model_dir = small_checkpoint(SMALL_PRE_LN)
     engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, seed=0,
