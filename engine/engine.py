@@ -41,6 +41,9 @@ from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
 from scheduler.policy import ScheduleDecision
 
 log = logging.getLogger(__name__)
+# Overload admission with a host tier and no --kv-overcommit: the started jobs may hold both tiers less
+# 1/KV_GROWTH_RESERVE of the device, the room they grow into as they decode.
+KV_GROWTH_RESERVE = 8
 
 Prompt = str | list[int]
 
@@ -90,6 +93,7 @@ class Engine:
                 starvation_factor=config.starvation_factor, mlfq_ladder=config.mlfq_ladder,
                 starvation_age=config.starvation_age,
                 max_prompt_len=self.max_model_len,
+                max_batch_kv_tokens=self._batch_kv_share(),
             ),
             self.cost_model,
         )
@@ -111,6 +115,13 @@ class Engine:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds this model's context of {limit}")
         return self.config.max_model_len
 
+    def _batch_kv_share(self) -> int | None:
+        """With batches in flight in several pipeline stages, one batch's share of the device's KV (tokens)."""
+        ex = self.executor
+        if ex.max_in_flight <= 1:
+            return None
+        return max(1, ex.num_device_blocks * ex.block_size // ex.max_in_flight)
+
     def _make_kv_manager(self) -> KVManager:
         """Two tiers: the executor's device blocks and a host tier of --swap-space GiB."""
         cfg, ex = self.config, self.executor
@@ -124,6 +135,11 @@ class Engine:
         limit = None
         if cfg.kv_overcommit is not None:
             limit = min(int(cfg.kv_overcommit * ex.num_device_blocks), ex.num_device_blocks + num_host)
+        elif num_host:
+            # Never start more than both tiers hold: past that every eviction drops a context that must be
+            # recomputed (memory/kv_manager.py, "Overload admission"). An eighth of the device is left for the
+            # started jobs to grow into.
+            limit = max(1, ex.num_device_blocks + num_host - ex.num_device_blocks // KV_GROWTH_RESERVE)
         return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers,
                          now=self.clock.now, max_started_blocks=limit)
 

@@ -133,6 +133,13 @@ class SchedulerConfig:
     # as they decode and the queues order them by attained service; "prefill" (the paper's, this unit's
     # default), the last covers t_init(max_prompt_len).
     mlfq_ladder: str = "prefill"
+    # Pipeline parallelism: with several batches in flight at once, one batch's jobs may hold at most this many
+    # tokens of KV (the device's tokens / batches in flight, set by the engine), so the batch the next stage
+    # frees is not the only one that can run: without it the most urgent jobs fill the whole device in one
+    # batch and the other slot of the pipe stays empty (vLLM's virtual engines split the cache the same way).
+    # None = no limit (one batch in flight). The preemptive policies apply it; FCFS's running set alternates
+    # between the batches by itself.
+    max_batch_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -151,6 +158,8 @@ class SchedulerConfig:
             raise ValueError(f"demotion_step must be >= 1, got {self.demotion_step}")
         if self.max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1 token, got {self.max_prompt_len}")
+        if self.max_batch_kv_tokens is not None and self.max_batch_kv_tokens < 1:
+            raise ValueError(f"max_batch_kv_tokens must be >= 1 or None, got {self.max_batch_kv_tokens}")
         if self.mlfq_ladder not in MLFQ_LADDERS:
             raise ValueError(f"mlfq_ladder must be one of {', '.join(MLFQ_LADDERS)}, got {self.mlfq_ladder!r}")
 

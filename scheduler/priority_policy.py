@@ -170,6 +170,7 @@ class PriorityPolicy(SchedulingPolicy):
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate, on_host = victims.evicted, kv.can_fit, kv.allocate, kv.parked()  # bound once
         tokens = 0
+        kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
         started: list[Job] = []  # fresh jobs in the batch
         # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
@@ -192,6 +193,8 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             if job.in_flight or (evicted and job in evicted):  # in flight: running in a later pipeline stage
                 continue
+            if kv_cap is not None and batch and kv_tokens + job.context_len > kv_cap:
+                continue  # this batch holds its share of the device's KV: the next batch in flight takes it
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
@@ -234,6 +237,7 @@ class PriorityPolicy(SchedulingPolicy):
             if fresh:
                 started.append(job)
             tokens += n
+            kv_tokens += job.context_len
             if len(batch) >= max_seqs or tokens >= budget:
                 break
 

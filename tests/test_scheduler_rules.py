@@ -296,6 +296,34 @@ def test_a_prompt_larger_than_the_token_budget_runs_alone() -> None:
     assert [j.job_id for j in policy.schedule(1.0, roomy()).batch] == ["big"]
 
 
+@pytest.mark.parametrize("name", [PolicyName.SKIP_JOIN_MLFQ, PolicyName.MLFQ, PolicyName.FIXED_PRIORITY,
+                                  PolicyName.SRPT])
+def test_with_batches_in_flight_a_batch_holds_at_most_its_share_of_kv(name: PolicyName) -> None:
+    """Pipeline parallelism, two batches in flight, each batch's share 32 tokens of KV. Six jobs of 7-token
+    prompts run their prefill, then hold 8 tokens each. The first batch takes four (32 tokens, though
+    max_num_seqs allows all six); with them in flight the second batch takes the other two.
+    Without the share the first batch takes all six and the second slot of the pipe stays empty."""
+    for share, first, second in [(32, 4, 2), (None, 6, 0)]:
+        policy = make_policy(config(policy=name, max_num_seqs=8, max_batch_kv_tokens=share), COST)
+        kv = FakeKV(num_blocks=64)
+        jobs = [job(f"j{i}", 7) for i in range(6)]
+        for j in jobs:
+            policy.add(j, 0.0)
+        step(policy, kv, 0.0)  # every job runs its prefill (48 tokens fit one batch of any share)
+        a = policy.schedule(1.0, kv).batch
+        for j in a:
+            j.in_flight = True
+        b = policy.schedule(1.0, kv).batch
+        assert (len(a), len(b)) == (first, second), share
+        assert not set(a) & set(b)
+        assert share is None or sum(j.context_len for j in a) <= share
+
+
+def test_config_rejects_a_non_positive_batch_kv_share() -> None:
+    with pytest.raises(ValueError, match="max_batch_kv_tokens"):
+        config(max_batch_kv_tokens=0)
+
+
 @pytest.mark.parametrize("name", list(PolicyName))
 def test_a_job_that_is_not_ready_is_never_scheduled(name: PolicyName) -> None:
     policy, kv = make_policy(config(policy=name, max_num_seqs=4), COST), roomy()
