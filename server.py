@@ -465,7 +465,7 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                           "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),
     "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
     "kv_overcommit": ("past capacity, new jobs wait while started jobs' KV (device + host) exceeds this many "
-                      "device caches; 'none' = no limit (the paper)", None),
+                      "device caches; 'none' = the default: both tiers less an eighth of the device", None),
     "profile": ("'analytic' or a job-profile JSON (default: a stored matching profile, else measured)", None),
     "max_queued_requests": ("most requests waiting to start; beyond, 503 + Retry-After (default: no limit)", None),
     "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "

@@ -29,10 +29,11 @@ KV, grows without bound; once it outgrows the host, evictions become drops and
 every promotion rebuilds a whole context. So a job with no KV anywhere (new,
 or dropped) starts only while the KV of every started job plus its own stays
 within `max_started_blocks` (device and host together; None = no limit, the
-paper's behaviour; the default is 4 device caches); beyond it, it waits
-where it is in the policy's order. The limit is what parking costs: every
-started job the batch does not hold sits on the host, and each swap of it
-out and back takes batch room while the copy is in flight.
+paper's behaviour); beyond it, it waits where it is in the policy's order.
+The engine's default with a host tier is both tiers less an eighth of the
+device (room for the started jobs to grow as they decode), so admission binds
+only where drops would begin; `--kv-overcommit N` sets N device caches
+instead (engine/engine.py, _make_kv_manager).
 
 Nothing here ever waits on a copy: the engine's event loop must not block.
 evict() starts an offload and the device blocks free when it completes (poll);
