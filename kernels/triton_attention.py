@@ -16,8 +16,12 @@ Legend (as in kernels/paged_attention.py)
 
 KV cache layout, block-major and head-major inside a block: kv_cache[NB, L, 2,
 H, bs, D]; token t of a sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
-cache in place through the block table (no gather): a tile of tokens looks up
-each token's block, so any block size works and a tile may span blocks.
+cache in place through the block table (no gather), a tile of tokens at a time:
+with blocks of 16 tokens or more a tile is one block or a slice of one, read
+as one 64-bit base pointer and 32-bit offsets from it (a 64-bit pointer an
+element held 226-255 registers and spilled); with smaller blocks a 16-token
+tile spans blocks, one base a token. Tiles and warps: decode_config,
+prefill_config (register counts for sm_90: scripts/triton_registers.py).
 
 The kernels:
     _write_kv_kernel        this step's K/V into their slots            grid (T, 2)
@@ -96,19 +100,29 @@ def _decode_split_kernel(
     run_max = tl.zeros([1], dtype=tl.float32) - float("inf")
     run_sum = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions; pos[0] < end, so the tile has a live token
-        live = pos < end
-        block = tl.load(tables_ptr + s.to(tl.int64) * stride_ts + pos // BS, mask=live, other=0)
-        base = cache_ptr + block * stride_cb + layer_offset + (pos % BS) * stride_co + h * stride_ch  # [BLOCK_N]
+    table = tables_ptr + s.to(tl.int64) * stride_ts
+    head = cache_ptr + layer_offset + h * stride_ch  # this layer's and head's K in block 0
+    n = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N (TOKENS_PER_SPLIT is)
+        live = n0 + n < end  # n0 < end: the tile has a live token
         tile_mask = live[:, None] & d_ok[None, :]
-        k = tl.load(base[:, None] + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_N, Dp]
+        if BLOCK_N <= BS:
+            # The tile lies in one block: one 64-bit base pointer, 32-bit offsets from it.
+            block = tl.load(table + n0 // BS)
+            base = head + block * stride_cb + (n0 % BS) * stride_co
+            offsets = n[:, None] * stride_co + d[None, :]  # [BLOCK_N, Dp]
+        else:
+            # Blocks smaller than a tile (block size < 16): a base a token.
+            block = tl.load(table + (n0 + n) // BS, mask=live, other=0)
+            base = head
+            offsets = (block * stride_cb + ((n0 + n) % BS) * stride_co)[:, None] + d[None, :]
+        k = tl.load(base + offsets, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_N, Dp]
         scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
         scores = tl.where(live, scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, axis=0))  # [1]
         correction = tl.exp(run_max - new_max)
         probs = tl.exp(scores - new_max)  # [BLOCK_N]
-        v = tl.load(base[:, None] + stride_ckv + d[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        v = tl.load(base + stride_ckv + offsets, mask=tile_mask, other=0.0).to(tl.float32)
         run_sum = run_sum * correction + tl.sum(probs, axis=0)
         acc = acc * correction + tl.sum(probs[:, None] * v, axis=0)
         run_max = new_max
@@ -148,7 +162,8 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ts,
     stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
     scale, D,
-    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -156,55 +171,69 @@ def _prefill_kernel(
     q_start = tl.load(q_starts_ptr + s)
     q_len = tl.load(q_lens_ptr + s)
     prefix_len = tl.load(prefix_lens_ptr + s)
-    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence's new tokens
+    m = tl.arange(0, BLOCK_M)
+    i = mb * BLOCK_M + m  # [BLOCK_M] query index within the sequence's new tokens
     i_ok = i < q_len
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    rows = (q_start + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=i_ok[:, None] & d_ok[None, :],
+    # Every tile is read as one 64-bit base pointer (its first row) plus 32-bit offsets.
+    first_row = q_start + mb * BLOCK_M  # int64 (loaded)
+    q_mask = i_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + first_row * stride_qt + h * stride_qh + (m[:, None] * stride_qt + d[None, :]), mask=q_mask,
                 other=0.0)  # [BLOCK_M, Dp]
     run_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     run_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     live_tile = mb * BLOCK_M < q_len  # programs past the sequence's queries do nothing
-    # 1. The cached prefix: every new token sees all of it.
+    # 1. The cached prefix: every new token sees all of it, PREFIX_N tokens a tile.
     prefix_end = tl.where(live_tile, prefix_len, 0)
-    for n0 in range(0, prefix_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        live = pos < prefix_len
-        block = tl.load(tables_ptr + s.to(tl.int64) * stride_ts + pos // BS, mask=live, other=0)
-        base = cache_ptr + block * stride_cb + layer_offset + (pos % BS) * stride_co + h * stride_ch  # [BLOCK_N]
+    table = tables_ptr + s.to(tl.int64) * stride_ts
+    head = cache_ptr + layer_offset + h * stride_ch  # this layer's and head's K in block 0
+    c = tl.arange(0, PREFIX_N)
+    for n0 in range(0, prefix_end, PREFIX_N):
+        live = n0 + c < prefix_len
         tile_mask = live[:, None] & d_ok[None, :]
-        k = tl.load(base[:, None] + d[None, :], mask=tile_mask, other=0.0)  # [BLOCK_N, Dp]
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        if PREFIX_N <= BS:  # the tile lies in one block
+            block = tl.load(table + n0 // BS)
+            base = head + block * stride_cb + (n0 % BS) * stride_co
+            offsets = c[:, None] * stride_co + d[None, :]  # [PREFIX_N, Dp]
+        else:  # blocks smaller than 16 tokens: a base a token
+            block = tl.load(table + (n0 + c) // BS, mask=live, other=0)
+            base = head
+            offsets = (block * stride_cb + ((n0 + c) % BS) * stride_co)[:, None] + d[None, :]
+        k = tl.load(base + offsets, mask=tile_mask, other=0.0)  # [PREFIX_N, Dp]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, PREFIX_N]
         scores = tl.where(live[None, :], scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))
         correction = tl.exp(run_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
-        v = tl.load(base[:, None] + stride_ckv + d[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(base + stride_ckv + offsets, mask=tile_mask, other=0.0)
         run_sum = run_sum * correction + tl.sum(probs, axis=1)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         run_max = new_max
-    # 2. This step's tokens, causally (up to the diagonal of this query tile).
+    # 2. This step's tokens, causally (up to the diagonal of this query tile), BLOCK_N a tile.
     self_end = tl.where(live_tile, tl.minimum(q_len, (mb + 1) * BLOCK_M), 0)
+    j = tl.arange(0, BLOCK_N)
+    k_offsets = j[:, None] * stride_kt + d[None, :]  # [BLOCK_N, Dp]
+    v_offsets = j[:, None] * stride_vt + d[None, :]
+    k_head = k_ptr + q_start * stride_kt + h * stride_kh  # the sequence's first new token's K
+    v_head = v_ptr + q_start * stride_vt + h * stride_vh
     for n0 in range(0, self_end, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        live = j < q_len
-        krows = (q_start + j).to(tl.int64)
+        live = n0 + j < q_len
         tile_mask = live[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + krows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=tile_mask, other=0.0)
+        k = tl.load(k_head + n0 * stride_kt + k_offsets, mask=tile_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        scores = tl.where(live[None, :] & (j[None, :] <= i[:, None]), scores, float("-inf"))
+        scores = tl.where(live[None, :] & ((n0 + j)[None, :] <= i[:, None]), scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))
         correction = tl.exp(run_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
-        v = tl.load(v_ptr + krows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=tile_mask, other=0.0)
+        v = tl.load(v_head + n0 * stride_vt + v_offsets, mask=tile_mask, other=0.0)
         run_sum = run_sum * correction + tl.sum(probs, axis=1)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         run_max = new_max
     out = acc / tl.where(run_sum > 0, run_sum, 1.0)[:, None]  # 0 only in tiles past the queries (not stored)
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=i_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + first_row * stride_ot + h * stride_oh + (m[:, None] * stride_ot + d[None, :]),
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 # -- host side -------------------------------------------------------------------------------------
@@ -272,13 +301,15 @@ def decode_attention(
     part_acc = torch.empty(s_d * h * splits, dp, dtype=torch.float32, device=q.device)  # [S_d * H * P, Dp]
     part_max = torch.empty(s_d * h * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    block_n = decode_tile()
+    block_n, num_warps = decode_config(bs, dp)
+    if tokens_per_split % block_n:
+        raise ValueError(f"tokens_per_split ({tokens_per_split}) must be a multiple of the decode tile ({block_n})")
     _decode_split_kernel[(s_d, h, splits)](
         q, kv_cache, block_tables, context_lens, rows, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), block_tables.stride(0),
         *_cache_strides(kv_cache, layer),
         scale, h, d, splits,
-        BS=bs, BLOCK_N=block_n, BLOCK_D=dp, TOKENS_PER_SPLIT=tokens_per_split,
+        BS=bs, BLOCK_N=block_n, BLOCK_D=dp, TOKENS_PER_SPLIT=tokens_per_split, num_warps=num_warps,
     )
     _decode_reduce_kernel[(s_d, h)](
         part_acc, part_max, part_sum, out, rows, out.stride(0), out.stride(1), h, d, splits,
@@ -313,18 +344,37 @@ class PrefillRows:
                 self.block_tables[i, : table.shape[0]] = table
 
 
-def prefill_tile(dtype: torch.dtype, padded_head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the prefill kernel: queries and keys per tile."""
+# Launch configurations: tile sizes and warps, chosen by register count and spills compiled for sm_90
+# (scripts/triton_registers.py; the limits are checked by tests/test_triton_kernels.py, the counts are in
+# docs/benchmarks.md). Under the interpreter the tiles are small, for speed, and the warps are ignored.
+
+
+def cache_tile(block_size: int, limit: int) -> int:
+    """Tokens of a tile read from the cache: one block or a slice of one (one base pointer a tile) when the
+    block size is at least 16, else 16 tokens over several blocks (tl.dot needs 16 on GPUs)."""
+    return max(16, min(block_size, limit))
+
+
+def prefill_config(dtype: torch.dtype, padded_head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel: queries a tile, new keys a tile, warps.
+
+    16-bit: 8 warps, on [128, 64] tiles up to D = 64 and [64, 64] above (sm_90, D = 128: 158 registers, 112 KiB
+    of shared memory; [128, 64] took 222 there and spilled on sm_80 with 128-token blocks; 4 warps on [64, 64]
+    took 246). float32 (tests, references): [32, 32] over 4 warps."""
     if INTERPRETED:
-        return 16, 16
-    if dtype == torch.float32 or padded_head_dim > 64:  # float32 or D = 128 tiles: shared memory and registers
-        return 32, 32
-    return 64, 64  # a [64, 64] float32 accumulator over 4 warps: 32 registers a thread
+        return 16, 16, 4
+    if dtype == torch.float32:
+        return 32, 32, 4
+    return (128, 64, 8) if padded_head_dim <= 64 else (64, 64, 8)
 
 
-def decode_tile() -> int:
-    """BLOCK_N of the decode kernel: context tokens per tile."""
-    return 16 if INTERPRETED else 64
+def decode_config(block_size: int, padded_head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the decode kernel: context tokens a tile (a KV block or a slice of one), warps:
+    4 on tiles up to 32 tokens (40-56 registers on sm_90), 8 on 64-token tiles (block size >= 64)."""
+    if INTERPRETED:
+        return cache_tile(block_size, 16), 4
+    block_n = cache_tile(block_size, 64)
+    return block_n, 8 if block_n >= 64 else 4
 
 
 def prefill_attention(
@@ -344,14 +394,15 @@ def prefill_attention(
     _, _, _, h, bs, d = kv_cache.shape
     k, v = _unit_last(k), _unit_last(v)
     dp = _padded_head_dim(d)
-    block_m, block_n = prefill_tile(q.dtype, dp)
+    block_m, block_n, num_warps = prefill_config(q.dtype, dp)
     _prefill_kernel[(seqs.num_seqs, h, triton.cdiv(seqs.max_len, block_m))](
         q, k, v, out, kv_cache, seqs.block_tables, seqs.q_starts, seqs.q_lens, seqs.prefix_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         seqs.block_tables.stride(0),
         *_cache_strides(kv_cache, layer),
         scale, d,
-        BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dp,
+        BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, PREFIX_N=cache_tile(bs, block_n), BLOCK_D=dp,
+        num_warps=num_warps,
     )
 
 

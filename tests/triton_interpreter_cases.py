@@ -47,12 +47,24 @@ def test_write_kv_stores_each_token_in_its_slot_like_the_reference(dtype):
     assert torch.equal(kv, expected)
 
 
-@pytest.mark.parametrize(("d", "dtype"), [(16, torch.float32), (24, torch.float16), (32, torch.float32)])
+# The cache is read a tile of 16 tokens at a time under the interpreter (tri.cache_tile): block size 4 puts 4
+# blocks in a tile (a base a token), 16 one block a tile, 32 half a block a tile (one base pointer a tile).
+TILE_PATHS = [4, 16, 32]
+
+
+def test_cache_tiles_cover_each_path():
+    assert [tri.cache_tile(bs, 16) for bs in TILE_PATHS] == [16, 16, 16]
+    assert [tri.cache_tile(bs, 64) for bs in (1, 8, 16, 32, 64, 128)] == [16, 16, 16, 32, 64, 64]
+    assert tri.decode_config(16, 64)[0] == 16  # the interpreter's tile
+
+
+@pytest.mark.parametrize(("d", "dtype", "bs"), [(16, torch.float32, 4), (24, torch.float16, 4), (32, torch.float32, 4),
+                                                (24, torch.float16, 16), (32, torch.float32, 32)])
 # 24: a head dim that is not a power of two
-def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, d):
-    bs = 4
-    # Contexts (cached + 1): 1 (a lone token), 4 = bs, 5 = bs + 1, 8, 13, 41, 67 (several 16-token splits).
-    seqs = [(0, 1), (3, 1), (4, 1), (7, 1), (12, 1), (40, 1), (66, 1)]
+def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, d, bs):
+    # Contexts (cached + 1): 1 (a lone token), 4, 5, 8, 13, 16, 17, 33, 41, 67 (several 16-token splits): on,
+    # just past and inside block boundaries for each block size.
+    seqs = [(0, 1), (3, 1), (4, 1), (7, 1), (12, 1), (15, 1), (16, 1), (32, 1), (40, 1), (66, 1)]
     q, k, v, kv, meta, tables = make_batch(seqs, h=2, d=d, bs=bs, dtype=dtype)
     # The reference takes the context-1 row as a fresh span; the kernel takes every row as a decode row.
     rows = torch.arange(len(seqs))
@@ -68,17 +80,19 @@ def test_decode_matches_reference_across_block_boundaries_and_splits(dtype, d):
         torch.testing.assert_close(out, expected, **tol(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dtype):
-    bs, d = 4, 16
+@pytest.mark.parametrize(("dtype", "bs"), [(torch.float32, 4), (torch.float16, 4), (torch.float32, 16),
+                                         (torch.float16, 32)])
+def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dtype, bs):
+    d = 16
     seqs = [
         (0, 1),  # a one-token prompt
         (0, 21),  # a fresh prompt longer than one 16-query tile
         (9, 1),  # decode
         (3, 6),  # chunked prefill: a prefix ending mid-block, new tokens crossing blocks
-        (8, 18),  # a prefix of exactly 2 blocks, 18 new tokens (two query tiles)
+        (8, 18),  # a prefix of exactly 2 blocks (bs 4), 18 new tokens (two query tiles)
         (0, 5),
         (30, 1),
+        (37, 20),  # a prefix of 2 tiles and a part (bs 16: 2 blocks and 5 tokens; bs 32: one and 5)
     ]
     q, k, v, kv, meta, _ = make_batch(seqs, h=2, d=d, bs=bs, dtype=dtype, seed=3)
     expected_kv = kv.clone()
