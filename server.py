@@ -444,7 +444,11 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                     None),
     "master_port": ("rendezvous port; the workers' control port is the next one (default: a free pair)", None),
     "max_num_seqs": ("most sequences in one iteration's batch", None),
-    "max_num_batched_tokens": ("most tokens in one iteration (a longer prompt runs alone)", None),
+    "max_num_batched_tokens": ("most tokens in one iteration (without chunked prefill a longer prompt runs alone)",
+                               None),
+    "enable_chunked_prefill": ("split a prompt that does not fit the rest of an iteration's "
+                               "--max-num-batched-tokens into chunks run in later iterations; the last batch's "
+                               "decodes go first (--no-enable-chunked-prefill: prompts run whole)", None),
     "max_model_len": ("context length (default: the model's)", None),
     "block_size": ("tokens per KV block", None),
     "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),
@@ -471,6 +475,9 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "
                       "CUDA, with one tensor-parallel rank; on CPU every step is eager anyway)", None),
 }
+
+
+NEGATABLE_SWITCHES = {"enable_chunked_prefill"}  # vLLM's --enable-X / --no-enable-X pairs
 
 
 def _flag_type(hint):
@@ -503,8 +510,9 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         doc, choices = ENGINE_HELP.get(f.name, (f"engine setting {f.name} (see engine/config.py)", None))
-        if hints[f.name] is bool:  # a switch: --enforce-eager
-            p.add_argument("--" + f.name.replace("_", "-"), help=doc, action="store_true", default=f.default)
+        if hints[f.name] is bool:  # a switch: --enforce-eager; --enable-chunked-prefill / --no-enable-chunked-prefill
+            action = argparse.BooleanOptionalAction if f.name in NEGATABLE_SWITCHES else "store_true"
+            p.add_argument("--" + f.name.replace("_", "-"), help=doc, action=action, default=f.default)
             continue
         flag("--" + f.name.replace("_", "-"), doc, type=_flag_type(hints[f.name]), default=f.default,
              choices=choices)

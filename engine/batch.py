@@ -24,6 +24,10 @@ class SequenceWork:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)  # tokens sampled so far, when a penalty needs them
     seed: int | None = None  # the sequence's seed: worker processes build their own generator from it
+    # False for a chunk of a prefill that does not reach the end of the context (chunked prefill): its KV is
+    # written, nothing is sampled (a seeded generator is not advanced) and its SequenceResult is a placeholder.
+    sample: bool = True
+    prompt_len: int | None = None  # the request's prompt length (None: start_pos + len(token_ids) - num_generated)
 
 
 @dataclass
@@ -34,6 +38,9 @@ class ModelBatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+
+NOT_SAMPLED = -1  # SequenceResult.token_id of a sequence that computed a chunk without sampling
 
 
 @dataclass

@@ -38,6 +38,10 @@ class EngineConfig:
     master_port: int | None = None  # None: a free port; the workers' control port is master_port + 1
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Chunked prefill (vLLM's flag): a prompt that does not fit the rest of an iteration's max_num_batched_tokens is
+    # split, its next chunk in a later iteration, and the decodes of the last batch come first
+    # (scheduler/policy.py, SchedulingPolicy.chunk). Off: a prompt runs whole (one longer than the budget, alone).
+    enable_chunked_prefill: bool = False
     max_model_len: int | None = None  # defaults to the model's context
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

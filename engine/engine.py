@@ -89,6 +89,7 @@ class Engine:
             SchedulerConfig(
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
                 starvation_factor=config.starvation_factor, mlfq_ladder=config.mlfq_ladder,
                 starvation_age=config.starvation_age,
@@ -351,8 +352,10 @@ class Engine:
         prompt, params, generated = req.prompt_ids, req.params, job.num_generated
         pl = len(prompt)
         a, b = job.num_computed, job.prompt_len + generated  # compute positions a .. b-1 (b: job.context_len)
-        tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:] + seq.output_ids[: b - pl]
-        want_plp = params.prompt_logprobs is not None and generated == 0
+        if 0 < job.num_scheduled < b - a:  # a chunk of a prefill (or of a recompute): no token sampled after it
+            b = a + job.num_scheduled
+        tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:b] + seq.output_ids[: max(0, b - pl)]
+        want_plp = params.prompt_logprobs is not None and generated == 0 and a < pl
         history = params.uses_history
         return SequenceWork(
             job.job_id,  # job_id
@@ -366,19 +369,28 @@ class Engine:
             prompt if want_plp or history else [],  # prompt_token_ids
             list(seq.output_ids) if history else [],  # output_token_ids
             params.sequence_seed(seq.index),  # seed
+            b == job.context_len,  # sample
+            pl,  # prompt_len
         )
 
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
         end = self.clock.now()
         touched: dict[str, RequestState] = {}
-        for seq, res in zip(plan.seqs, result.results):
+        for seq, work, res in zip(plan.seqs, plan.batch.seqs, result.results):
             req = seq.request
             if seq.finished:  # aborted while the step ran
                 continue
             if req.request_id not in touched:
                 req.metrics.executing_s += end - plan.start_time
                 touched[req.request_id] = req
-            self._append_token(seq, res, end)
+            if res.prompt_logprobs is not None and req.prompt_logprobs is None:
+                self._add_prompt_logprobs(seq, res.prompt_logprobs, work.start_pos)
+            job = seq.job
+            if job.num_scheduled and job.num_computed + job.num_scheduled < job.context_len:
+                job.num_computed += job.num_scheduled  # a chunk of a prefill: its KV is cached, nothing sampled
+            else:
+                self._append_token(seq, res, end)
+            job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
         self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
         self.num_steps += 1
@@ -403,8 +415,6 @@ class Engine:
         job.num_generated += 1
         if seq.logprobs is not None and res.logprobs is not None:
             seq.logprobs.append(res.logprobs)
-        if res.prompt_logprobs is not None and req.prompt_logprobs is None:
-            req.prompt_logprobs = res.prompt_logprobs
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         old_len = len(seq.text)
@@ -428,6 +438,20 @@ class Engine:
             seq.finish(*ending)
         if seq.finished:
             self._release(seq)
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: SequenceState, chunk: list, start: int) -> None:
+        """Prompt logprobs of a step that computed prompt positions from `start` on (the whole prompt, or a
+        chunk of it): collected per sequence until they cover the prompt, then the request's. A chunk at 0
+        (a first chunk, or a prefill restarted after a drop) starts the collection anew."""
+        if start == 0:
+            seq.prompt_logprobs_so_far = []
+        elif seq.prompt_logprobs_so_far is None or len(seq.prompt_logprobs_so_far) != start + 1:
+            return  # (cannot happen: chunks come in order)
+        seq.prompt_logprobs_so_far += chunk
+        if len(seq.prompt_logprobs_so_far) >= len(seq.request.prompt_ids):
+            seq.request.prompt_logprobs = seq.prompt_logprobs_so_far
+            seq.prompt_logprobs_so_far = None
 
     def _release(self, seq: SequenceState) -> None:
         self.kv.free(seq.job.job_id)

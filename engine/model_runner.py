@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import ModelBatch, SequenceResult, SequenceWork
+from engine.batch import NOT_SAMPLED, ModelBatch, SequenceResult, SequenceWork
 from engine.cuda_graphs import DecodeGraphs
 from engine.decode_inputs import DecodeInputs
 from engine.device_memory import free_storage
@@ -213,13 +213,21 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, inputs: StepInputs, batch: ModelBatch) -> list[SequenceResult]:
         """Last stage: logits of each sequence's last token -> one sampled token each (+ asked-for logprobs)."""
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden, inputs.sample_rows)  # [S, V]
-            results = self.sampler(logits, batch.seqs, batch.eos_token_id)
+            seqs, rows = batch.seqs, inputs.sample_rows
+            sampled = [i for i, seq in enumerate(seqs) if seq.sample]  # a chunk short of its context samples nothing
+            if len(sampled) < len(seqs):
+                seqs, rows = [seqs[i] for i in sampled], rows[torch.tensor(sampled, dtype=torch.long,
+                                                                           device=rows.device)]
+            results = [SequenceResult(NOT_SAMPLED) for _ in batch.seqs]
+            if sampled:
+                logits = self.model.compute_logits(hidden, rows)  # [S, V]
+                for i, res in zip(sampled, self.sampler(logits, seqs, batch.eos_token_id)):
+                    results[i] = res
             for i, rows in inputs.prompt_rows.items():
                 seq = batch.seqs[i]
-                plogits = self.model.compute_logits(hidden, rows)  # [P, V]
+                plogits = self.model.compute_logits(hidden, rows)  # [R, V]
                 results[i].prompt_logprobs = prompt_logprobs(plogits, seq.prompt_token_ids,
-                                                             seq.params.prompt_logprobs)
+                                                             seq.params.prompt_logprobs, seq.start_pos)
         return results
 
     def stop_decode_graphs(self) -> None:
@@ -272,8 +280,9 @@ class ModelRunner:
             else:
                 partial.append((start, start + n, torch.tensor(table, device=dev), context_len))
             sample_rows.append(start + n - 1)
-            if seq.want_prompt_logprobs:
-                prompt_rows[i] = torch.arange(start, start + len(seq.prompt_token_ids), device=dev)
+            if seq.want_prompt_logprobs:  # the rows at prompt positions (all of a prompt, or a chunk's share)
+                prompt_rows[i] = torch.arange(start, start + min(context_len, len(seq.prompt_token_ids))
+                                              - seq.start_pos, device=dev)
         max_blocks = max((len(t) for t in dec_tables), default=0)
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),

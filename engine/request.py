@@ -29,6 +29,7 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    prompt_logprobs_so_far: list | None = None  # prompt logprobs of the chunks computed so far (chunked prefill)
 
     @property
     def finished(self) -> bool:

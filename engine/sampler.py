@@ -193,16 +193,19 @@ class Sampler:
 
 
 def prompt_logprobs(
-    logits: torch.Tensor, prompt_ids: list[int], k: int
-) -> list[dict[int, float] | None]:  # logits [P, V] at prompt positions 0..P-1, on any device
-    """Logprob of each prompt token given the tokens before it (None for the first); computed where the logits
-    are, only the values asked for moved to the host."""
-    out: list[dict[int, float] | None] = [None]
-    if len(prompt_ids) < 2:
+    logits: torch.Tensor, prompt_ids: list[int], k: int, start: int = 0
+) -> list[dict[int, float] | None]:  # logits [R, V] at prompt positions start..start+R-1, on any device
+    """Logprob of each prompt token given the tokens before it (None for the first): of tokens start+1 ..
+    start+R (those in the prompt), and the None of token 0 when start is 0. The whole prompt (start 0, R = P)
+    gives all P; a chunk of it (chunked prefill) its share, the chunks' lists concatenated giving the same.
+    Computed where the logits are, only the values asked for moved to the host."""
+    out: list[dict[int, float] | None] = [None] if start == 0 else []
+    last = min(start + logits.shape[0], len(prompt_ids) - 1)  # rows start..last-1 predict tokens start+1..last
+    if last <= start:
         return out
-    lp = torch.log_softmax(logits[: len(prompt_ids) - 1].float(), dim=-1)  # [P-1, V]: row p predicts token p+1
-    targets = torch.tensor(prompt_ids[1:], dtype=torch.long, device=lp.device)
-    host = _logprobs_to_host(lp, targets, k)
-    for row, token in enumerate(prompt_ids[1:]):
+    lp = torch.log_softmax(logits[: last - start].float(), dim=-1)  # row r predicts token start+r+1
+    targets = prompt_ids[start + 1 : last + 1]
+    host = _logprobs_to_host(lp, torch.tensor(targets, dtype=torch.long, device=lp.device), k)
+    for row, token in enumerate(targets):
         out.append(host.as_dict(row, token, k))
     return out

@@ -169,24 +169,46 @@ class ProfiledCostModel:
 
     def iteration_cost(self, jobs: Sequence[Job]) -> float:
         """The iteration's cost from its shape: first iterations (or recomputes) prefill their whole context,
-        the other jobs decode one token."""
+        the other jobs decode one token; a job the policy gave a chunk (job.num_scheduled short of the rest of
+        its context: chunked prefill) computes that chunk over the part already computed."""
         prefill: list[int] = []
         decode: list[int] = []
+        chunks: list[tuple[int, int]] = []
         for j in jobs:  # one pass with plain attributes: this runs every iteration over the whole batch
             context = j.prompt_len + j.num_generated
-            if j.num_computed == 0:
-                prefill.append(context)  # a first iteration (or a recompute) computes the whole context
+            done, n = j.num_computed, j.num_scheduled
+            if not n or done + n >= context:  # the whole rest of the context
+                if done == 0:
+                    prefill.append(context)  # a first iteration (or a recompute) computes the whole context
+                else:
+                    decode.append(context)
+            elif done == 0:
+                prefill.append(n)  # a first chunk: a prompt of n tokens
+            elif n == 1:
+                decode.append(done + 1)  # a one-token chunk: a decode step's shape
             else:
-                decode.append(context)
-        return self.batch_cost(prefill, decode)
+                chunks.append((done, n))
+        return self.batch_cost(prefill, decode, chunks)
 
-    def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int]) -> float:
-        """Cost of an iteration from its shape (prompts prefilled, contexts of the decoding jobs): one forward
-        pass over all its tokens plus each part's attention (the module docstring's formula)."""
+    def chunk_attention(self, prefix: int, n: int) -> float:
+        """What a chunk of n prompt tokens after `prefix` computed ones adds beyond the pass over the weights:
+        the attention the prompt's first prefix + n tokens have beyond its first prefix tokens',
+        (t_init(prefix + n) - F(prefix + n)) - (t_init(prefix) - F(prefix)), at least 0."""
+        def beyond(p: int) -> float:
+            return self.t_init(p) - self.forward(p) if p else 0.0
+
+        return max(0.0, beyond(prefix + n) - beyond(prefix))
+
+    def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int],
+                   chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """Cost of an iteration from its shape (prompts prefilled, contexts of the decoding jobs, and chunks
+        (prefix, n) of prompts over their computed prefix): one forward pass over all its tokens plus each part's
+        attention (the module docstring's formula; a chunk's part is chunk_attention, and alone it costs
+        F(n) plus that)."""
         b = len(decode_context_lens)
-        if not prefill_lens:
+        if not prefill_lens and not chunks:
             return self.t_dec(b, sum(decode_context_lens) // b) if b else 0.0
-        if len(prefill_lens) == 1 and not b:
+        if len(prefill_lens) == 1 and not b and not chunks:
             return self.t_init(prefill_lens[0])
         forward, t_init = self.forward, self.t_init
         tokens = b
@@ -197,6 +219,11 @@ class ProfiledCostModel:
             cost += alone - forward(p)
             tokens += p
             floor = max(floor, alone)
+        for prefix, n in chunks:
+            extra = self.chunk_attention(prefix, n)
+            cost += extra
+            tokens += n
+            floor = max(floor, forward(n) + extra)
         if b:
             alone = self.t_dec(b, sum(decode_context_lens) // b)
             cost += alone - forward(b)

@@ -85,14 +85,23 @@ class FCFSPolicy(SchedulingPolicy):
         decision = ScheduleDecision()
         tokens = 0
         room_wait = False  # a running job waits for room an offload in flight is freeing
-        # 1. Running jobs grow, oldest first; the newest gives way when KV runs out.
+        # Chunked prefill: running jobs that decode keep a token each of the budget ahead of a chunk.
+        reserve = 0
+        if self.config.enable_chunked_prefill:
+            reserve = sum(1 for j in self._running if not j.in_flight and j.num_computed and j.num_new_tokens == 1)
+        # 1. Running jobs grow, oldest first (a partly prefilled one by its next chunk); the newest gives way when
+        # KV runs out.
         i = 0
         while i < len(self._running):
             job = self._running[i]
             n = job.num_new_tokens
+            decoder = n == 1 and job.num_computed > 0 and not job.in_flight
+            if decoder:
+                reserve -= 1  # its token is in the batch now, or it cannot run: kept for it no longer
             # The slot check matters when running jobs were skipped (not ready) and more joined.
             full = len(decision.batch) >= self.config.max_num_seqs
-            if full or not self._fits_token_budget(tokens, job, len(decision.batch)):
+            n = self.chunk(n, tokens, len(decision.batch), max(0, reserve))
+            if full or not n:
                 i += 1
                 continue
             if job.in_flight:  # still running in a later pipeline stage
@@ -118,13 +127,14 @@ class FCFSPolicy(SchedulingPolicy):
             kv.allocate(job, n)
             if job.ready:
                 decision.batch.append(job)
+                job.num_scheduled = n
                 tokens += n
         # 2. Waiting jobs join in arrival order, unless memory just forced a preemption or a wait.
         while (not decision.preempted and not room_wait and self._waiting
                and len(decision.batch) < self.config.max_num_seqs):
             job = self._waiting[0]
-            n = job.num_new_tokens
-            if not self._fits_token_budget(tokens, job, len(decision.batch)):
+            n = self.chunk(job.num_new_tokens, tokens, len(decision.batch))
+            if not n:
                 break
             if not job.ready:
                 kv.note_blocked(job)
@@ -139,6 +149,7 @@ class FCFSPolicy(SchedulingPolicy):
             if not job.ready:  # its KV was on the host: it runs when the upload lands; no one overtakes
                 break
             decision.batch.append(job)
+            job.num_scheduled = n
             tokens += n
         for job in decision.batch:
             if job.first_scheduled_time is None:

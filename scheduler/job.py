@@ -25,6 +25,9 @@ class Job:
 
     num_generated: int = 0  # output tokens sampled so far
     num_computed: int = 0  # tokens whose KV is in the cache (reset to 0 when KV is dropped)
+    # Tokens the job's current iteration computes, set by the policy when it puts the job in a batch:
+    # num_new_tokens, or less for a chunk of a prefill (chunked prefill: the rest runs in later iterations).
+    num_scheduled: int = 0
 
     queue: int = 0  # MLFQ level, 0 = Q1 (the highest priority)
     service_in_queue: float = 0.0  # profiled seconds charged while in the current queue
@@ -61,9 +64,16 @@ class Job:
 
     @property
     def num_new_tokens(self) -> int:
-        """Tokens the next iteration computes: the whole prompt (or, after a drop,
-        prompt + output so far) on a first iteration, else the one new token."""
+        """Tokens still to compute before the next output token: the whole prompt (or, after a drop,
+        prompt + output so far) on a first iteration, the rest of it after a chunk of it (chunked prefill),
+        else the one new token."""
         return self.context_len - self.num_computed
+
+    @property
+    def prefilling(self) -> bool:
+        """Partly prefilled: some of its context is computed, more than one token of it is not (chunked
+        prefill, or a recompute in chunks)."""
+        return 0 < self.num_computed < self.context_len - 1
 
     def starve_time(self, now: float) -> float:
         """Seconds since the job last ran (or arrived), on the engine clock."""

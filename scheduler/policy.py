@@ -133,6 +133,11 @@ class SchedulerConfig:
     # as they decode and the queues order them by attained service; "prefill" (the paper's, this unit's
     # default), the last covers t_init(max_prompt_len).
     mlfq_ladder: str = "prefill"
+    # Chunked prefill: a prompt that does not fit the rest of the iteration's max_num_batched_tokens is split, and
+    # its next chunk runs in a later iteration (each chunk charged to the job like any iteration); the decodes of
+    # the jobs that ran last iteration keep one token each of the budget ahead of a chunk (SchedulingPolicy.chunk).
+    # False: a prompt runs whole or not at all (one too large for the budget runs alone).
+    enable_chunked_prefill: bool = False
     # Pipeline parallelism: with several batches in flight at once, one batch's jobs may hold at most this many
     # tokens of KV (the device's tokens / batches in flight, set by the engine), so the batch the next stage
     # frees is not the only one that can run: without it the most urgent jobs fill the whole device in one
@@ -173,7 +178,7 @@ class ScheduleDecision:
 
     @property
     def num_tokens(self) -> int:
-        return sum(j.num_new_tokens for j in self.batch)
+        return sum(j.num_scheduled for j in self.batch)
 
 
 class SchedulingPolicy(ABC):
@@ -218,3 +223,18 @@ class SchedulingPolicy(ABC):
     def _fits_token_budget(self, tokens_so_far: int, job: Job, batch_len: int) -> bool:
         """The batched-token limit; a job too large for it runs alone rather than never."""
         return batch_len == 0 or tokens_so_far + job.num_new_tokens <= self.config.max_num_batched_tokens
+
+    def chunk(self, n: int, tokens_so_far: int, batch_len: int, reserve: int = 0) -> int:
+        """Tokens a job with n tokens to compute may compute in this iteration, after tokens_so_far of the
+        batch's: n, or 0 when it must wait. Without chunked prefill: n if it fits the budget (or the batch is
+        empty: a job too large runs alone). With it, a job of several tokens (a prompt, or the rest of one)
+        takes what the budget has left after `reserve` tokens kept for decodes that come later in the walk (the
+        jobs that ran last iteration: they are not stalled behind a prompt), at least one token when the batch
+        is empty (so the budget is never spent on nothing)."""
+        budget = self.config.max_num_batched_tokens
+        if n == 1 or not self.config.enable_chunked_prefill:
+            return n if batch_len == 0 or tokens_so_far + n <= budget else 0
+        room = budget - tokens_so_far - reserve
+        if room < 1:
+            room = 0 if batch_len else 1
+        return min(n, room)

@@ -180,13 +180,22 @@ class PriorityPolicy(SchedulingPolicy):
         ask = True
         refused = False
         exhausted = False  # every eviction candidate is spent: a later job runs only if its KV fits what is left
+        # Chunked prefill: the jobs of the last batch that decode keep a token each of the budget ahead of a chunk.
+        chunked = self.config.enable_chunked_prefill
+        decoders: set[Job] = set()
+        if chunked:
+            decoders = {j for j in self._running if not j.in_flight and j.num_computed
+                        and j.prompt_len + j.num_generated - j.num_computed == 1}
+        reserve = len(decoders)
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             n = job.prompt_len + job.num_generated - job.num_computed
             fresh = job.first_scheduled_time is None
-            if batch and tokens + n > budget:
+            if chunked and n > 1:
+                n = self.chunk(n, tokens, len(batch), reserve)  # 0: no room left for a chunk
+            if (batch and tokens + n > budget) or not n:
                 if fresh:
                     over_budget += 1
                     gate.fresh = over_budget < max_seqs
@@ -234,8 +243,11 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             batch.append(job)
             chosen[job] = None
+            job.num_scheduled = n
             if fresh:
                 started.append(job)
+            elif job in decoders:
+                reserve -= 1
             tokens += n
             kv_tokens += job.context_len
             if len(batch) >= max_seqs or tokens >= budget:

@@ -9,18 +9,24 @@ sizes that do not divide it) gives transformers' logprobs and greedy tokens, and
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.batch import ModelBatch, SequenceWork
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.sampling_params import SamplingParams
 from kernels.paged_attention import paged_attention
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
 from tests.paged_batches import make_batch
-from tests.test_model_reference import hf_logprobs
+from tests.test_model_reference import hf_logprobs, run_staggered
 
 BS = 4
 
@@ -144,3 +150,206 @@ def test_chunks_of_several_prompts_share_a_step_with_decodes(small_checkpoint):
         hf = hf_logprobs(model_dir, prompt[:end])
         for t, lp in res.logprobs.items():
             assert abs(lp - float(hf[end - 1, t])) < 1e-4
+
+
+# -- the engine: --enable-chunked-prefill under a token budget -----------------------------------------------------
+
+
+def small_engine(model_dir, **kw) -> Engine:
+    kw.setdefault("profile", "analytic")
+    kw.setdefault("num_gpu_blocks_override", 64)
+    return Engine(EngineConfig(model=str(model_dir), block_size=BS, seed=0, device="cpu", **kw))
+
+
+def prompts_of(lens, seed=1, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+
+
+def same_outputs(got: dict, want: dict) -> None:
+    """Greedy tokens identical, token and prompt logprobs within 1e-4."""
+    assert sorted(got) == sorted(want)
+    for rid, out in got.items():
+        ref = want[rid]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, rid
+        for lps, ref_lps in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert lps.keys() == ref_lps.keys(), rid
+            assert all(abs(lps[t] - ref_lps[t]) < 1e-4 for t in lps), rid
+        if ref.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == len(out.prompt_token_ids), rid
+            for lps, ref_lps in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+                assert lps.keys() == ref_lps.keys(), rid
+                assert all(abs(lps[t] - ref_lps[t]) < 1e-4 for t in lps), rid
+
+
+@pytest.fixture(scope="module")
+def reference_runs(small_checkpoint):
+    """Unchunked outputs of the prompts below (the budget never splits them), and they match transformers."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    prompts = prompts_of([23, 5, 17, 1, 9, 30])
+    engine = small_engine(model_dir, enable_chunked_prefill=False)
+    done = run_staggered(engine, {0: [("a", prompts[0], PARAMS), ("b", prompts[1], PARAMS)],
+                                  2: [("c", prompts[2], PARAMS), ("d", prompts[3], PARAMS)],
+                                  3: [("e", prompts[4], PARAMS), ("f", prompts[5], PARAMS)]})
+    for out in done.values():
+        comp = out.outputs[0]
+        hf = hf_logprobs(model_dir, out.prompt_token_ids + comp.token_ids)
+        p = len(out.prompt_token_ids)
+        for j, tok in enumerate(comp.token_ids):
+            assert tok == int(hf[p + j - 1].argmax())
+            assert all(abs(lp - float(hf[p + j - 1, t])) < 1e-4 for t, lp in comp.logprobs[j].items())
+        for pos in range(1, p):
+            assert all(abs(lp - float(hf[pos - 1, t])) < 1e-4 for t, lp in out.prompt_logprobs[pos].items())
+    return model_dir, prompts, done
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
+@pytest.mark.parametrize("budget", [1, BS, 3, 7, 20])
+def test_engine_outputs_with_chunking_equal_outputs_without(reference_runs, budget, policy):
+    model_dir, prompts, want = reference_runs
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                          scheduling_policy=policy)
+    chunks_seen = []
+    real_finish = engine.finish_step
+
+    def finish(plan, result):  # record the partial prefills
+        chunks_seen.extend(w.start_pos for w in plan.batch.seqs if not w.sample)
+        assert plan.batch.num_tokens <= budget
+        return real_finish(plan, result)
+
+    engine.finish_step = finish
+    got = run_staggered(engine, {0: [("a", prompts[0], PARAMS), ("b", prompts[1], PARAMS)],
+                                 2: [("c", prompts[2], PARAMS), ("d", prompts[3], PARAMS)],
+                                 3: [("e", prompts[4], PARAMS), ("f", prompts[5], PARAMS)]})
+    same_outputs(got, want)
+    assert chunks_seen  # prompts were split
+    engine.kv.check_invariants()
+    assert engine.kv.device.num_free == 64
+
+
+# -- preemption between chunks: a property test ---------------------------------------------------------------------
+
+_REFERENCE: dict[tuple, object] = {}
+
+
+def reference_output(model_dir, prompt: list[int]):
+    """The prompt's unchunked output, alone (greedy outputs depend on nothing else), from one engine kept for
+    every example."""
+    key = (str(model_dir), tuple(prompt))
+    if key not in _REFERENCE:
+        engine = _REFERENCE.get(str(model_dir))
+        if engine is None:
+            engine = _REFERENCE[str(model_dir)] = small_engine(model_dir, enable_chunked_prefill=False)
+        rid = f"ref{len(_REFERENCE)}"
+        _REFERENCE[key] = run_staggered(engine, {0: [(rid, prompt, PARAMS)]})[rid]
+    return _REFERENCE[key]
+
+
+def run_with_preemption(engine, prompts, evict_at=(), urgent=None, seed=0):
+    """Run the prompts; before each step in evict_at, evict every partly prefilled job (its partial KV dropped
+    under recompute, offloaded under reactive and proactive); urgent = (step, prompt length): a request of a more
+    urgent class arrives then. Returns (finished outputs, evictions, policy preemptions of partly prefilled
+    jobs)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, PARAMS)
+    done, step, evicted, preempted = {}, 0, 0, 0
+    real_schedule = engine.schedule_step
+
+    def schedule():
+        nonlocal preempted
+        plan = real_schedule()
+        if plan is not None:
+            preempted += sum(1 for job in plan.decision.preempted if job.prefilling)
+        return plan
+
+    engine.schedule_step = schedule
+    while engine.has_unfinished() or (urgent is not None and step <= urgent[0]):
+        if urgent is not None and step == urgent[0]:
+            engine.add_request("urgent", prompts_of([urgent[1]], seed + 1)[0], PARAMS, priority=-1)
+        if step in evict_at:
+            for seq in list(engine._seq_of_job.values()):
+                job = seq.job
+                if job.prefilling and not job.in_flight and job.ready:
+                    engine.kv.evict(job)
+                    evicted += 1
+        outs = engine.step()
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = out
+        engine.kv.check_invariants()
+        if not outs and engine.kv.pending_transfers():
+            time.sleep(0.002)  # nothing could run: a copy thread is moving KV
+        step += 1
+        assert step < 5000
+    assert engine.kv.device.num_free == engine.kv.device.num_blocks and engine.kv.host.num_used == 0
+    return done, evicted, preempted
+
+
+@pytest.mark.parametrize("kv_policy", ["recompute", "reactive", "proactive"])
+def test_partial_prefill_evicted_between_chunks_resumes_or_restarts(small_checkpoint, kv_policy):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    prompts = prompts_of([21, 15, 3], 5)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=5, kv_policy=kv_policy,
+                          num_host_blocks_override=64)
+    done, evicted, _ = run_with_preemption(engine, prompts, evict_at={1, 2, 4, 7})
+    assert evicted >= 3
+    if kv_policy == "recompute":
+        assert engine.kv.stats.num_drops >= 3 and engine.kv.stats.num_recomputed_tokens > 0
+    else:
+        assert engine.kv.stats.num_offloads >= 3 and engine.kv.stats.num_uploads >= 3
+    same_outputs(done, {rid: reference_output(model_dir, out.prompt_token_ids) for rid, out in done.items()})
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "fixed-priority"])
+def test_an_urgent_request_preempts_a_prompt_between_its_chunks(small_checkpoint, policy):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=4, max_num_seqs=1,
+                          scheduling_policy=policy)
+    done, _, preempted = run_with_preemption(engine, prompts_of([30], 6), urgent=(2, 6), seed=6)
+    assert preempted >= 1
+    assert done["r0"].metrics.preemptions >= 1
+    assert done["urgent"].metrics.first_token_time < done["r0"].metrics.first_token_time
+    same_outputs(done, {rid: reference_output(model_dir, out.prompt_token_ids) for rid, out in done.items()})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 1000),
+       budget=st.integers(1, 24), max_num_seqs=st.sampled_from([1, 2, 8]),
+       policy=st.sampled_from(["skip-join-mlfq", "fcfs", "mlfq"]),
+       kv_policy=st.sampled_from(["recompute", "reactive", "proactive"]),
+       evict_at=st.sets(st.integers(0, 30), max_size=8), urgent=st.none() | st.tuples(st.integers(0, 12),
+                                                                                           st.integers(1, 20)),
+       device_blocks=st.sampled_from([12, 20, 64]))
+def test_chunked_outputs_equal_unchunked_under_preemption_between_chunks(
+        small_checkpoint, lens, seed, budget, max_num_seqs, policy, kv_policy, evict_at, urgent, device_blocks):
+    """Prompt lengths, budgets and preemption points drawn (run_with_preemption), and a device cache small enough
+    (12 blocks: 48 tokens) that memory preempts too: every request's greedy tokens and logprobs (token and
+    prompt) are its unchunked run's."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                          max_num_seqs=max_num_seqs, scheduling_policy=policy, kv_policy=kv_policy,
+                          num_host_blocks_override=64, num_gpu_blocks_override=device_blocks)
+    done, _, _ = run_with_preemption(engine, prompts_of(lens, seed), evict_at, urgent, seed)
+    same_outputs(done, {rid: reference_output(model_dir, out.prompt_token_ids) for rid, out in done.items()})
+
+
+# -- tensor and pipeline parallelism: chunks through worker processes --------------------------------------------
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_chunked_prefill_across_tensor_and_pipeline_parallel_workers(reference_runs, tp, pp):
+    """The same staggered arrivals as the unchunked reference, chunked under a budget of 5 tokens, through gloo
+    workers (prompt logprobs collected across chunks on the last stage, pipelined micro-batches under PP)."""
+    model_dir, prompts, want = reference_runs
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=5,
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        got = run_staggered(engine, {0: [("a", prompts[0], PARAMS), ("b", prompts[1], PARAMS)],
+                                     2: [("c", prompts[2], PARAMS), ("d", prompts[3], PARAMS)],
+                                     3: [("e", prompts[4], PARAMS), ("f", prompts[5], PARAMS)]})
+    finally:
+        engine.shutdown()
+    same_outputs(got, want)

@@ -168,3 +168,30 @@ def test_llm_with_default_sizing_on_triton_kernels_matches_transformers(small_ch
             assert len(comp.logprobs[j]) >= 2
             for t, lp in comp.logprobs[j].items():
                 assert abs(lp - float(hf[p + j - 1, t])) < 1e-3, f"step {j} token {t}"
+
+
+def test_engine_chunked_prefill_on_triton_kernels_matches_transformers(small_checkpoint):
+    """Issue 25: prompts split under a 5-token budget (chunks over a cached prefix through the prefill kernel,
+    one-token chunks through the decode kernel, beside decodes) give transformers' greedy tokens and logprobs."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, seed=0,
+                                 profile="analytic", device="cpu", attention_backend="triton",
+                                 enable_chunked_prefill=True, max_num_batched_tokens=5))
+    g = torch.Generator().manual_seed(4)
+    prompt = lambda n: torch.randint(3, SMALL_PRE_LN["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    done = run_staggered(engine, {0: [("a", prompt(14), params), ("b", prompt(3), params)],
+                                  2: [("c", prompt(11), params)]})
+    assert sorted(done) == ["a", "b", "c"]
+    for rid, out in done.items():
+        comp = out.outputs[0]
+        hf = hf_logprobs(model_dir, out.prompt_token_ids + comp.token_ids)
+        p = len(out.prompt_token_ids)
+        assert len(out.prompt_logprobs) == p
+        for pos in range(1, p):
+            for tok, lp in out.prompt_logprobs[pos].items():
+                assert abs(lp - float(hf[pos - 1, tok])) < 1e-4, f"{rid} prompt pos {pos} token {tok}"
+        for j, tok in enumerate(comp.token_ids):
+            assert tok == int(hf[p + j - 1].argmax()), f"{rid} step {j}: greedy token differs from transformers"
+            for t, lp in comp.logprobs[j].items():
+                assert abs(lp - float(hf[p + j - 1, t])) < 1e-4, f"{rid} step {j} token {t}"

@@ -105,6 +105,7 @@ class StepJobs:
     appended_blocks: dict[int, list[int]] = field(default_factory=dict)  # job index -> block ids added to its table
     replaced_tables: dict[int, list[int]] = field(default_factory=dict)  # job index -> its whole new block table
     prompt_logprobs: list[int] = field(default_factory=list)  # job indices whose prompt logprobs are wanted
+    no_sample: list[int] = field(default_factory=list)  # job indices computing a chunk that samples nothing
 
     def __len__(self) -> int:
         return len(self.handles)

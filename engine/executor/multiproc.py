@@ -345,8 +345,11 @@ class MultiprocExecutor(Executor):
                 # A job's first step starts at 0, except the job profiler's synthetic decode steps: their earlier
                 # tokens are (said to be) in the KV cache already, and nothing reads them but penalties.
                 tokens = [PLACEHOLDER_TOKEN] * seq.start_pos + list(seq.token_ids)
-                mirror = self._jobs[seq.job_id] = _JobMirror(next(self._handles), end, [])
-                msg.new_jobs.append(m.NewJob(mirror.handle, end - seq.num_generated, tokens, seq.params, seq.seed))
+                if seq.start_pos == 0 and len(seq.prompt_token_ids) > end:  # a first chunk: the whole prompt, which
+                    tokens = list(seq.prompt_token_ids)  # prompt logprobs and penalties read
+                prompt_len = seq.prompt_len if seq.prompt_len is not None else end - seq.num_generated
+                mirror = self._jobs[seq.job_id] = _JobMirror(next(self._handles), len(tokens), [])
+                msg.new_jobs.append(m.NewJob(mirror.handle, prompt_len, tokens, seq.params, seq.seed))
                 new_tokens: list[int] = []
             else:
                 new_tokens = seq.token_ids[mirror.known_len - seq.start_pos:] if mirror.known_len < end else []
@@ -364,6 +367,8 @@ class MultiprocExecutor(Executor):
             jobs.new_tokens.append(new_tokens)
             if seq.want_prompt_logprobs:
                 jobs.prompt_logprobs.append(i)
+            if not seq.sample:
+                jobs.no_sample.append(i)
         return msg
 
     def _take_deltas(self, step_id: int) -> m.StepMessage:

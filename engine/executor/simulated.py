@@ -130,8 +130,9 @@ class SimulatedExecutor(Executor):
     def submit(self, batch: ModelBatch) -> Future[BatchResult]:
         """Book the batch on each stage in turn; reading the result advances the clock to its end."""
         prefill = [len(s.token_ids) for s in batch.seqs if s.start_pos == 0]
-        decode = [s.start_pos + len(s.token_ids) for s in batch.seqs if s.start_pos > 0]
-        seconds = self.cost.batch_cost(prefill, decode)  # one stage's time
+        decode = [s.start_pos + 1 for s in batch.seqs if s.start_pos > 0 and len(s.token_ids) == 1]
+        chunks = [(s.start_pos, len(s.token_ids)) for s in batch.seqs if s.start_pos > 0 and len(s.token_ids) > 1]
+        seconds = self.cost.batch_cost(prefill, decode, chunks)  # one stage's time
         t = self.clock.now()
         for stage in range(self.pp):
             t = max(t, self._stage_free[stage]) + seconds

@@ -188,7 +188,7 @@ class Worker:
 
     def _batch(self, steps: m.StepJobs, eos_token_id: int | None) -> ModelBatch:
         seqs = []
-        plp = set(steps.prompt_logprobs)
+        plp, no_sample = set(steps.prompt_logprobs), set(steps.no_sample)
         for i, (handle, start, n, new) in enumerate(zip(steps.handles, steps.start_pos, steps.num_tokens,
                                                          steps.new_tokens)):
             job = self.jobs[handle]
@@ -202,9 +202,10 @@ class Worker:
             seqs.append(SequenceWork(
                 job_id=str(handle), token_ids=job.tokens[start:end], start_pos=start,
                 block_table=job.table, params=job.params, generator=job.generator,
-                num_generated=end - job.prompt_len, want_prompt_logprobs=i in plp,
+                num_generated=max(0, end - job.prompt_len), want_prompt_logprobs=i in plp,
                 prompt_token_ids=job.tokens[: job.prompt_len] if i in plp or history else [],
                 output_token_ids=job.tokens[job.prompt_len:end] if history else [],
+                sample=i not in no_sample, prompt_len=job.prompt_len,
             ))
         return ModelBatch(seqs, eos_token_id)
 
