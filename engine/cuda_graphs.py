@@ -4,13 +4,17 @@ A decode step of a large model is mostly kernel launches: one token per
 sequence, dozens of layers, a handful of kernels each. Capturing the step
 once per shape and replaying it removes the launch overhead (vLLM does the
 same). The shape is the bucket of engine/decode_inputs.py: the batch padded
-to 1, 2, 4, 8, 16, 24, ... and the block tables padded to a power of two of
-blocks. A bucket's graph is captured the first time a step of that bucket
-runs, after one eager warm-up run on a side stream, into a memory pool all
-graphs share (they replay one at a time, on one stream, and each graph's
-output stays referenced here, so no capture hands out memory another
-graph's output lives in). If a capture fails (out of memory, or an attention
-kernel that waits on the host), that bucket runs eagerly from then on.
+up to the next captured batch size and the block tables to the next captured
+width, from the bounded set of graph_buckets (Triton: every batch size at the
+widest table only; torch: powers of two x every width). Every bucket's graph
+is captured at start-up, before serving (capture_all, from
+ModelRunner.capture_decode_graphs, which logs the count, the time and the
+memory), each after one eager warm-up run on a side stream, into a memory pool
+all graphs share (they replay one at a time, on one stream, and each graph's
+output stays referenced here, so no capture hands out memory another graph's
+output lives in). Without that call a bucket is captured on its first step.
+If a capture fails (out of memory, or an attention kernel that waits on the
+host), that bucket runs eagerly from then on.
 
 Steps with a prefill or a chunk of prompt run eagerly (ModelRunner.prepare);
 so does everything when graphs are off: --enforce-eager, on CPU (CUDA graphs
@@ -45,6 +49,11 @@ def graphs_wanted(enforce_eager: bool, device: torch.device, tensor_parallel_siz
     return not enforce_eager and device.type == "cuda" and tensor_parallel_size == 1
 
 
+def capture_supported(device: torch.device) -> bool:
+    """Whether graphs can be captured on this device (CUDA graphs exist only on CUDA)."""
+    return device.type == "cuda"
+
+
 class _Captured:
     def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
         self.graph, self.output = graph, output  # output [B, E], rewritten by each replay
@@ -57,6 +66,7 @@ class DecodeGraphs:
         self._workspace = None if capture else workspace  # eager runs reuse the runner's gather buffers
         self._graphs: dict[tuple[int, int], _Captured | None] = {}  # bucket -> its graph; None: runs eagerly
         self._pool = None  # the memory pool every graph allocates from
+        self._captured_at_start = False  # capture_all ran: no capture in the middle of serving
 
     @property
     def num_captured(self) -> int:
@@ -76,8 +86,10 @@ class DecodeGraphs:
             self.buffers.fill_hidden(hidden)
         if not self.capture:
             return self._eager(bucket)[:num_seqs]
-        if bucket not in self._graphs:
-            self._graphs[bucket] = self._capture(bucket)
+        if bucket not in self._graphs:  # a bucket outside the start-up set (none: fill pads to the set)
+            if self._captured_at_start:
+                log.warning("decode bucket %d x %d was not captured at start-up; it runs eagerly", *bucket)
+            self._graphs[bucket] = None if self._captured_at_start else self._capture(bucket)
         captured = self._graphs[bucket]
         if captured is None:
             return self._eager(bucket)[:num_seqs]
@@ -138,6 +150,7 @@ class DecodeGraphs:
         exist. The warm-ups run on padding rows only, so they write nothing but the scratch block."""
         if not self.capture:
             return 0
+        self._captured_at_start = True
         self.buffers.fill_padding()
         for b in sorted(batch_sizes or self.buffers.batch_sizes, reverse=True):  # largest first, as vLLM
             for w in sorted(widths or self.buffers.widths, reverse=True):

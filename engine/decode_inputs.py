@@ -49,14 +49,34 @@ def block_table_widths(max_blocks: int) -> list[int]:
     return widths
 
 
+def graph_buckets(max_num_seqs: int, max_model_len: int, block_size: int,
+                  attention_backend: str) -> tuple[list[int], list[int]]:
+    """The bounded set of buckets whose CUDA graphs are captured at start-up, as (batch sizes, block-table
+    widths); a decode step is padded up to the next of each. Triton: every batch size of decode_batch_sizes
+    at the widest table only (its decode kernel skips the context splits past a row's length, so a wide table
+    costs a narrow batch almost nothing; 35 graphs for 256 sequences). Torch: the gather copies the whole
+    table width, so every width of block_table_widths, with the batch sizes that are powers of two and the
+    largest (9 x 8 = 72 graphs for 256 sequences of 2,048 tokens in blocks of 16, against 35 x 8 = 280)."""
+    sizes = decode_batch_sizes(max_num_seqs)
+    max_blocks = -(-max_model_len // block_size)
+    if attention_backend == "triton":
+        return sizes, [max_blocks]
+    return [s for s in sizes[:-1] if s & (s - 1) == 0] + [sizes[-1]], block_table_widths(max_blocks)
+
+
 class DecodeInputs:
-    """The buffers, and the verbs that fill them from a decode-only ModelBatch."""
+    """The buffers, and the verbs that fill them from a decode-only ModelBatch. batch_sizes and widths: the
+    buckets a step is padded to (graph_buckets), by default every decode_batch_sizes x block_table_widths."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, scratch_block: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_input: bool) -> None:
-        self.batch_sizes = decode_batch_sizes(max_num_seqs)
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_input: bool,
+                 batch_sizes: list[int] | None = None, widths: list[int] | None = None) -> None:
+        self.batch_sizes = sorted(batch_sizes or decode_batch_sizes(max_num_seqs))
         self.max_blocks = -(-max_model_len // block_size)
-        self.widths = block_table_widths(self.max_blocks)
+        self.widths = sorted(widths or block_table_widths(self.max_blocks))
+        if self.batch_sizes[-1] < max_num_seqs or self.widths[-1] < self.max_blocks:
+            raise ValueError(f"buckets {self.batch_sizes} x {self.widths} do not reach {max_num_seqs} sequences "
+                             f"x {self.max_blocks} blocks")
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         b, mb = self.batch_sizes[-1], self.max_blocks
         self.ints = torch.zeros((5, b), dtype=torch.long, device=device)  # [5, B]: ids, positions, slots, lens

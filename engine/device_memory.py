@@ -27,3 +27,11 @@ def free_storage(t: torch.Tensor | None) -> int:
     except RuntimeError:
         return 0
     return nbytes
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a CUDA device (cudaMemGetInfo, after the device finished its work); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]

@@ -20,15 +20,17 @@ the choice of jobs (scheduler/).
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.batch import NOT_SAMPLED, ModelBatch, SequenceResult, SequenceWork
-from engine.cuda_graphs import DecodeGraphs
-from engine.decode_inputs import DecodeInputs
-from engine.device_memory import free_storage
+from engine.cuda_graphs import DecodeGraphs, capture_supported
+from engine.decode_inputs import DecodeInputs, graph_buckets
+from engine.device_memory import device_free_bytes, free_storage
 from engine.host_tier import HostTier, SlowLockForTests
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
 from engine.model.opt import OPTStage
@@ -39,6 +41,8 @@ from kernels import cpu_decode_extension
 from kernels.attention_backend import attention_function, resolve_attention_backend
 from kernels.cpu_decode_attention import supports_in_place_decode
 from kernels.paged_attention import AttentionMetadata, Workspace
+
+log = logging.getLogger("fastserve.model_runner")
 
 
 @dataclass
@@ -58,6 +62,15 @@ class StepInputs:
     def num_tokens(self) -> int:
         """Tokens of the batch (without padding): the rows of the hidden states between stages."""
         return self.sample_rows.shape[0] if self.decode_bucket is not None else self.token_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class GraphCapture:
+    """What ModelRunner.capture_decode_graphs did at start-up."""
+    count: int  # graphs captured (a bucket whose capture failed runs eagerly)
+    buckets: int  # buckets tried
+    seconds: float
+    device_bytes: int  # free device memory before less after (0 off CUDA)
 
 
 class ModelRunner:
@@ -95,13 +108,38 @@ class ModelRunner:
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run decode-only steps of up to max_num_seqs sequences through persistent input buffers padded to
         buckets; with capture (CUDA only), as CUDA graphs captured per bucket. Call after allocate_kv_cache."""
-        if capture and self.device.type != "cuda":
+        if capture and not capture_supported(self.device):
             raise ValueError("CUDA graphs need a CUDA device; on CPU use capture=False (the padded path alone)")
         self._decode_settings = (max_num_seqs, max_model_len, capture)
+        # Captured: the bounded set of buckets of graph_buckets (capture_decode_graphs takes them all at start-up)
+        sizes, widths = (graph_buckets(max_num_seqs, max_model_len, self.block_size, self.attention_backend)
+                         if capture else (None, None))
         buffers = DecodeInputs(max_num_seqs, max_model_len, self.block_size, self.scratch_block,
                                self.model.cfg.hidden_size, self.dtype, self.device,
-                               hidden_input=not self.model.is_first)
+                               hidden_input=not self.model.is_first, batch_sizes=sizes, widths=widths)
         self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
+
+    def capture_decode_graphs(self) -> GraphCapture | None:
+        """Capture every bucket's decode graph now, before serving (rather than on a bucket's first step, with a
+        synchronize and a cache flush in the middle of the traffic); logs and returns how many, the time taken and
+        the device memory they took (free memory before less after; 0 off CUDA). None without graphs."""
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.capture:
+            return None
+        buffers = graphs.buffers
+        free_before = device_free_bytes(self.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            count = graphs.capture_all()
+        seconds = time.perf_counter() - start
+        free_after = device_free_bytes(self.device)
+        used = free_before - free_after if free_before is not None and free_after is not None else 0
+        result = GraphCapture(count, len(buffers.batch_sizes) * len(buffers.widths), seconds, used)
+        log.info("captured %d of %d decode graphs at start-up (%d batch sizes up to %d x %d block-table widths up "
+                 "to %d, %s attention) in %.2f s, %.1f MiB of device memory", count, result.buckets,
+                 len(buffers.batch_sizes), buffers.batch_sizes[-1], len(buffers.widths), buffers.widths[-1],
+                 self.attention_backend, seconds, used / 2**20)
+        return result
 
     def attach_host_tier(self, num_host_blocks: int, copy_delay_s: float = 0.0,
                          test_lock: SlowLockForTests | None = None) -> Swapper:

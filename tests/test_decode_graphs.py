@@ -15,8 +15,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.batch import ModelBatch, SequenceWork
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graphs_wanted
-from engine.decode_inputs import DecodeInputs, block_table_widths, decode_batch_sizes
+from engine.cuda_graphs import DecodeGraphs, _Captured, graphs_wanted
+from engine.decode_inputs import DecodeInputs, block_table_widths, decode_batch_sizes, graph_buckets
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
@@ -232,10 +232,81 @@ def test_cuda_capture_all_writes_only_the_scratch_block(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", block_size=4, num_gpu_blocks_override=64,
               profile="analytic", max_num_seqs=8)
     runner = llm.engine.executor.runner
-    runner.kv_cache.zero_()
-    with torch.inference_mode():
-        n = runner.decode_graphs.capture_all()
-    assert n == len(runner.decode_graphs.buffers.batch_sizes) * len(runner.decode_graphs.buffers.widths)
+    buffers = runner.decode_graphs.buffers
+    assert runner.decode_graphs.num_captured == len(buffers.batch_sizes) * len(buffers.widths)  # at start-up
+    runner.allocate_kv_cache(64)  # a zeroed cache, and graphs not captured yet (they would write the old one)
+    assert runner.decode_graphs.num_captured == 0
+    capture = runner.capture_decode_graphs()
+    assert capture.count == capture.buckets == len(buffers.batch_sizes) * len(buffers.widths)
+    assert capture.device_bytes >= 0 and capture.seconds > 0
     assert runner.kv_cache[:64].abs().sum() == 0
     outs = llm.generate(PROMPTS, params())
     assert [len(o.outputs[0].token_ids) for o in outs] == MAX_TOKENS
+
+
+def test_graph_buckets_are_a_bounded_set():
+    """Issue 26: up to 280 graphs (35 batch sizes x 8 widths) were captured lazily while serving; the start-up set
+    is every batch size at the widest table for Triton, powers of two x every width for the torch gather."""
+    sizes, widths = graph_buckets(256, 2048, 16, "triton")
+    assert sizes == decode_batch_sizes(256) and widths == [128] and len(sizes) * len(widths) == 35
+    sizes, widths = graph_buckets(256, 2048, 16, "torch")
+    assert sizes == [1, 2, 4, 8, 16, 32, 64, 128, 256] and widths == block_table_widths(128)
+    assert len(sizes) * len(widths) == 72
+    assert graph_buckets(20, 64, 4, "torch") == ([1, 2, 4, 8, 16, 24], [1, 2, 4, 8, 16])
+    assert graph_buckets(20, 64, 4, "triton") == ([1, 2, 4, 8, 16, 24], [16])
+    # A step is padded up to the set: 3 rows of 3 blocks -> batch 4 at the only width, 16.
+    buffers = DecodeInputs(max_num_seqs=20, max_model_len=64, block_size=4, scratch_block=99, hidden_size=8,
+                           dtype=torch.float32, device=torch.device("cpu"), hidden_input=False,
+                           batch_sizes=[1, 2, 4, 8, 16, 24], widths=[16])
+    seqs = [SequenceWork("a", [5], 9, [3, 4, 7], None, None, 1), SequenceWork("b", [6], 4, [1, 2], None, None, 1),
+            SequenceWork("c", [7], 1, [0], None, None, 1)]
+    assert buffers.fill(ModelBatch(seqs, None)) == (4, 16)
+    assert buffers.metadata(4, 16).decode_block_tables[0].tolist() == [3, 4, 7] + [99] * 13
+    with pytest.raises(ValueError, match="do not reach"):
+        DecodeInputs(max_num_seqs=20, max_model_len=64, block_size=4, scratch_block=99, hidden_size=8,
+                     dtype=torch.float32, device=torch.device("cpu"), hidden_input=False, batch_sizes=[1, 8])
+
+
+class _FakeGraph:
+    def reset(self) -> None:
+        pass
+
+
+def test_start_up_captures_the_bounded_set_before_serving_and_logs_it(tiny_model_dir, monkeypatch, caplog):
+    """LLM(...) with graphs wanted captures every bucket of graph_buckets while it starts (stand-ins for the
+    capture and for the device's free memory, as CUDA is needed for both), logs the count, the time and the
+    memory, and a step afterwards captures nothing."""
+    import engine.executor.local as local_executor
+    import engine.model_runner as model_runner
+
+    captured = []
+
+    def fake_capture(self, bucket):
+        captured.append(bucket)
+        return _Captured(_FakeGraph(), torch.zeros(bucket[0], 8))
+
+    free = iter([10 << 30, (10 << 30) - (300 << 20)])  # 300 MiB taken by the capture
+    monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
+    monkeypatch.setattr(local_executor, "graphs_wanted", lambda *a, **kw: True)
+    monkeypatch.setattr(model_runner, "capture_supported", lambda device: True)
+    monkeypatch.setattr(model_runner, "device_free_bytes", lambda device: next(free))
+    caplog.set_level("INFO", logger="fastserve.model_runner")
+    llm = LLM(model=str(tiny_model_dir), device="cpu", block_size=4, num_gpu_blocks_override=64, profile="analytic",
+              max_num_seqs=20, max_model_len=64)
+    try:
+        runner = llm.engine.executor.runner
+        sizes, widths = graph_buckets(20, 64, 4, runner.attention_backend)
+        assert runner.attention_backend == "torch"
+        assert sorted(captured) == sorted((b, w) for b in sizes for w in widths)  # 6 x 5, each once
+        assert captured[0] == (24, 16)  # largest first, as vLLM
+        assert runner.decode_graphs.num_captured == 30
+        message = next(r.getMessage() for r in caplog.records if "decode graphs at start-up" in r.getMessage())
+        assert "captured 30 of 30 decode graphs" in message and "300.0 MiB" in message, message
+        # A bucket outside the set is never captured while serving (fill pads to the set; this is a safeguard).
+        runner.decode_graphs._graphs.pop((1, 1))
+        runner.decode_graphs.capture = True
+        monkeypatch.setattr(DecodeGraphs, "_eager", lambda self, bucket: torch.zeros(bucket[0], 8))
+        runner.decode_graphs.forward((1, 1), 1, None)
+        assert len(captured) == 30 and runner.decode_graphs._graphs[(1, 1)] is None
+    finally:
+        llm.close()

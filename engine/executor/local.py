@@ -78,6 +78,7 @@ class LocalExecutor(Executor):
         if graphs_wanted(enforce_eager, self.device):
             self.runner.use_decode_graphs(max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
                                           capture=True)
+            self.runner.capture_decode_graphs()  # before serving: no capture in the middle of traffic
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
         self._closed = False  # close(): the device memory is released, no step can run
         self._gpu = describe_cuda_device(0, 0, 0, self.device)  # rank 0 of a 1 x 1 layout; None on CPU

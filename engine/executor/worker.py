@@ -144,6 +144,7 @@ class Worker:
                 s = self.setup
                 if self.runner.decode_graphs is None and graphs_wanted(s.enforce_eager, self.device, s.tp_size):
                     self.runner.use_decode_graphs(s.max_num_seqs, s.max_model_len, capture=True)
+                    self.runner.capture_decode_graphs()  # before serving: no capture in the middle of traffic
             elif isinstance(msg, m.AttachHost):
                 # Locked in the background; the loop reports the progress (MultiprocExecutor.host_blocks_ready).
                 self.runner.attach_host_tier(msg.num_blocks, test_lock=SlowLockForTests.from_env(self.rank))
