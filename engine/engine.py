@@ -415,8 +415,12 @@ class Engine:
         job.num_generated += 1
         if seq.logprobs is not None and res.logprobs is not None:
             seq.logprobs.append(res.logprobs)
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
+        metrics = req.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        elif now > metrics.last_token_time:  # (a request's other sequences in the same step: one gap)
+            metrics.itl_s.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
         old_len = len(seq.text)
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:

@@ -22,6 +22,11 @@ class RequestMetrics:
     executing_s: float = 0.0  # in iterations that ran this request
     swap_wait_s: float = 0.0  # waiting for KV uploads before running
     preemptions: int = 0
+    last_token_time: float | None = None  # when the last step that gave the request a token ended
+    # Inter-token latencies (vLLM's ITL): the time between successive steps that gave the request tokens, after
+    # the first (a request of n sequences: any of them). Shared by every snapshot of a running request (not
+    # copied each step); a finished request's is complete. Not in to_dict (the HTTP metrics keep their keys).
+    itl_s: list[float] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -31,8 +36,17 @@ class RequestMetrics:
     def e2e_s(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    @property
+    def mean_itl_s(self) -> float | None:
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+
+    @property
+    def max_itl_s(self) -> float | None:
+        return max(self.itl_s, default=None)
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["itl_s"], d["last_token_time"]
         d["ttft_s"] = self.ttft_s
         d["e2e_s"] = self.e2e_s
         return d

@@ -353,3 +353,16 @@ def test_chunked_prefill_across_tensor_and_pipeline_parallel_workers(reference_r
     finally:
         engine.shutdown()
     same_outputs(got, want)
+
+
+def test_requests_report_inter_token_latencies(reference_runs):
+    """RequestMetrics.itl_s: one gap per token after the first, each the time between the steps that gave them;
+    the HTTP metrics (to_dict) keep their keys."""
+    _, _, done = reference_runs
+    for out in done.values():
+        m = out.metrics
+        assert len(m.itl_s) == len(out.outputs[0].token_ids) - 1 == PARAMS.max_tokens - 1
+        assert all(gap > 0 for gap in m.itl_s)
+        assert m.last_token_time - m.first_token_time == pytest.approx(sum(m.itl_s))
+        assert m.mean_itl_s == pytest.approx(sum(m.itl_s) / len(m.itl_s)) and m.max_itl_s == max(m.itl_s)
+        assert "itl_s" not in m.to_dict() and "last_token_time" not in m.to_dict()

@@ -56,6 +56,9 @@ def test_metrics_parse_and_counters_move_as_requests_finish(server):
                  "vllm:request_queue_time_seconds", "vllm:time_per_output_token_seconds"):
         assert moved(hist + "_count") == 1, hist
         assert moved(hist + "_sum") >= 0, hist
+    # two sequences of 4 tokens in the same steps: 3 gaps (more only if one ran a step without the other)
+    assert 3 <= moved("vllm:inter_token_latency_seconds_count") <= 6
+    assert moved("vllm:inter_token_latency_seconds_sum") > 0
     assert value(after, "vllm:num_requests_running") == value(after, "vllm:num_requests_waiting") == 0
     assert value(after, "vllm:num_requests_swapped") == 0
     assert value(after, "vllm:gpu_cache_usage_perc") == value(after, "vllm:cpu_cache_usage_perc") == 0
