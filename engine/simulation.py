@@ -48,18 +48,24 @@ class SimulationResult:
         return [o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) for o in self.outputs]
 
     def summary(self) -> dict:
-        """The paper's metrics (mean and P95 per-token latency), TTFT, e2e, the queued / executing /
+        """The paper's metrics (mean and P95 per-token latency), TTFT (mean, P99), ITL (mean, median, P99 over
+        every gap between a request's tokens), e2e, the queued / executing /
         swap-wait breakdown (means per request), preemptions, queueing share and executor utilization."""
         outs = self.outputs
         per_token = self.per_token_latencies()
         mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
         e2e = sum(o.metrics.e2e_s for o in outs)
+        itl = [gap for o in outs for gap in o.metrics.itl_s]  # every gap between a request's tokens
         return {
             "requests": len(outs),
             "duration_s": self.duration_s,
             "mean_per_token_s": mean(per_token),
             "p95_per_token_s": p95(per_token),
             "mean_ttft_s": mean([o.metrics.ttft_s for o in outs]),
+            "p99_ttft_s": quantile([o.metrics.ttft_s for o in outs], 0.99),
+            "mean_itl_s": mean(itl),
+            "median_itl_s": quantile(itl, 0.5),
+            "p99_itl_s": quantile(itl, 0.99),
             "mean_e2e_s": mean([o.metrics.e2e_s for o in outs]),
             "mean_queued_s": mean([o.metrics.queued_s for o in outs]),
             "mean_executing_s": mean([o.metrics.executing_s for o in outs]),

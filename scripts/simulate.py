@@ -23,7 +23,8 @@ setups are in profiles/sim/.
 Every dataset goes through vLLM's length filter (prompt and output >= 4,
 prompt <= 1024, total <= 2048 tokens, within the model's context), the same
 one the load generator and the experiments apply; the first line says how
-many requests it dropped. Prints the paper's metrics (mean and P95 per-token latency), TTFT, the
+many requests it dropped. Prints the paper's metrics (mean and P95 per-token latency), TTFT (mean, P99), ITL
+(mean, median, P99 over every gap between a request's tokens), the
 queued / executing / swap-wait breakdown, and simulation speed; --json writes
 them. Same seed, same result. A bad flag value is one line on stderr, exit 2.
 """
@@ -76,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: %(default)s (srpt: the oracle that knows output lengths)")
     ap.add_argument("--kv-policy", default="proactive", choices=KV_POLICIES, help="default: %(default)s")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens,
+                    help="most tokens in one iteration (default: %(default)s)")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                    default=EngineConfig().enable_chunked_prefill,
+                    help="split prompts that do not fit the rest of an iteration's budget (default: %(default)s)")
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
     d = EngineConfig()  # the server's defaults
     ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
@@ -148,6 +154,8 @@ def run(args: argparse.Namespace) -> dict:
     engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
                               num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
                               kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              enable_chunked_prefill=args.enable_chunked_prefill,
                               starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
                               starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
                               mlfq_ladder=args.mlfq_ladder,

@@ -366,3 +366,36 @@ def test_requests_report_inter_token_latencies(reference_runs):
         assert m.last_token_time - m.first_token_time == pytest.approx(sum(m.itl_s))
         assert m.mean_itl_s == pytest.approx(sum(m.itl_s) / len(m.itl_s)) and m.max_itl_s == max(m.itl_s)
         assert "itl_s" not in m.to_dict() and "last_token_time" not in m.to_dict()
+
+
+# -- the cost model: mixed iterations with chunks over a prefix ----------------------------------------------------
+
+
+def test_cost_model_prices_chunks_over_their_prefix():
+    from pathlib import Path
+
+    from scheduler import Job, ProfiledCostModel
+
+    cost = ProfiledCostModel.from_json(Path(__file__).resolve().parents[1] / "profiles" / "sim"
+                                       / "opt-13b-a100-40gb-x1.json")
+    # A prompt's chunks add, over the pass over the weights, the attention of the whole prompt (it telescopes).
+    cuts = [0, 256, 512, 900, 1500]
+    chunks = sum(cost.chunk_attention(a, b - a) for a, b in zip(cuts, cuts[1:]))
+    assert chunks == pytest.approx(cost.t_init(1500) - cost.forward(1500))
+    assert cost.chunk_attention(0, 700) == pytest.approx(cost.t_init(700) - cost.forward(700))
+    # A chunk alone costs its pass plus its attention; beside decodes, one pass over all the tokens.
+    assert cost.batch_cost([], [], [(512, 256)]) == pytest.approx(cost.forward(256) + cost.chunk_attention(512, 256))
+    mixed = cost.batch_cost([], [300] * 8, [(512, 256)])
+    assert mixed == pytest.approx(cost.forward(264) + cost.chunk_attention(512, 256)
+                                  + cost.t_dec(8, 300) - cost.forward(8))
+    assert mixed < cost.t_dec(8, 300) + cost.batch_cost([], [], [(512, 256)])
+    # iteration_cost reads a job's chunk (num_scheduled) and what is computed of it (num_computed).
+    job = Job("j", prompt_len=1500, max_new_tokens=10, arrival_time=0.0)
+    job.num_computed, job.num_scheduled = 512, 256
+    decoder = Job("d", prompt_len=299, max_new_tokens=10, arrival_time=0.0, num_generated=1, num_computed=299)
+    decoder.num_scheduled = 1
+    assert cost.iteration_cost([job, decoder]) == pytest.approx(cost.batch_cost([], [300], [(512, 256)]))
+    job.num_computed, job.num_scheduled = 0, 256  # a first chunk is a 256-token prompt
+    assert cost.iteration_cost([job]) == pytest.approx(cost.t_init(256))
+    job.num_scheduled = 1500  # the whole prompt
+    assert cost.iteration_cost([job]) == pytest.approx(cost.t_init(1500))

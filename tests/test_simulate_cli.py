@@ -91,3 +91,25 @@ def test_synthetic_lengths_take_vllms_random_flags(models_here, tmp_path):
                           "--random-output-len", "16", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["requests"] == 20 and summary["mean_per_token_s"] > 0
+
+
+def test_chunked_prefill_flags_reach_the_engine_and_itl_is_reported(models_here, tmp_path):
+    """--max-num-batched-tokens and --enable-chunked-prefill / --no-enable-chunked-prefill (issue 25): prompts of 1,500
+    tokens under a 256-token budget are split (each chunk priced over its prefix), and the summary has ITL and P99
+    TTFT; without chunking the same trace's P99 ITL holds a whole 1,500-token prefill."""
+    runs = {}
+    for flag in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+        out = tmp_path / f"{flag}.json"
+        assert simulate.main(["--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "synthetic",
+                              "--num-prompts", "30", "--request-rate", "2", "--random-input-len", "1500",
+                              "--random-output-len", "64", "--max-num-batched-tokens", "256", flag,
+                              "--json", str(out)]) == 0
+        runs[flag] = json.loads(out.read_text())
+    on, off = runs["--enable-chunked-prefill"], runs["--no-enable-chunked-prefill"]
+    for summary in (on, off):
+        assert summary["requests"] == 30
+        assert 0 < summary["median_itl_s"] <= summary["p99_itl_s"] and summary["mean_itl_s"] > 0
+        assert summary["p99_ttft_s"] >= summary["mean_ttft_s"] * 0.5
+    assert on["p99_itl_s"] < off["p99_itl_s"]
+    help_text = simulate.build_parser().format_help()
+    assert "--max-num-batched-tokens" in help_text and "--no-enable-chunked-prefill" in help_text
