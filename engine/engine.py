@@ -376,6 +376,7 @@ class Engine:
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
         end = self.clock.now()
         touched: dict[str, RequestState] = {}
+        advanced: dict[str, RequestState] = {}  # requests that got a token (a chunk alone gives the client nothing)
         for seq, work, res in zip(plan.seqs, plan.batch.seqs, result.results):
             req = seq.request
             if seq.finished:  # aborted while the step ran
@@ -390,13 +391,14 @@ class Engine:
                 job.num_computed += job.num_scheduled  # a chunk of a prefill: its KV is cached, nothing sampled
             else:
                 self._append_token(seq, res, end)
+                advanced[req.request_id] = req
             job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
         self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
         self.num_steps += 1
         self.last_batch_size = len(plan.seqs)
         outputs = []
-        for req in touched.values():
+        for req in advanced.values():
             if req.finished:
                 outputs.append(self._finish_request(req))
             elif self.emit_running_outputs:

@@ -399,3 +399,60 @@ def test_cost_model_prices_chunks_over_their_prefix():
     assert cost.iteration_cost([job]) == pytest.approx(cost.t_init(256))
     job.num_scheduled = 1500  # the whole prompt
     assert cost.iteration_cost([job]) == pytest.approx(cost.t_init(1500))
+
+
+def test_server_flags_turn_chunked_prefill_on_and_off():
+    import server
+
+    parser = server.build_parser()
+    for argv, want in (([], EngineConfig().enable_chunked_prefill), (["--enable-chunked-prefill"], True),
+                       (["--no-enable-chunked-prefill"], False)):
+        engine_config, _ = server._configs(parser.parse_args(argv + ["--max-num-batched-tokens", "512"]))
+        assert engine_config.enable_chunked_prefill is want and engine_config.max_num_batched_tokens == 512
+
+
+def test_a_chunk_alone_emits_nothing_and_abort_mid_prefill_frees_the_partial_kv(small_checkpoint):
+    """A step that only computed a chunk of a request gives no output snapshot (a stream would send an empty
+    delta); aborting a partly prefilled request frees its blocks and the scheduler forgets it."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=4)
+    engine.add_request("long", prompts_of([30], 8)[0], PARAMS)
+    for _ in range(3):
+        assert engine.step() == []
+    job = engine.requests["long"].seqs[0].job
+    assert job.prefilling and job.num_computed == 12 and engine.kv.device.num_free == 64 - 3
+    out = engine.abort("long")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.kv.device.num_free == 64 and not engine.scheduler.has_work() and not engine.has_unfinished()
+    engine.add_request("next", prompts_of([9], 9)[0], PARAMS)
+    done = run_staggered(engine, {0: []})
+    same_outputs(done, {"next": reference_output(model_dir, done["next"].prompt_token_ids)})
+
+
+def test_async_streams_get_a_token_with_every_output_under_chunking(reference_runs):
+    """Through AsyncEngine (the server's loop): every streamed snapshot brings new tokens (a chunk-only step sends
+    none), and the streams end with the unchunked outputs."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    model_dir, prompts, want = reference_runs
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=6)
+
+    async def run():
+        aengine = AsyncEngine(engine)
+        await aengine.start()
+        streams = {rid: aengine.add_request(rid, p, PARAMS) for rid, p in zip("abcdef", prompts)}
+
+        async def collect(stream):
+            return [out async for out in stream]
+
+        outs = await asyncio.gather(*(collect(s) for s in streams.values()))
+        await aengine.shutdown()
+        return dict(zip(streams, outs))
+
+    streamed = asyncio.run(run())
+    for rid, outs in streamed.items():
+        counts = [len(o.outputs[0].token_ids) for o in outs]
+        assert counts == list(range(1, PARAMS.max_tokens + 1)), rid
+    same_outputs({rid: outs[-1] for rid, outs in streamed.items()}, want)
