@@ -55,7 +55,8 @@ def test_three_engines_closed_in_turn_each_size_against_the_whole_device(tiny_mo
     fake = FakeDeviceMemory()
     sized: list[int] = []
 
-    def blocks_that_fit(per_block_bytes, device, gpu_memory_utilization, peak_bytes=0):  # as on CUDA
+    def blocks_that_fit(per_block_bytes, device, gpu_memory_utilization, peak_bytes=0, reserve=None):  # as on CUDA
+        # (without the reserve for after sizing, more than this fake device: tests/test_kv_reserve.py checks it)
         free = DEVICE_BYTES - fake.live
         used = DEVICE_BYTES - free
         sized.append(used)

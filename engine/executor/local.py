@@ -17,9 +17,10 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch
 from engine.cuda_graphs import graphs_wanted
+from engine.decode_inputs import graph_buckets
 from engine.executor.base import Executor
 from engine.executor.device_identity import WorkerDevice, describe_cuda_device
-from engine.kv_cache import blocks_that_fit
+from engine.kv_cache import blocks_that_fit, kv_reserve
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
@@ -69,15 +70,23 @@ class LocalExecutor(Executor):
                                  load_format, seed)
         self.runner = ModelRunner(model, self.device, self.dtype, block_size, seed, attention_backend)
         self.kv_block_bytes = self.runner.kv_block_bytes
+        max_model_len = max_model_len or model_cfg.max_position_embeddings
+        graphs = graphs_wanted(enforce_eager, self.device)
+        # What is allocated after sizing (graphs, logits, the torch backend's gather), kept out of the KV budget
+        self.kv_reserve = kv_reserve(
+            model_cfg, ParallelLayout(), self.dtype, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+            attention_backend=self.runner.attention_backend,
+            graph_buckets=graph_buckets(max_num_seqs, max_model_len, block_size, self.runner.attention_backend)
+            if graphs else None)
         if num_gpu_blocks_override is None:  # two phases: peak of the largest batch, then what fits
-            peak = self.runner.measure_peak_memory(max_num_batched_tokens,
-                                                   max_model_len or model_cfg.max_position_embeddings)
-            num_gpu_blocks_override = blocks_that_fit(self.kv_block_bytes, self.device, gpu_memory_utilization, peak)
+            peak = self.runner.measure_peak_memory(max_num_batched_tokens, max_model_len)
+            num_gpu_blocks_override = blocks_that_fit(self.kv_block_bytes, self.device, gpu_memory_utilization, peak,
+                                                      self.kv_reserve)
         self.num_device_blocks = num_gpu_blocks_override
         self.runner.allocate_kv_cache(self.num_device_blocks)
-        if graphs_wanted(enforce_eager, self.device):
-            self.runner.use_decode_graphs(max_num_seqs, max_model_len or model_cfg.max_position_embeddings,
-                                          capture=True)
+        if graphs:
+            self.runner.use_decode_graphs(max_num_seqs, max_model_len, capture=True)
             self.runner.capture_decode_graphs()  # before serving: no capture in the middle of traffic
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
         self._closed = False  # close(): the device memory is released, no step can run

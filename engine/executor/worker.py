@@ -50,10 +50,11 @@ import torch
 
 from engine.batch import ModelBatch, SequenceWork
 from engine.cuda_graphs import graphs_wanted
+from engine.decode_inputs import graph_buckets
 from engine.executor import messages as m
 from engine.executor.device_identity import describe_cuda_device
 from engine.host_tier import SlowLockForTests
-from engine.kv_cache import blocks_that_fit
+from engine.kv_cache import blocks_that_fit, kv_reserve
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
@@ -119,7 +120,14 @@ class Worker:
         fit = 0
         if s.measure_kv:
             peak = self.runner.measure_peak_memory(s.max_num_batched_tokens, s.max_model_len)
-            fit = blocks_that_fit(self.runner.kv_block_bytes, self.device, s.gpu_memory_utilization, peak)
+            backend = self.runner.attention_backend
+            graphs = graphs_wanted(s.enforce_eager, self.device, s.tp_size)
+            reserve = kv_reserve(  # what this rank allocates after sizing (graphs, NCCL's p2p, logits, gather)
+                self.runner.model.cfg, self.layout, self.runner.dtype, block_size=s.block_size,
+                max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
+                max_num_batched_tokens=s.max_num_batched_tokens, attention_backend=backend,
+                graph_buckets=graph_buckets(s.max_num_seqs, s.max_model_len, s.block_size, backend) if graphs else None)
+            fit = blocks_that_fit(self.runner.kv_block_bytes, self.device, s.gpu_memory_utilization, peak, reserve)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         gpu = describe_cuda_device(self.rank, self.layout.tp_rank, self.layout.pp_rank, self.device)
         return m.Ready(self.rank, fit, self.runner.kv_block_bytes, name, gpu)
