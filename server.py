@@ -477,7 +477,7 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
 }
 
 
-NEGATABLE_SWITCHES = {"enable_chunked_prefill"}  # vLLM's --enable-X / --no-enable-X pairs
+NEGATABLE_SWITCHES = {"enable_chunked_prefill", "enable_prefix_caching"}  # vLLM's --enable-X / --no-enable-X pairs
 
 
 def _flag_type(hint):

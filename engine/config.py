@@ -42,6 +42,10 @@ class EngineConfig:
     # split, its next chunk in a later iteration, and the decodes of the last batch come first
     # (scheduler/policy.py, SchedulingPolicy.chunk). Off: a prompt runs whole (one longer than the budget, alone).
     enable_chunked_prefill: bool = False
+    # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
+    # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
+    # what follows its longest cached prefix.
+    enable_prefix_caching: bool = False
     max_model_len: int | None = None  # defaults to the model's context
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

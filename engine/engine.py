@@ -31,6 +31,7 @@ from engine.executor import make_executor
 from engine.executor.base import Executor, ExecutorDeadError
 from engine.model.config import OPTConfig
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
 from engine.sampling_params import SamplingParams
@@ -84,6 +85,9 @@ class Engine:
         self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)
         self.clock = clock or WallClock()
         self.kv = self._make_kv_manager()
+        self._seq_of_job: dict[str, SequenceState] = {}
+        if config.enable_prefix_caching:
+            self.kv.enable_prefix_caching(EnginePrefixSource(self._seq_of_job))
         self.cost_model = self._load_cost_model()
         self.scheduler = make_policy(
             SchedulerConfig(
@@ -99,7 +103,6 @@ class Engine:
             self.cost_model,
         )
         self.requests: dict[str, RequestState] = {}
-        self._seq_of_job: dict[str, SequenceState] = {}
         self.num_steps = 0
         self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
         self.last_batch_size = 0  # sequences in the last finished iteration (telemetry: the dashboard)
@@ -341,6 +344,10 @@ class Engine:
         for req in {id(s.request): s.request for s in seqs}.values():
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
+        if self.kv.prefix_caching:
+            for s in seqs:
+                if s.request.num_cached_tokens is None:
+                    s.request.num_cached_tokens = self.kv.cached_tokens(s.job.job_id)
         for s in seqs:  # the time a job waited on a copy after it was picked (memory/kv_manager.py)
             s.request.metrics.swap_wait_s += self.kv.note_scheduled(s.job, now)
             s.job.in_flight = True

@@ -86,6 +86,8 @@ class RequestState:
     metrics: RequestMetrics
     seqs: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens its first step found cached (prefix caching)
+    cache_salt: str | None = None  # starts its KV blocks' hash chain: only requests with the same salt share them
 
     @property
     def finished(self) -> bool:
@@ -103,4 +105,5 @@ class RequestState:
             finished=self.finished,
             metrics=replace(self.metrics),
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens or 0,
         )

@@ -58,10 +58,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from memory.block_allocator import BlockAllocator
+from memory.prefix_cache import CachingBlockAllocator, hash_block
 from memory.kv_policy import KVPolicy
 from memory.proactive import plan_transfers
 from memory.residency import JobKV, Residency
@@ -90,6 +92,22 @@ class KVStats:
     enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
     enst_count: int = 0
     enst_abs_error_s: float = 0.0  # sum of |predicted - actual|
+
+
+class PrefixSource(Protocol):
+    """What prefix caching asks the engine of a job (engine/prefix_source.py implements it)."""
+
+    def token_ids(self, job, start: int, end: int) -> Sequence[int]:
+        """The job's tokens at positions [start, end) (prompt, then output)."""
+        ...
+
+    def cache_salt(self, job) -> str | None:
+        """The salt that starts its blocks' hash chain (None: no salt, shared with every unsalted job)."""
+        ...
+
+    def may_reuse(self, job) -> bool:
+        """Whether it may skip computing a cached prefix (False: e.g. it wants prompt logprobs)."""
+        ...
 
 
 class KVManager:
@@ -135,6 +153,7 @@ class KVManager:
         self._waits: dict[str, float] = {}  # job id -> swap wait accrued since it last ran
         self.tick = 0
         self.stats = KVStats()
+        self._prefix: PrefixSource | None = None  # prefix caching's token source (enable_prefix_caching)
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
@@ -199,8 +218,14 @@ class KVManager:
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
             if not job.ready:
                 self._block(job.job_id)
+        end = job.num_computed + num_new_tokens  # the position this step's work ends at
+        if self._prefix is not None and kv.transfer is None:
+            if kv.residency is Residency.NONE:  # (new, or dropped: num_computed is 0)
+                end = self._attach_prefix(kv, job, num_new_tokens)
+            else:
+                self._register_full(kv)
         # _extra_device_blocks, inlined (once per job in the batch, every tick); the KV is not on the host now.
-        extra = -(-(job.num_computed + num_new_tokens) // self.block_size) - len(kv.device)
+        extra = -(-end // self.block_size) - len(kv.device)
         if extra > 0:
             kv.device.extend(self.device.allocate(job.job_id, extra))
         if kv.residency is Residency.NONE:
@@ -231,6 +256,11 @@ class KVManager:
             kv.cancel_upload = True
             self._hold_pending(kv, len(kv.device))
             return
+        if self._prefix is not None:
+            self._register_full(kv)  # its full blocks stay in the cache for its return
+            if self.device.ref_count(kv.device[0]) > 1:  # shares its prefix with another job: release, never copy
+                self._drop(kv)
+                return
         if self.policy is KVPolicy.RECOMPUTE or not self.start_offload(kv):
             self._drop(kv)
 
@@ -299,6 +329,8 @@ class KVManager:
             return
         if kv.transfer is not None:
             self._complete(kv)
+        if self._prefix is not None and kv.residency is Residency.DEVICE:
+            self._register_full(kv)  # its blocks go back to the cache, named, for the next hit
         self._unpark(kv)
         self._release_all(kv)
 
@@ -309,8 +341,11 @@ class KVManager:
     def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
         """Entries whose KV is on the device alone with no copy this tick, not in flight in a pipeline
         stage and not in `exclude` (the batch): what the proactive planner may offload."""
-        return [e for e in self._jobs.values() if e.residency is Residency.DEVICE and e.device
-                and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != self.tick]
+        found = [e for e in self._jobs.values() if e.residency is Residency.DEVICE and e.device
+                 and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != self.tick]
+        if self._prefix is not None:  # a job sharing its prefix is never offloaded (its blocks are in use)
+            found = [e for e in found if self.device.ref_count(e.device[0]) == 1]
+        return found
 
     def pending_transfers(self) -> int:
         """Copies in flight (the engine loop keeps polling while there are any)."""
@@ -360,6 +395,86 @@ class KVManager:
             kv.predicted_wait = None
         return waited
 
+    # -- prefix caching (memory/prefix_cache.py; issue 28) -----------------------------------------
+    def enable_prefix_caching(self, source: PrefixSource) -> None:
+        """Make the device tier a prefix cache (before any job): a job with no KV starts from its longest
+        cached prefix (allocate), its full blocks are named as they fill and stay cached after it ends, and an
+        allocation evicts unreferenced cached blocks, least recently released first. Evicting a job whose
+        prefix another job holds releases its references and drops the rest (never copies or frees a block
+        in use); its named blocks stay cached, so it recomputes only what was evicted meanwhile."""
+        if self._jobs:
+            raise RuntimeError("enable_prefix_caching() after jobs were allocated")
+        self.device = CachingBlockAllocator(self.device.num_blocks, "device")
+        self._prefix = source
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix is not None
+
+    def cached_tokens(self, job_id: str) -> int | None:
+        """Tokens the job's first lookup found cached (None: not looked up; caching off, or not started)."""
+        kv = self._jobs.get(job_id)
+        return kv.cached_tokens if kv is not None else None
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached block no job holds (vLLM's reset_prefix_cache); returns how many."""
+        return self.device.evict_all() if self._prefix is not None else 0
+
+    def _attach_prefix(self, kv: JobKV, job, n: int) -> int:
+        """A job with no KV: take references on its longest cached prefix (whole blocks, never its last
+        token) that leaves room for the rest of this step's work (the hit's unreferenced blocks leave the free
+        count); job.num_computed becomes the cached length. Returns where this step's work ends."""
+        bs, ctx, dev = self.block_size, job.context_len, self.device
+        src = self._prefix
+        if not src.may_reuse(job):
+            if kv.cached_tokens is None:
+                kv.cached_tokens = 0
+            return job.num_computed + n
+        max_blocks = (ctx - 1) // bs
+        self._extend_hashes(kv, job, max_blocks)
+        hit = dev.lookup(kv.hashes, max_blocks)
+        unheld = sum(1 for b in hit if not dev.ref_count(b))
+        while hit and -(-min(ctx, len(hit) * bs + n) // bs) - len(hit) + unheld > dev.num_free:
+            unheld -= not dev.ref_count(hit.pop())
+        h = len(hit) * bs
+        dev.count_query(ctx, h)
+        if kv.cached_tokens is None:
+            kv.cached_tokens = h
+        if not hit:
+            return job.num_computed + n
+        dev.share(job.job_id, hit)
+        kv.device.extend(hit)
+        kv.registered_table, kv.num_registered = kv.device, len(hit)
+        job.num_computed = h
+        return min(ctx, h + n)
+
+    def _extend_hashes(self, kv: JobKV, job, num_blocks: int) -> None:
+        """Name the job's first num_blocks blocks (those not named yet; a job's tokens never change)."""
+        hashes, bs = kv.hashes, self.block_size
+        start = len(hashes)
+        if num_blocks <= start:
+            return
+        tokens = self._prefix.token_ids(job, start * bs, num_blocks * bs)
+        parent = hashes[-1] if hashes else None
+        salt = self._prefix.cache_salt(job) if parent is None else None
+        for i in range(num_blocks - start):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt)
+            hashes.append(parent)
+
+    def _register_full(self, kv: JobKV) -> None:
+        """Name the job's device blocks that are full of computed KV and not named yet (a block whose name is
+        taken stays its private copy)."""
+        if kv.registered_table is not kv.device:  # a new table (dropped, offloaded, uploaded): start over
+            kv.registered_table, kv.num_registered = kv.device, 0
+        full = min(kv.job.num_computed // self.block_size, len(kv.device))
+        if full <= kv.num_registered:
+            return
+        self._extend_hashes(kv, kv.job, full)
+        register, device, hashes = self.device.register, kv.device, kv.hashes
+        for i in range(kv.num_registered, full):
+            register(device[i], hashes[i])
+        kv.num_registered = full
+
     # -- capacity ---------------------------------------------------------------------------------
     def num_swapped(self) -> int:
         return sum(1 for kv in self._jobs.values() if kv.residency in (Residency.HOST, Residency.OFFLOADING))
@@ -379,7 +494,9 @@ class KVManager:
         entries = list(self._jobs.values()) + self._orphans
         dev = sum(len(kv.device) for kv in entries)
         host = sum(len(kv.host) for kv in entries)
-        assert dev == self.device.num_used, f"tables hold {dev} device blocks, allocator says {self.device.num_used}"
+        # (With prefix caching, blocks are shared: the tables add up to the references held.)
+        used = self.device.num_refs if self._prefix is not None else self.device.num_used
+        assert dev == used, f"tables hold {dev} device blocks, allocator says {self.device.num_used}"
         assert host == self.host.num_used, f"tables hold {host} host blocks, allocator says {self.host.num_used}"
         pending = sum(kv.pending_blocks for kv in entries)
         assert pending == self._pending_free, f"entries hold {pending} pending blocks, the counter {self._pending_free}"

@@ -33,3 +33,9 @@ class JobKV:
     cancel_upload: bool = False  # evicted while uploading: the device blocks free when the copy lands
     offload_tick: int | None = None  # tick of the last offload, until the job is wanted back (thrash count)
     pending_blocks: int = 0  # device blocks that free when the transfer in flight completes
+    # Prefix caching (memory/prefix_cache.py): the names of the job's full blocks computed so far, how many of
+    # `device`'s leading blocks are registered (or found taken), and the table that count is for.
+    hashes: list = field(default_factory=list)
+    num_registered: int = 0
+    registered_table: list | None = None
+    cached_tokens: int | None = None  # tokens its first lookup found cached (None: never looked up)

@@ -1,0 +1,219 @@
+"""Automatic prefix caching through the engine (issue 28): outputs with the cache equal outputs without it.
+
+Requests sharing prefixes (a common 'system prompt', staggered so later ones find the earlier ones' blocks while
+those run and after they end), a follow-up turn whose whole earlier conversation (prompt + answer) is cached, and
+the same under preemption (recompute, reactive and proactive swapping on a small device cache), with greedy
+tokens identical and logprobs within 1e-4 of the run with caching off. Every block is accounted for after each
+step and all references are back to zero at the end."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from tests.conftest import SMALL_PRE_LN
+
+BS = 4
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+
+def engine_of(model_dir, **kw) -> Engine:
+    kw.setdefault("profile", "analytic")
+    kw.setdefault("num_gpu_blocks_override", 64)
+    return Engine(EngineConfig(model=str(model_dir), block_size=BS, seed=0, device="cpu", **kw))
+
+
+def tokens(n, seed, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def run(engine, arrivals, params=PARAMS, check=True):
+    """Add requests at given step numbers (a callable entry is asked for its prompt then, given the outputs so
+    far: a follow-up turn); run to completion; checks the KV bookkeeping after every step."""
+    done, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for rid, prompt in arrivals.get(step, []):
+            engine.add_request(rid, prompt(done) if callable(prompt) else prompt, params)
+        outs = engine.step()
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.kv.check_invariants()
+        if not outs and engine.kv.pending_transfers():
+            time.sleep(0.002)  # a copy thread is moving KV
+        step += 1
+        assert step < 3000
+    return done
+
+
+def same_outputs(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for rid, out in got.items():
+        ref = want[rid]
+        assert out.prompt_token_ids == ref.prompt_token_ids, rid
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, rid
+        for lps, ref_lps in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+            assert lps.keys() == ref_lps.keys(), rid
+            assert all(abs(lps[t] - ref_lps[t]) < 1e-4 for t in lps), rid
+
+
+SYSTEM = tokens(13, 1)  # three full blocks and a partial one
+
+
+def conversation_arrivals():
+    """Shared system prompt; a few users; follow-ups that repeat their whole conversation."""
+    a, b, c = SYSTEM + tokens(6, 2), SYSTEM + tokens(9, 3), SYSTEM[:8] + tokens(3, 4)
+
+    def follow_up(rid, turn):
+        return lambda done: done[rid].prompt_token_ids + done[rid].outputs[0].token_ids + turn
+
+    return {
+        0: [("a", a), ("b", b)],  # both compute the system prompt (nothing cached yet)
+        3: [("c", c), ("a2", SYSTEM + tokens(5, 5))],  # hits on a's and b's blocks while they run
+        30: [("a-turn2", follow_up("a", tokens(4, 6)))],  # after a finished: its whole conversation cached
+        31: [("b-turn2", follow_up("b", tokens(7, 7))), ("d", tokens(20, 8))],
+        60: [("a-turn3", lambda done: done["a-turn2"].prompt_token_ids + done["a-turn2"].outputs[0].token_ids
+              + tokens(2, 9))],
+    }
+
+
+@pytest.fixture(scope="module")
+def uncached(small_checkpoint):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    return model_dir, run(engine_of(model_dir, enable_prefix_caching=False), conversation_arrivals())
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
+def test_shared_prefixes_and_follow_up_turns_give_the_uncached_outputs(uncached, policy):
+    model_dir, want = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True, scheduling_policy=policy)
+    computed = []
+    real_finish = engine.finish_step
+
+    def finish(plan, result):  # the positions each step computed
+        computed.extend((w.job_id, w.start_pos, len(w.token_ids)) for w in plan.batch.seqs)
+        return real_finish(plan, result)
+
+    engine.finish_step = finish
+    got = run(engine, conversation_arrivals())
+    same_outputs(got, want)
+    firsts = {}
+    for jid, start, n in computed:
+        firsts.setdefault(jid.split("#")[0], (start, n))
+    # The follow-up turns computed only what followed their cached conversation: its full blocks of computed KV
+    # (the last answer token's KV is never computed), and never the new prompt's last token.
+    for rid, prev in (("a-turn2", "a"), ("b-turn2", "b"), ("a-turn3", "a-turn2")):
+        start, n = firsts[rid]
+        plen = len(got[rid].prompt_token_ids)
+        computed_before = len(got[prev].prompt_token_ids) + len(got[prev].outputs[0].token_ids) - 1
+        assert start == min(computed_before, plen - 1) // BS * BS > 0 and start + n == plen, (rid, start, n, plen)
+    assert firsts["c"][0] == 8 and firsts["a2"][0] == 12  # hits on the running jobs' blocks
+    assert firsts["a"][0] == 0 and firsts["d"][0] == 0
+    dev = engine.kv.device
+    assert dev.num_hits > 0 and dev.num_hits <= dev.num_queries
+    assert dev.num_used == 0 and dev.num_refs == 0 and dev.num_free == dev.num_blocks  # references back to zero
+    cached = dev.num_cached
+    assert cached > 0 and engine.kv.clear_prefix_cache() == cached and dev.num_cached == 0
+    dev.check_invariants()
+
+
+def test_cached_tokens_are_reported_per_request(uncached):
+    model_dir, _ = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True)
+    got = run(engine, conversation_arrivals())
+    assert engine.kv.cached_tokens is not None
+    a = got["a"]
+    assert got["a-turn2"].num_cached_tokens == (len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1) // BS * BS
+    assert got["a"].num_cached_tokens == 0 and got["c"].num_cached_tokens == 8
+    off = run(engine_of(model_dir), conversation_arrivals())
+    assert off["a-turn2"].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt(uncached):
+    model_dir, _ = uncached
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)
+    arrivals = {0: [("a", SYSTEM + tokens(3, 2))], 5: [("b", SYSTEM + tokens(4, 3))]}
+    want = run(engine_of(model_dir), arrivals, params)
+    got = run(engine_of(model_dir, enable_prefix_caching=True), arrivals, params)
+    same_outputs(got, want)
+    for rid in got:
+        assert len(got[rid].prompt_logprobs) == len(want[rid].prompt_logprobs)
+        for lps, ref in zip(got[rid].prompt_logprobs[1:], want[rid].prompt_logprobs[1:]):
+            assert all(abs(lps[t] - ref[t]) < 1e-4 for t in lps)
+        assert got[rid].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("kv_policy", ["recompute", "reactive", "proactive"])
+def test_outputs_equal_under_preemption_on_a_small_cache(uncached, kv_policy):
+    """A device cache too small for every conversation at once: jobs are evicted (dropped or swapped), jobs
+    sharing a prefix release it, cached blocks are evicted to make room; outputs stay those without caching."""
+    model_dir, want = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True, num_gpu_blocks_override=14, kv_policy=kv_policy,
+                       num_host_blocks_override=64, max_num_seqs=4)
+    got = run(engine, conversation_arrivals())
+    same_outputs(got, want)
+    stats, dev = engine.kv.stats, engine.kv.device
+    assert stats.num_drops + stats.num_offloads > 0  # preemption happened
+    assert dev.num_evictions > 0  # cached blocks were evicted to make room
+    assert dev.num_refs == 0 and dev.num_free == dev.num_blocks and engine.kv.host.num_used == 0
+
+
+@pytest.mark.parametrize("kv_policy", ["recompute", "reactive", "proactive"])
+def test_evicting_jobs_that_share_a_prefix_never_copies_or_frees_a_block_in_use(uncached, kv_policy):
+    """Every started job is evicted at a few steps (as a policy would), while others hold the same prefix: a job
+    sharing its prefix releases its references (its named blocks stay cached) and recomputes only the rest; a job
+    holding only its own blocks is swapped as before; no copy ever reads a block another job holds."""
+    from memory.transfers import Direction
+
+    model_dir, want = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True, kv_policy=kv_policy, num_host_blocks_override=64)
+    kv, dev = engine.kv, engine.kv.device
+    real_copy = kv.transfers.copy
+    copies = []
+
+    def copy(direction, pairs):
+        if direction is Direction.OFFLOAD:
+            assert all(dev.ref_count(src) == 1 for src, _ in pairs), "an offload copied a shared block"
+        copies.append(direction)
+        return real_copy(direction, pairs)
+
+    kv.transfers.copy = copy
+    shared_evictions = 0
+    real_step = engine.step
+
+    def step():
+        nonlocal shared_evictions
+        if engine.num_steps in (4, 5, 33, 34):
+            for seq in list(engine._seq_of_job.values()):
+                job = seq.job
+                entry = kv._jobs.get(job.job_id)
+                if job.num_computed and job.ready and not job.in_flight and entry is not None and entry.device:
+                    shared_evictions += dev.ref_count(entry.device[0]) > 1
+                    kv.evict(job)
+                    kv.check_invariants()
+        return real_step()
+
+    engine.step = step
+    got = run(engine, conversation_arrivals())
+    same_outputs(got, want)
+    assert shared_evictions >= 2
+    if kv_policy != "recompute":
+        assert Direction.OFFLOAD in copies  # jobs alone with their blocks were still swapped
+    assert dev.num_refs == 0 and dev.num_free == dev.num_blocks and kv.host.num_used == 0
+
+
+def test_server_flags_turn_prefix_caching_on_and_off():
+    import server
+
+    parser = server.build_parser()
+    for argv, want in (([], EngineConfig().enable_prefix_caching), (["--enable-prefix-caching"], True),
+                       (["--no-enable-prefix-caching"], False)):
+        engine_config, _ = server._configs(parser.parse_args(argv))
+        assert engine_config.enable_prefix_caching is want
