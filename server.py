@@ -219,7 +219,9 @@ def _snapshot(app: web.Application) -> EngineSnapshot:
     kv = engine.kv
     return EngineSnapshot(aengine.num_running(), aengine.num_waiting(), kv.num_swapped(), kv.device.num_free,
                           kv.device.num_blocks, kv.host.num_free, kv.host.num_blocks, engine.scheduler_stats(),
-                          kv.stats, engine.executor.kv_block_bytes, app[DEVICES].rows())
+                          kv.stats, engine.executor.kv_block_bytes, app[DEVICES].rows(),
+                          (kv.device.num_queries, kv.device.num_hits, kv.device.num_cached, kv.device.num_evictable)
+                          if kv.prefix_caching else (0, 0, 0, 0))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -77,4 +77,4 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
     extra: dict = field(default_factory=dict)
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first step (vLLM's field)
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held at its first step (None: caching off)

@@ -105,5 +105,5 @@ class RequestState:
             finished=self.finished,
             metrics=replace(self.metrics),
             prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens or 0,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -438,7 +438,8 @@ class ResponseBuilder:
     def usage(self, outputs: list[RequestOutput | None]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
         completion = sum(self._generated(c) for o in outputs if o is not None for c in o.outputs)
-        return _usage(prompt, completion)
+        cached = [o.num_cached_tokens for o in outputs if o is not None and o.num_cached_tokens is not None]
+        return _usage(prompt, completion, sum(cached) if cached else None)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         """The non-streaming body, from each prompt's final output."""
@@ -594,8 +595,13 @@ class ResponseBuilder:
         return {"content": content}
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens (prompt tokens read from the prefix cache) only when
+    prefix caching is on."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def _finite(value: float | None) -> float | None:

@@ -21,6 +21,10 @@ series carries vLLM's `model_name` label.
                                                            that gave a request tokens (RequestMetrics.itl_s),
                                                            observed when the request finishes
     vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:num_preemptions_total
+  read from the prefix cache at scrape time (0 with --no-enable-prefix-caching):
+    vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   tokens looked up / found cached (vLLM's)
+    fastserve:prefix_cache_blocks, fastserve:prefix_cache_evictable_blocks   device blocks cached / of those
+                                                           held by no job (counted free)
     vllm:request_success_total{finished_reason}            every finished request, labelled by its
                                                            first sequence's reason: stop, length,
                                                            abort or error
@@ -59,6 +63,7 @@ class EngineSnapshot:
     kv_stats: object | None = None  # memory.kv_manager.KVStats
     kv_block_bytes: int = 0
     devices: list[dict] = field(default_factory=list)  # serving/gpu_probe.py rows (none without a GPU)
+    prefix_cache: tuple[int, int, int, int] = (0, 0, 0, 0)  # queried tokens, hit tokens, cached, evictable blocks
 
 
 class _EngineCollector:
@@ -130,6 +135,15 @@ class _EngineCollector:
         yield gauge("fastserve:kv_host_free_blocks", "Free host KV blocks.", s.host_free)
         yield gauge("fastserve:kv_host_total_blocks", "All host KV blocks.", s.host_total)
         yield from self._kv_series(s, labels)
+        queries, hits, cached, evictable = s.prefix_cache
+        for name, doc, value in (("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+                                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+        yield gauge("fastserve:prefix_cache_blocks", "Device KV blocks in the prefix cache.", cached)
+        yield gauge("fastserve:prefix_cache_evictable_blocks", "Cached device blocks no job holds (counted free).",
+                    evictable)
         yield from self._device_series(s)
         st = s.scheduler
         if st is None:

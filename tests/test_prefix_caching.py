@@ -133,7 +133,7 @@ def test_cached_tokens_are_reported_per_request(uncached):
     assert got["a-turn2"].num_cached_tokens == (len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1) // BS * BS
     assert got["a"].num_cached_tokens == 0 and got["c"].num_cached_tokens == 8
     off = run(engine_of(model_dir), conversation_arrivals())
-    assert off["a-turn2"].num_cached_tokens == 0
+    assert off["a-turn2"].num_cached_tokens is None  # caching off: no figure (the HTTP usage leaves it out)
 
 
 def test_prompt_logprobs_requests_compute_their_whole_prompt(uncached):
@@ -217,3 +217,38 @@ def test_server_flags_turn_prefix_caching_on_and_off():
                        (["--no-enable-prefix-caching"], False)):
         engine_config, _ = server._configs(parser.parse_args(argv))
         assert engine_config.enable_prefix_caching is want
+
+
+# -- visibility over real HTTP ----------------------------------------------------------------------------------
+
+def test_http_usage_reports_cached_tokens_and_metrics_count_queries_and_hits(request, tiny_model_dir):
+    from tests.server_fixtures import DEFAULT_ARGS, metric_samples, post_json, shared_server, wait_idle
+
+    srv = shared_server(request, tiny_model_dir, (*DEFAULT_ARGS, "--enable-prefix-caching"))
+    wait_idle(srv.url)
+
+    def counter(samples, name):
+        return sum(v for (n, _), v in samples.items() if n == name)
+
+    before = metric_samples(srv.url)
+    system = {"role": "system", "content": "You are a careful assistant. " * 12}
+    messages = [system, {"role": "user", "content": "Say something about the sea."}]
+    status, _, first = post_json(srv.url + "/v1/chat/completions",
+                                 {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert status == 200, first
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "And about the mountains?"}]
+    status, _, second = post_json(srv.url + "/v1/chat/completions",
+                                  {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert status == 200, second
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # The whole first prompt is cached, in whole 16-token blocks (at most one block short of it).
+    assert first["usage"]["prompt_tokens"] - 16 < cached < second["usage"]["prompt_tokens"]
+    wait_idle(srv.url)
+    after = metric_samples(srv.url)
+    queries = counter(after, "vllm:prefix_cache_queries_total") - counter(before, "vllm:prefix_cache_queries_total")
+    hits = counter(after, "vllm:prefix_cache_hits_total") - counter(before, "vllm:prefix_cache_hits_total")
+    assert queries == first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
+    assert hits == cached
+    assert counter(after, "fastserve:prefix_cache_blocks") > 0
