@@ -13,6 +13,13 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   after a few output tokens every job is in the last queue).
 - Skip-join: a new job enters the highest queue whose quantum covers its
   first iteration, min{i : q_i >= t_init(prompt_len)} (the last queue if none).
+  With chunked prefill (enable_chunked_prefill) the rule still prices the whole
+  prompt: the job enters the queue whose quantum covers its whole prefill, each
+  chunk's iteration is charged to it there like any iteration (so its chunks
+  may use up the quantum and demote it before its first token), and a partly
+  prefilled job is an ordinary started job of its queue for the batch, eviction
+  and ENST (T_execute counts it as any job of its queue; its own ENST is that
+  of a job waiting in its queue).
 - Each iteration every job of the batch is charged the whole iteration's
   cost; when a job's service in its queue exceeds the queue's quantum it is
   demoted by eta (demotion_step) queues, clamped to the last (in the last

@@ -456,3 +456,25 @@ def test_async_streams_get_a_token_with_every_output_under_chunking(reference_ru
         counts = [len(o.outputs[0].token_ids) for o in outs]
         assert counts == list(range(1, PARAMS.max_tokens + 1)), rid
     same_outputs({rid: outs[-1] for rid, outs in streamed.items()}, want)
+
+
+def test_each_chunk_is_charged_to_the_job(small_checkpoint):
+    """Attained service: every chunk's iteration cost is charged to the job (service_total and its queue's
+    service), and the profiled cost of a chunk over a prefix is the cost model's."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    engine.add_request("long", prompts_of([30], 10)[0], PARAMS)
+    job = engine.requests["long"].seqs[0].job
+    queue = engine.scheduler.entry_queue(30)
+    charged = 0.0
+    for k in range(3):
+        plan = engine.schedule_step()
+        assert [j.num_scheduled for j in plan.decision.batch] == [8]
+        assert plan.cost == pytest.approx(engine.cost_model.batch_cost([8], []) if k == 0 else
+                                          engine.cost_model.batch_cost([], [], [(8 * k, 8)]))
+        engine.finish_step(plan, engine.executor.submit(plan.batch).result())
+        job.in_flight = False
+        charged += plan.cost
+        assert job.num_computed == 8 * (k + 1) and job.num_generated == 0
+        assert job.service_total == pytest.approx(charged)
+    assert job.queue >= queue  # entered by its whole prompt's t_init; may sink as its chunks are charged
