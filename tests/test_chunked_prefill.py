@@ -478,3 +478,25 @@ def test_each_chunk_is_charged_to_the_job(small_checkpoint):
         assert job.num_computed == 8 * (k + 1) and job.num_generated == 0
         assert job.service_total == pytest.approx(charged)
     assert job.queue >= queue  # entered by its whole prompt's t_init; may sink as its chunks are charged
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1)], ids=["local", "tp2-workers"])
+def test_seeded_sampling_and_penalties_are_unchanged_by_chunking(small_checkpoint, tp, pp):
+    """A chunk samples nothing, so a seeded request's generator draws the same numbers, and penalties read the
+    whole prompt (workers get it with the first chunk): the same tokens chunked or not, in process and through
+    tensor-parallel workers."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    prompts = prompts_of([25, 11, 18], 12)
+    params = [SamplingParams(temperature=0.9, seed=7 + i, max_tokens=8, presence_penalty=0.7, frequency_penalty=0.3,
+                             repetition_penalty=1.2, min_tokens=3, ignore_eos=True) for i in range(3)]
+    runs = []
+    for chunked in (False, True):
+        engine = small_engine(model_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=6 if chunked else
+                              8192, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        try:
+            done = run_staggered(engine, {0: [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]})
+        finally:
+            engine.shutdown()
+        runs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0].values()}) == 3
