@@ -19,7 +19,7 @@ from scheduler.policy import MLFQ_LADDERS, PolicyName
 # The engine only loads it; server.py, `make model` and scripts/make_tiny_model.py build it (modelmaker/).
 DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
                                         / "tiny-opt"))
-KV_POLICIES = ("proactive", "reactive", "recompute")
+KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
 LOAD_FORMATS = ("auto", "dummy")
 
 

@@ -334,8 +334,21 @@ class Engine:
     def schedule_step(self) -> StepPlan | None:
         now = self.clock.now()
         self.kv.poll()  # finished copies: free their source blocks, mark uploaded jobs ready
+        # The paper's reactive baseline (--kv-policy reactive-blocking): no iteration runs while a swap is in
+        # flight. A decision that starts one is dropped and the batch is formed again once the copies have landed,
+        # the job swapped in among those it may take; its jobs keep the room they got, except those with no KV yet
+        # (a prefill not run): they give theirs back, as nothing may evict a job that holds blocks but no KV.
+        blocking = self.kv.policy is KVPolicy.REACTIVE_BLOCKING
+        if blocking and self.kv.pending_transfers():
+            return None
         decision = self.scheduler.schedule(now, self.kv)
         self.kv.plan(decision.batch, self.scheduler.estimated_wait, now)  # proactive offload/upload
+        if blocking and self.kv.pending_transfers():
+            for job in decision.batch:
+                job.num_scheduled = 0
+                if not job.num_computed:
+                    self.kv.free(job.job_id)
+            return None
         if not decision.batch:
             return None
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]

@@ -220,7 +220,8 @@ def _memory_bound_runs(draw):
         t += draw(st.sampled_from([0.0, 0.0, 0.05, 0.2, 1.0]))
         trace.append((t, draw(st.integers(1, 400)), draw(st.integers(1, 80))))
     need = max(-(-(p + o) // 16) for _, p, o in trace)  # so that every job can fit alone
-    return (trace, need + draw(st.integers(0, 40)), draw(st.sampled_from(["proactive", "reactive", "recompute"])),
+    return (trace, need + draw(st.integers(0, 40)),
+            draw(st.sampled_from(["proactive", "reactive", "reactive-blocking", "recompute"])),
             draw(st.sampled_from(["skip-join-mlfq", "mlfq", "srpt", "fixed-priority"])),
             draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])))
 
@@ -292,3 +293,31 @@ def test_past_capacity_admission_bounds_drops(sim_dirs):
     (drops_off, e2e_off), (drops_on, e2e_on) = run(limit=False), run(limit=True)
     assert drops_on * 2 < drops_off
     assert e2e_on * 2 < e2e_off
+
+
+def test_the_blocking_reactive_baseline_starts_no_step_while_a_copy_is_in_flight(sim_dirs, tmp_path_factory):
+    """The paper's reactive baseline (reactive-blocking) swaps as reactive does, but the batch waits for every
+    copy: no step is submitted while one is in flight. Non-blocking reactive overlaps them (here 40+ steps
+    start during copies); the blocking one takes longer on the same memory-bound trace."""
+    model, flat = sim_dirs
+    profile = tmp_path_factory.mktemp("slow-copies") / "profile.json"
+    data = json.loads(flat.read_text())
+    data["transfer"] = {"host_to_device_bytes_per_s": 1e9, "device_to_host_bytes_per_s": 1e9}
+    profile.write_text(json.dumps(data))
+    trace = [(0.05 * i, 40 + (37 * i) % 200, 5 + (13 * i) % 60) for i in range(40)]
+    overlapped, duration = {}, {}
+    for kv_policy in ("reactive", "reactive-blocking"):
+        eng = simulated_engine(model, profile, num_device_blocks=40, num_host_blocks=400, kv_policy=kv_policy,
+                               scheduling_policy="skip-join-mlfq", max_num_seqs=8)
+        submit, count = eng.executor.submit, [0]
+
+        def counting_submit(batch, eng=eng, submit=submit, count=count):
+            count[0] += eng.kv.pending_transfers() > 0
+            return submit(batch)
+
+        eng.executor.submit = counting_submit
+        res = run_trace(eng, trace, max_steps=100_000)
+        assert len(res.outputs) == len(trace) and eng.kv.stats.num_uploads > 0
+        overlapped[kv_policy], duration[kv_policy] = count[0], res.duration_s
+    assert overlapped["reactive-blocking"] == 0 and overlapped["reactive"] > 40
+    assert duration["reactive-blocking"] > duration["reactive"]
