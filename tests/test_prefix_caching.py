@@ -252,3 +252,27 @@ def test_http_usage_reports_cached_tokens_and_metrics_count_queries_and_hits(req
     assert queries == first["usage"]["prompt_tokens"] + second["usage"]["prompt_tokens"]
     assert hits == cached
     assert counter(after, "fastserve:prefix_cache_blocks") > 0
+
+
+# -- with chunked prefill, and across tensor / pipeline parallel workers ------------------------------------------
+
+@pytest.mark.parametrize("budget", [3, 7])
+def test_cached_prefixes_under_chunked_prefill(uncached, budget):
+    model_dir, want = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True, enable_chunked_prefill=True,
+                       max_num_batched_tokens=budget)
+    got = run(engine, conversation_arrivals())
+    same_outputs(got, want)
+    assert engine.kv.device.num_hits > 0 and engine.kv.device.num_refs == 0
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_cached_prefixes_across_tensor_and_pipeline_parallel_workers(uncached, tp, pp):
+    model_dir, want = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        got = run(engine, conversation_arrivals())
+    finally:
+        engine.shutdown()
+    same_outputs(got, want)
+    assert engine.kv.device.num_hits > 0 and engine.kv.device.num_refs == 0
