@@ -21,7 +21,7 @@ restarts it (vLLM's behaviour; deploy/ has a systemd unit and a Dockerfile).
 Beyond OpenAI's format: each choice has "stop_reason" and, once finished, "metrics" (the engine's
 RequestMetrics.to_dict(); times on its monotonic clock); /v1/models gives max_model_len and
 vocab_size; X-Request-Id is echoed or generated; vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-stop_token_ids, repetition_penalty, priority, skip_special_tokens, include_stop_str_in_output,
+stop_token_ids, repetition_penalty, priority, cache_salt, skip_special_tokens, include_stop_str_in_output,
 truncate_prompt_tokens, prompt_logprobs, stream_options.continuous_usage_stats, chat echo, ...) are
 served with vLLM's meaning, and those that cannot be honoured are refused naming the field
 (README.md's "Request fields" table).
@@ -272,7 +272,7 @@ async def _generate(request: web.Request, parse, prefix: str) -> web.StreamRespo
     try:
         req = parse(body, state.protocol)
         streams = aengine.add_requests([(f"{response_id}-{i}", p, req.params) for i, p in enumerate(req.prompts)],
-                                       priority=req.priority)
+                                       priority=req.priority, cache_salt=req.cache_salt)
     except ValidationError as e:
         raise ApiError(404 if e.code == "model_not_found" else 400, e.message, param=e.param, code=e.code) from None
     except QueueFullError as e:

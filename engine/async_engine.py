@@ -163,15 +163,15 @@ class AsyncEngine:
         return len(self.engine.requests) - self.num_waiting()
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Validate and admit; raises ValidationError, QueueFullError or EngineDeadError, changing nothing."""
-        return self.add_requests([(request_id, prompt, params)], priority)[0]
+        return self.add_requests([(request_id, prompt, params)], priority, cache_salt)[0]
 
     def add_requests(self, items: Sequence[tuple[str, Prompt, SamplingParams | None]],
-                     priority: int = 0) -> list[RequestStream]:
+                     priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
         """Admit a group all or nothing: every request is validated before any is admitted, and the
         group is one admission decision (admitted while fewer than --max-queued-requests wait).
-        `priority` (vLLM's request class, lower first) applies to every request of the group."""
+        `priority` (vLLM's request class, lower first) and `cache_salt` apply to every request of the group."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running") from self.error
         if not self._accepting:
@@ -179,7 +179,8 @@ class AsyncEngine:
         ids = [rid for rid, _, _ in items]
         if len(set(ids)) != len(ids):
             raise ValidationError("request ids within a group must be distinct", param="request_id")
-        reqs = [self.engine.prepare_request(rid, prompt, params, priority=priority) for rid, prompt, params in items]
+        reqs = [self.engine.prepare_request(rid, prompt, params, priority=priority, cache_salt=cache_salt)
+                for rid, prompt, params in items]
         if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
             raise QueueFullError(f"the waiting queue is full ({self.max_queued_requests} requests)")
         streams = []

@@ -157,15 +157,20 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
     def prepare_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-        arrival_time: float | None = None, priority: int = 0,
+        arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
     ) -> RequestState:
         """Validate and tokenize; raises ValidationError and changes nothing. `priority` is vLLM's request
-        class (lower first), given to every job of the request; policies that know classes honour it."""
+        class (lower first), given to every job of the request; policies that know classes honour it.
+        `cache_salt` (vLLM's; a non-empty string) starts the hash chain of the request's KV blocks: with prefix
+        caching, only requests with the same salt (or none) share cached blocks."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValidationError("params must be a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValidationError(f"cache_salt must be a non-empty string, got {cache_salt!r}"[:200],
+                                  param="cache_salt")
         if request_id in self.requests:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt, params.truncate_prompt_tokens)
@@ -175,7 +180,8 @@ class Engine:
             raise ValidationError(f"logit_bias names token id {bad_bias[0]}; ids must be in "
                                   f"[0, {self.model_config.vocab_size})", param="logit_bias")
         now = self.clock.now() if arrival_time is None else arrival_time
-        req = RequestState(request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time=now))
+        req = RequestState(request_id, prompt_text, prompt_ids, params, RequestMetrics(arrival_time=now),
+                           cache_salt=cache_salt)
         for k in range(params.n):
             job = Job(f"{request_id}#{k}", len(prompt_ids), params.max_tokens, now, priority=priority)
             seed = params.sequence_seed(k)
@@ -195,8 +201,9 @@ class Engine:
             self.scheduler.add(seq.job, req.metrics.arrival_time)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> RequestState:
-        req = self.prepare_request(request_id, prompt, params, arrival_time, priority)
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> RequestState:
+        req = self.prepare_request(request_id, prompt, params, arrival_time, priority, cache_salt)
         self.admit(req)
         return req
 

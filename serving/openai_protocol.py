@@ -23,6 +23,9 @@ Rules:
     message's `name` reaches it too.
   * `priority` (vLLM's request class, an integer, lower first) goes to every
     job of the request.
+  * `cache_salt` (vLLM's): a non-empty string that starts the request's KV
+    blocks' hash chain, so only requests with the same salt share cached
+    prefixes (none: shared with every unsalted request).
   * Several prompts and n > 1 map to choices at index prompt_index * n + k.
   * Every choice carries `"metrics"`: the engine's RequestMetrics.to_dict() of
     the request that produced it (in a stream: on the chunk that finishes it).
@@ -48,8 +51,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "n", "stop", "seed", "ignor
                     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                     "min_p", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
                     "truncate_prompt_tokens")
-_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "add_special_tokens",
-                  "prompt_logprobs", "return_tokens_as_token_ids", *_SAMPLING_FIELDS}
+_COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt",
+                  "add_special_tokens", "prompt_logprobs", "return_tokens_as_token_ids", *_SAMPLING_FIELDS}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "echo",
                                 "add_generation_prompt", "continue_final_message", "documents", "chat_template_kwargs"}
@@ -116,6 +119,7 @@ class GenerationRequest:
     chat_echo: str = ""  # chat echo (vLLM): the last message's content, when it is the reply's role, goes first
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field asked for: returned beside the choices
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefix blocks
 
 
 # -- parsing ------------------------------------------------------------------------------------------
@@ -230,9 +234,12 @@ def _request(kind: str, model: str, body: dict, prompts: list[Prompt], params: S
     if not _is_token_id(priority):
         raise ValidationError(f"priority must be an integer (lower runs first), got {priority!r}"[:200],
                               param="priority")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValidationError(f"cache_salt must be a non-empty string, got {cache_salt!r}"[:200], param="cache_salt")
     return GenerationRequest(kind, model, prompts, params, stream, include_usage, echo, user, priority,
                              continuous_usage=continuous, prompt_logprobs=want_prompt_logprobs,
-                             tokens_as_ids=_opt_bool(body, "return_tokens_as_token_ids"))
+                             tokens_as_ids=_opt_bool(body, "return_tokens_as_token_ids"), cache_salt=cache_salt)
 
 
 def _check_fields(body: object, allowed: set[str]) -> dict:
