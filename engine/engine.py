@@ -196,8 +196,11 @@ class Engine:
         if req.request_id in self.requests:
             raise ValidationError(f"request id {req.request_id!r} is already in use", param="request_id")
         self.requests[req.request_id] = req
+        kv = self.kv
         for seq in req.seqs:
             self._seq_of_job[seq.job.job_id] = seq
+            if kv.prefix_caching:  # skip-join enters it by the work it really needs (the uncached rest)
+                seq.job.num_cached_prompt_tokens = kv.expected_hit(seq.job)
             self.scheduler.add(seq.job, req.metrics.arrival_time)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,

@@ -416,6 +416,18 @@ class KVManager:
         kv = self._jobs.get(job_id)
         return kv.cached_tokens if kv is not None else None
 
+    def expected_hit(self, job) -> int:
+        """Tokens of a job with no KV yet that its first allocation would find cached now (whole blocks, never
+        its last token; 0 if it may not reuse a prefix). Takes no reference and counts no query: the engine asks
+        at admission, for the entry rule (Job.num_cached_prompt_tokens). The job's names are kept for its first
+        allocation, whose hit may be shorter (blocks evicted meanwhile, or too little room)."""
+        if self._prefix is None or not self._prefix.may_reuse(job):
+            return 0
+        kv = self._entry(job)
+        max_blocks = (job.context_len - 1) // self.block_size
+        self._extend_hashes(kv, job, max_blocks)
+        return len(self.device.lookup(kv.hashes, max_blocks)) * self.block_size
+
     def clear_prefix_cache(self) -> int:
         """Forget every cached block no job holds (vLLM's reset_prefix_cache); returns how many."""
         return self.device.evict_all() if self._prefix is not None else 0

@@ -22,6 +22,10 @@ class Job:
     # The true output length: given only to the SRPT oracle (simulation, tests).
     true_output_len: int | None = None
     priority: int = 0  # request class (vLLM's priority): lower runs first
+    # Prompt tokens found cached when the job was added (prefix caching; the engine looks it up at admission):
+    # skip-join prices its entry by the rest. An estimate for the entry rule only: the job's real hit is taken
+    # at its first allocation (num_computed), which computes more if those blocks were evicted meanwhile.
+    num_cached_prompt_tokens: int = 0
 
     num_generated: int = 0  # output tokens sampled so far
     num_computed: int = 0  # tokens whose KV is in the cache (reset to 0 when KV is dropped)

@@ -48,6 +48,11 @@ class CostModel(Protocol):
         """Profiled time of one iteration that runs exactly these jobs."""
         ...
 
+    def batch_cost(self, prefill_lens: Sequence[int], decode_context_lens: Sequence[int],
+                   chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """Profiled time of an iteration of this shape (chunks: (computed prefix, tokens) of prompts)."""
+        ...
+
 
 class KVAdmission(Protocol):
     """The verbs a policy may use on memory/ (implemented by memory.KVManager)."""

@@ -13,6 +13,13 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   after a few output tokens every job is in the last queue).
 - Skip-join: a new job enters the highest queue whose quantum covers its
   first iteration, min{i : q_i >= t_init(prompt_len)} (the last queue if none).
+  With prefix caching the first iteration is the work the job really needs:
+  a job whose first c prompt tokens were cached when it was added
+  (Job.num_cached_prompt_tokens) is priced as the cost model prices a chunk
+  of the rest over that prefix, F(n) + chunk_attention(c, n), n = prompt_len - c
+  (never above t_init(prompt_len)), so a follow-up turn over a long cached
+  history enters as short work; its ENST follows from that queue. If the
+  cached blocks are evicted before it starts it computes more, in that queue.
   With chunked prefill (enable_chunked_prefill) the rule still prices the whole
   prompt: the job enters the queue whose quantum covers its whole prefill, each
   chunk's iteration is charged to it there like any iteration (so its chunks
@@ -193,12 +200,21 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         return out
 
     # -- placement ---------------------------------------------------------------------------
-    def entry_queue(self, prompt_len: int) -> int:
-        """Skip-join: the highest queue whose quantum covers t_init(prompt_len)."""
+    def entry_queue(self, prompt_len: int, cached: int = 0) -> int:
+        """Skip-join: the highest queue whose quantum covers the first iteration, t_init(prompt_len), or with
+        `cached` prompt tokens cached (prefix caching) the uncached rest's (first_iteration_cost)."""
         if not self.skip_join:
             return 0
-        level = bisect.bisect_left(self.quanta, self.cost.t_init(prompt_len))
+        level = bisect.bisect_left(self.quanta, self.first_iteration_cost(prompt_len, cached))
         return min(level, len(self.quanta) - 1)
+
+    def first_iteration_cost(self, prompt_len: int, cached: int = 0) -> float:
+        """t_init(prompt_len); with a cached prefix of `cached` tokens, the cost model's price of the rest as a
+        chunk over that prefix (what its first iteration computes), at most t_init(prompt_len)."""
+        whole = self.cost.t_init(prompt_len)
+        if cached <= 0 or cached >= prompt_len:
+            return whole
+        return min(whole, self.cost.batch_cost((), (), ((cached, prompt_len - cached),)))
 
     def _band(self, key: int) -> _Band:
         band = self._bands.get(key)
@@ -249,7 +265,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if self._holds(job):
             raise ValueError(f"job {job.job_id} was already added")
         fresh = job.first_scheduled_time is None  # (a job that ran elsewhere before comes in started)
-        self._place(job, job.priority, self.entry_queue(job.prompt_len), fresh)
+        self._place(job, job.priority, self.entry_queue(job.prompt_len, job.num_cached_prompt_tokens), fresh)
         self._count_in(job)
         if fresh and self.config.starvation_factor is not None and self.config.starvation_threshold is not None:
             heapq.heappush(self._fresh_starving, (job.last_scheduled_time, next(self._seq), job))

@@ -115,6 +115,31 @@ def test_a_new_job_skips_to_the_highest_queue_that_covers_its_prefill() -> None:
     assert policy.queue_lengths() == [2, 2, 2, 3]
 
 
+def test_a_follow_up_over_a_long_cached_history_enters_by_its_uncached_work() -> None:
+    """Prefix caching: a 64-token prompt whose first 56 tokens were cached when it was added enters by its first
+    iteration's real work, the cost model's price of an 8-token chunk over a 56-token prefix (F(8) = 1 plus the
+    attention tokens 56..64 add, (8 - 1) - (7 - 1) = 1: 2 s, Q2), not t_init(64) = 8 s (Q4). It runs before an
+    uncached 64-token prompt that came first, and its ENST is the shorter (nothing above it; the other waits
+    for its q2 + q3)."""
+    policy, kv = mlfq(max_num_seqs=1), roomy()
+    fresh, follow = job("fresh", 64), job("follow", 64, arrival=0.5)
+    follow.num_cached_prompt_tokens = 56
+    policy.add(fresh, 0.0)
+    policy.add(follow, 0.5)
+    assert policy.first_iteration_cost(64, 56) == pytest.approx(COST.batch_cost((), (), [(56, 8)])) == 2.0
+    assert (fresh.queue, follow.queue) == (3, 1)
+    assert policy.estimated_wait(follow, 1.0) == 0.0 < policy.estimated_wait(fresh, 1.0) == pytest.approx(6.0)
+    assert step(policy, kv, 1.0)[0] == ["follow"]
+    # Never priced above the whole prompt; nothing cached (or naive MLFQ) is the plain rule.
+    for n in (2, 9, 33, 64):
+        for c in range(0, n, 3):
+            assert policy.first_iteration_cost(n, c) <= COST.t_init(n)
+            assert policy.entry_queue(n, c) <= policy.entry_queue(n)
+    # (F(n) = 1 s here at every n: 32 cached leave 1 + 7 - 3 = 5 s (Q4), 63 leave 1 + 7 - 6.875 (Q2).)
+    assert [policy.entry_queue(64, c) for c in (0, 8, 32, 56, 63)] == [3, 3, 3, 1, 1]
+    assert MLFQPolicy(config(), COST).entry_queue(64, 0) == 0
+
+
 def test_naive_mlfq_puts_every_new_job_in_q1() -> None:
     policy = MLFQPolicy(config(), COST)
     jobs = [job(str(n), n) for n in (8, 20, 64)]
