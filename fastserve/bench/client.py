@@ -3,7 +3,8 @@
 What this is: `send_request()` POSTs one /v1/completions body with "stream": true and reads the SSE reply
 through `StreamState`, which records what benchmark_serving records (time to the first text chunk, the gaps
 between text chunks, end-to-end latency, generated token count from `usage` or else the number of text
-chunks) and, when the server gives them, FastServe's per-request metrics (queued_s, executing_s,
+chunks, and usage's prompt_tokens and prompt_tokens_details.cached_tokens when sent) and, when the server gives
+them, FastServe's per-request metrics (queued_s, executing_s,
 swap_wait_s, preemptions: the finishing choice's or `usage`'s "metrics" object; absent on vLLM).
 `server_info()` asks /v1/models for the model name and, if told, max_model_len and vocab_size.
 What this is not: metric arithmetic (metrics.py) or pacing (loadgen.py).
@@ -38,6 +39,8 @@ class RequestResult:
     error: str = ""
     server_metrics: dict | None = None  # FastServe's per-request metrics, None on other servers
     generated_text: str = ""
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the server sends usage
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix cache hits), if sent
 
 
 def parse_sse_line(line: str) -> object:
@@ -87,6 +90,11 @@ class StreamState:
         if isinstance(usage, dict):
             if isinstance(usage.get("completion_tokens"), int):
                 self.usage_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.result.prompt_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.result.cached_tokens = details["cached_tokens"]
             self._take_metrics(usage.get("metrics"))
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):

@@ -6,13 +6,17 @@ reports vLLM benchmark_serving's metrics plus the paper's (per-token latency, th
     fastserve bench serve --backend openai-chat --port 8000 --dataset-name sharegpt --dataset-path ...
     fastserve bench serve ... --sweep 1,2,4,8 --label skip-join --save-result --plot fig11.png
     python -m fastserve.bench.loadgen ...       (the same, without the console script)
+    fastserve bench serve --multi-turn --dataset-name sharegpt --dataset-path ... --num-prompts 50 \
+        --request-rate 0.5 --think-time 5     (whole conversations, turn by turn: multiturn.py)
 
 Flags follow benchmark_serving's names (--backend openai|openai-chat|vllm, --base-url or --host/--port,
 --endpoint, --model, --served-model-name, --tokenizer, --dataset-name, --dataset-path, --num-prompts,
 --request-rate, --burstiness, --seed, --ignore-eos, --goodput, --save-result, --result-dir, --result-filename,
 --percentile-metrics, --metric-percentiles, --max-concurrency, --disable-tqdm); ours are --slo-per-token,
 --sweep, --token-id-prompts, --plot, --compare, --label, --gpt2-bpe, --vocab-size, --max-model-len,
---trace-speedup, --request-timeout, the synthetic lengths.
+--trace-speedup, --request-timeout, the synthetic lengths, and the multi-turn replay's --multi-turn,
+--think-time, --think-time-distribution, --max-turns, --cache-salt (with --multi-turn, --num-prompts counts
+conversations and --request-rate is conversations per second; the backend defaults to openai-chat).
 Prompts: datasets with text (sharegpt, alpaca) send their text, as vLLM does (--token-id-prompts sends random
 ids of the same counted length instead); the others (lengths, azure-*, synthetic) have no text and send random
 token ids in [4, vocab) from --seed, exactly the dataset's prompt length, with ignore_eos. The chat backend
@@ -56,6 +60,9 @@ from fastserve.bench.metrics import (
     run_json,
     slo_points,
 )
+from fastserve.bench.multiturn import THINK_TIME_DISTRIBUTIONS
+from fastserve.bench.multiturn import format_summary as format_multi_turn
+from fastserve.bench.multiturn import run as run_multi_turn
 from fastserve.bench.tokens import TokenCounter, choose_counter, mismatch_warning
 from fastserve.bench.workload import DATASETS, TRACE_DATASETS, LengthFilter, WorkItem, filter_line, load_workload
 
@@ -74,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
-    add("--backend", choices=sorted(BACKENDS), default="openai",
-        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions with messages (default: openai)")
+    add("--backend", choices=sorted(BACKENDS), default=None,
+        help="openai and vllm: /v1/completions; openai-chat: /v1/chat/completions with messages "
+        "(default: openai; openai-chat with --multi-turn)")
     add("--base-url", help="server root (default: http://HOST:PORT)")
     add("--host", default="127.0.0.1", help="server host when no --base-url (default: %(default)s)")
     add("--port", type=int, default=8000, help="server port when no --base-url (default: %(default)s)")
@@ -120,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--random-range-ratio", type=float, default=0.0, help="synthetic: uniform within +-this fraction")
     add("--input-output-ratio", type=float, help="synthetic: keep input+output, split it RATIO:1 (Fig. 14)")
     add("--request-timeout", type=float, default=600.0, help="seconds per request (default: 600)")
+    add("--multi-turn", action="store_true",
+        help="sharegpt: replay whole conversations over chat, each user turn with the history so far, after the "
+        "previous answer and a think time; --num-prompts counts conversations, --request-rate is conversations/s")
+    add("--think-time", type=float, default=5.0, help="--multi-turn: mean seconds between an answer and the next "
+        "user turn (default: %(default)s)")
+    add("--think-time-distribution", choices=THINK_TIME_DISTRIBUTIONS, default="exponential",
+        help="--multi-turn: how think times are drawn around their mean (default: %(default)s)")
+    add("--max-turns", type=int, help="--multi-turn: user turns per conversation at most (default: all)")
+    add("--cache-salt", help="--multi-turn: send this cache_salt with every request (vLLM's field)")
     return p
 
 
@@ -144,6 +161,19 @@ def _floats(text: str, flag: str) -> list[float]:
 def _validate(args: argparse.Namespace) -> None:
     if args.dataset_name == "random":  # `vllm bench serve --dataset-name random`
         args.dataset_name = "synthetic"
+    args.backend = args.backend or ("openai-chat" if args.multi_turn else "openai")
+    if args.multi_turn:
+        if args.dataset_name != "sharegpt" or args.backend != "openai-chat" or args.token_id_prompts:
+            raise FlagError("--multi-turn replays ShareGPT conversations as chat: it needs --dataset-name sharegpt, "
+                            "the openai-chat backend and text prompts")
+        if not (args.think_time >= 0 and math.isfinite(args.think_time)):
+            raise FlagError(f"--think-time must be a finite number >= 0, got {args.think_time}")
+        if args.max_turns is not None and args.max_turns < 1:
+            raise FlagError(f"--max-turns must be >= 1, got {args.max_turns}")
+    elif args.max_turns is not None or args.cache_salt is not None:
+        raise FlagError("--max-turns and --cache-salt go with --multi-turn")
+    if args.cache_salt == "":
+        raise FlagError("--cache-salt must be a non-empty string")
     if args.dataset_name != "synthetic" and not args.dataset_path:
         raise FlagError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     has_text = args.dataset_name in TEXT_DATASETS
@@ -275,18 +305,29 @@ async def benchmark(args: argparse.Namespace) -> dict:
         url = args.base_url + args.endpoint
         runs, rows = [], []
         for rate in rates:
-            items = workload_for(args, rate, max_len)
-            if len(items) < args.num_prompts:
-                print(f"note: {len(items)} of {args.num_prompts} requests fit (max_model_len {max_len})")
-            offered = rate if rate is not None else _offered_rate(items)
-            label = "trace" if rate is None else f"{rate:g} req/s"
-            results, duration = await run_once(session, url, items, payloads(args, items, model, vocab), args, label)
+            extra = None
+            if args.multi_turn:  # (rate: conversations/s; a sharegpt dataset, so never None)
+                offered, label = rate, f"{rate:g} conv/s"
+                results, duration, summary, extra = await run_multi_turn(session, url, model, args,
+                                                                         args.count_tokens, max_len, rate, label)
+            else:
+                items = workload_for(args, rate, max_len)
+                if len(items) < args.num_prompts:
+                    print(f"note: {len(items)} of {args.num_prompts} requests fit (max_model_len {max_len})")
+                offered = rate if rate is not None else _offered_rate(items)
+                label = "trace" if rate is None else f"{rate:g} req/s"
+                results, duration = await run_once(session, url, items, payloads(args, items, model, vocab), args,
+                                                   label)
             m = compute_metrics(results, duration, percentiles, goodput)
             print(format_report(m, label, shown, percentiles, goodput))
+            if extra is not None:
+                print(format_multi_turn(summary))
             for err in sorted({r.error for r in results if r.error})[:5]:
                 print(f"  error: {err}")
             run = run_json(offered, args.burstiness, m, results)
             run["trace_speedup"] = args.trace_speedup if rate is None else None
+            if extra is not None:
+                run.update(extra)
             runs.append((offered, m, run))
             rows.append((label, m))
     # vLLM's top-level fields (mean_ttft_ms, request_throughput, input_lens, ...) are the last run's (the only

@@ -5,7 +5,9 @@ text when the dataset has it, arrival time), synthetic length distributions, and
 which picks items and gives them arrival times (the arrival processes live in arrivals.py).
 
     ShareGPT JSON   [{"id", "conversations": [{"from", "value"}]}]: the first human turn and the gpt turn
-                    right after it; vLLM benchmark_serving's filters (see `LengthFilter`)
+                    right after it; vLLM benchmark_serving's filters (see `LengthFilter`). Whole
+                    conversations (every human turn and the gpt answer after it): read_sharegpt_conversations,
+                    for the multi-turn replay (multiturn.py)
     Alpaca JSON     [{"instruction", "input", "output"}]: instruction + "\\n" + input (if non-empty) -> output
     Azure 2023 CSV  TIMESTAMP,ContextTokens,GeneratedTokens: real arrival times and lengths, no text
     lengths CSV     input_tokens,output_tokens (the *_lengths.csv files), no text
@@ -101,6 +103,31 @@ def read_sharegpt(path: str | Path, count_tokens: CountTokens,
         prompt, answer = turns[first]["value"], turns[first + 1]["value"]
         items.append(WorkItem(count_tokens(prompt), count_tokens(answer), prompt, 0.0))
     return apply_filter(items, length_filter)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A ShareGPT conversation as (user text, the dataset's answer text) turns, in order."""
+
+    conversation_id: str
+    turns: tuple[tuple[str, str], ...]
+
+
+def read_sharegpt_conversations(path: str | Path) -> list[Conversation]:
+    """Every conversation with at least one human turn answered by a gpt turn: its human -> gpt pairs, in
+    order (a human turn not followed by a gpt answer, and anything else, is skipped)."""
+    path = Path(path)
+    out = []
+    for i, record in enumerate(_load_json_list(path)):
+        turns = _field(path, f"record {i}", record, "conversations", list)
+        for j, turn in enumerate(turns):
+            for name in ("from", "value"):
+                _field(path, f"record {i}, conversations[{j}]", turn, name, str)
+        pairs = tuple((turns[j]["value"], turns[j + 1]["value"]) for j in range(len(turns) - 1)
+                      if turns[j]["from"] == "human" and turns[j + 1]["from"] == "gpt")
+        if pairs:
+            out.append(Conversation(str(record.get("id", i)), pairs))
+    return out
 
 
 def read_alpaca(path: str | Path, count_tokens: CountTokens,

@@ -1,0 +1,124 @@
+"""The load generator's multi-turn ShareGPT replay (fastserve/bench/multiturn.py; issue 28): conversations read
+from a small file written here, each user turn sent over chat with the whole history after the previous answer
+and a think time, against a real server with prefix caching on; the report's per-turn figures and hit rate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from fastserve.bench.client import RequestResult
+from fastserve.bench.multiturn import hit_rate, think_time
+from fastserve.bench.workload import read_sharegpt_conversations
+from tests.server_fixtures import REPO
+
+WORDS = "river stone maple cloud lantern harbor meadow copper violet thunder orchard canyon".split()
+
+
+def text(seed: int, n: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, n))
+
+
+def conversations_file(tmp_path):
+    convs = [
+        {"id": "three", "conversations": [
+            {"from": "human", "value": "Alpha asks: " + text(1, 40)}, {"from": "gpt", "value": text(2, 6)},
+            {"from": "human", "value": text(3, 12)}, {"from": "gpt", "value": text(4, 5)},
+            {"from": "human", "value": text(5, 10)}, {"from": "gpt", "value": text(6, 4)}]},
+        {"id": "two", "conversations": [
+            {"from": "system", "value": "ignored"},
+            {"from": "human", "value": "Bravo wonders: " + text(7, 35)}, {"from": "gpt", "value": text(8, 6)},
+            {"from": "human", "value": text(9, 8)}, {"from": "gpt", "value": text(10, 3)}]},
+        {"id": "one", "conversations": [
+            {"from": "human", "value": "Charlie says: " + text(11, 30)}, {"from": "gpt", "value": text(12, 5)},
+            {"from": "human", "value": "unanswered"}]},
+        {"id": "none", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def test_reader_keeps_answered_human_turns_in_order(tmp_path):
+    convs = read_sharegpt_conversations(conversations_file(tmp_path))
+    assert [(c.conversation_id, len(c.turns)) for c in convs] == [("three", 3), ("two", 2), ("one", 1)]
+    assert convs[1].turns[0][0].startswith("Bravo wonders: ")
+
+
+def test_think_times_and_hit_rate():
+    rng = np.random.default_rng(0)
+    draws = [think_time(rng, 5.0, "exponential") for _ in range(4000)]
+    assert 4.6 < np.mean(draws) < 5.4 and min(draws) >= 0 and len(set(draws)) == len(draws)
+    assert think_time(rng, 2.0, "constant") == 2.0 and think_time(rng, 0.0, "exponential") == 0.0
+
+    def r(prompt, cached, ok=True):
+        res = RequestResult(prompt, 1, success=ok)
+        res.prompt_tokens, res.cached_tokens = prompt, cached
+        return res
+
+    assert hit_rate([r(100, 0), r(200, 150), r(50, 50, ok=False), r(10, None)]) == 150 / 300
+    assert hit_rate([r(10, None)]) is None
+
+
+def run_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastserve.bench.loadgen", *args, "--disable-tqdm"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags", [["--dataset-name", "alpaca"], ["--backend", "openai"], ["--think-time", "-1"],
+                                   ["--max-turns", "0"], ["--token-id-prompts"]])
+def test_multi_turn_refuses_bad_flags(tmp_path, flags):
+    args = ["--multi-turn", "--dataset-name", "sharegpt", "--dataset-path", str(tmp_path / "x.json"), *flags]
+    proc = run_cli(args)
+    assert proc.returncode == 2, proc.stderr
+    assert "error:" in proc.stderr
+
+
+def test_max_turns_needs_multi_turn(tmp_path):
+    proc = run_cli(["--dataset-name", "synthetic", "--max-turns", "2"])
+    assert proc.returncode == 2 and "--multi-turn" in proc.stderr
+
+
+def test_multi_turn_replay_against_a_caching_server(request, tiny_model_dir, tmp_path):
+    from tests.server_fixtures import DEFAULT_ARGS, shared_server, wait_idle
+
+    srv = shared_server(request, tiny_model_dir, (*DEFAULT_ARGS, "--enable-prefix-caching"))
+    wait_idle(srv.url)
+    think = 0.3
+    proc = run_cli(["--base-url", srv.url, "--multi-turn", "--dataset-name", "sharegpt",
+                    "--dataset-path", str(conversations_file(tmp_path)), "--num-prompts", "3",
+                    "--request-rate", "20", "--think-time", str(think), "--think-time-distribution", "constant",
+                    "--tokenizer", str(tiny_model_dir), "--ignore-eos", "--cache-salt", uuid.uuid4().hex,
+                    "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("Serving Benchmark Result (20 conv/s)", "Multi-turn", "Prefix cache hit rate (cached/prompt):",
+                 "Conversations (done/context/failed):    3/0/0 of 3", "Turns (ok of sent):", "Mean TTFT (ms):"):
+        assert line in proc.stdout, (line, proc.stdout)
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    mt = run["multi_turn"]
+    assert mt["turns"] == mt["turns_ok"] == 6 and run["completed"] == 6
+    assert [mt["by_turn"][b]["turns"] for b in ("1", "2", "3", "4+")] == [3, 2, 1, 0]
+    turns = {}
+    for i, (conv, number) in enumerate(zip(run["conversation_indices"], run["turn_numbers"])):
+        turns[(conv, number)] = i
+    prompt, cached = run["prompt_tokens"], run["cached_tokens"]
+    for (conv, number), i in turns.items():
+        if number == 1:
+            assert cached[i] == 0  # a new conversation (its own salt: nothing from other tests)
+            continue
+        prev = turns[(conv, number - 1)]
+        # The whole history came back: this prompt holds the last one, and its blocks were cached.
+        assert prompt[i] > prompt[prev] and cached[i] >= prompt[prev] - 2 * 16
+        # Sent after the previous answer arrived plus the think time.
+        assert run["start_times"][i] >= run["start_times"][prev] + run["e2els"][prev] + think * 0.95
+    assert mt["prefix_cache_hit_rate"] == pytest.approx(sum(cached) / sum(prompt))
+    assert mt["prefix_cache_hit_rate"] > 0.3
+    assert mt["by_turn"]["1"]["prefix_cache_hit_rate"] == 0.0 and mt["by_turn"]["2"]["prefix_cache_hit_rate"] > 0.5
+    assert run["input_lens"] == prompt  # the server's counts
+    assert all(n > 0 for n in run["output_lens"])
