@@ -180,6 +180,8 @@ class ProfiledCostModel:
             if not n or done + n >= context:  # the whole rest of the context
                 if done == 0:
                     prefill.append(context)  # a first iteration (or a recompute) computes the whole context
+                elif context - done > 1:
+                    chunks.append((done, context - done))  # a last chunk, or the tail after a cached prefix
                 else:
                     decode.append(context)
             elif done == 0:

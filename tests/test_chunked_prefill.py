@@ -500,3 +500,23 @@ def test_seeded_sampling_and_penalties_are_unchanged_by_chunking(small_checkpoin
         runs.append({rid: out.outputs[0].token_ids for rid, out in done.items()})
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0].values()}) == 3
+
+
+def test_cost_model_prices_a_last_chunk_and_a_cached_prefixs_tail_as_chunks():
+    """The step that finishes a prompt over computed tokens (the last chunk, or the tail after a prefix-cache hit)
+    is a chunk over its prefix, not a one-token decode of the whole context."""
+    from pathlib import Path
+
+    from scheduler import Job, ProfiledCostModel
+
+    cost = ProfiledCostModel.from_json(Path(__file__).resolve().parents[1] / "profiles" / "sim"
+                                       / "opt-13b-a100-40gb-x1.json")
+    job = Job("j", prompt_len=1500, max_new_tokens=10, arrival_time=0.0)
+    job.num_computed, job.num_scheduled = 1024, 476  # the last chunk (or 1,024 tokens cached): 476 to compute
+    assert cost.iteration_cost([job]) == pytest.approx(cost.batch_cost([], [], [(1024, 476)]))
+    assert cost.iteration_cost([job]) > 2 * cost.t_dec(1, 1500)
+    job.num_scheduled = 0  # no chunk recorded: the same, the whole rest of the context
+    assert cost.iteration_cost([job]) == pytest.approx(cost.batch_cost([], [], [(1024, 476)]))
+    decoder = Job("d", prompt_len=1500, max_new_tokens=10, arrival_time=0.0, num_generated=3, num_computed=1502)
+    decoder.num_scheduled = 1  # one new token over a computed context: a decode
+    assert cost.iteration_cost([decoder]) == pytest.approx(cost.t_dec(1, 1503))
