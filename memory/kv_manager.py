@@ -63,8 +63,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from memory.block_allocator import BlockAllocator
-from memory.prefix_cache import CachingBlockAllocator, hash_block
 from memory.kv_policy import KVPolicy
+from memory.prefix_cache import CachingBlockAllocator, hash_block
 from memory.proactive import plan_transfers
 from memory.residency import JobKV, Residency
 from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from memory.block_allocator import BlockAllocator, OutOfBlocks
