@@ -58,13 +58,28 @@ def section_fig15(ctx: Ctx) -> str:
         lines.append(f"| {load:g}C | " + " | ".join(cells) + " |")
     at1 = data["proactive"][(1.0, "skip-join-mlfq")]
     share = sum(at1["swap_misses"]) / max(1, sum(at1["uploads"]))
-    worse = [f"{load:g}C vs {kv}" for load in LOADS for kv in ("reactive", "reactive-blocking")
-             if ratio_stat(data[kv][(load, "skip-join-mlfq")]["mean_per_token_s"],
-                           data["proactive"][(load, "skip-join-mlfq")]["mean_per_token_s"]).mean < 1.0]
+    worse, ties = [], []
+    for load in LOADS:
+        for kv in ("reactive", "reactive-blocking"):
+            r = ratio_stat(data[kv][(load, "skip-join-mlfq")]["mean_per_token_s"],
+                           data["proactive"][(load, "skip-join-mlfq")]["mean_per_token_s"])
+            if r.mean + r.half < 1.0:  # the whole interval below 1: the baseline is better
+                worse.append(f"{load:g}C vs {kv}")
+            elif r.mean < 1.0:
+                ties.append(f"{load:g}C vs {kv} ({fmt(r)})")
+    verdict = "met" if not worse else "NOT met (" + ", ".join(worse) + ": the whole interval is below 1)"
+    if ties and not worse:
+        verdict += " within the interval (a ratio's mean below 1 at " + ", ".join(ties) + ")"
     lines += ["", f"Goals (issue 24): swap misses at most {MISS_GOAL:.0%} of proactive's uploads at 1.0C: "
               f"{share:.0%}, {'met' if share <= MISS_GOAL else 'NOT met'}. Proactive's mean no worse than either "
-              "reactive baseline's at every load: " + ("met" if not worse else "NOT met (" + ", ".join(worse)
-                                                       + ": the ratio's mean is below 1)") + "."]
+              f"reactive baseline's at every load: {verdict}."]
+    lines += ["", "What changed since this section's previous version (session 10 and before): it ran bursts (max(300, "
+              "rate x 20 s) requests arriving over 20 s) at multiples of skip-join's throughput at the SLO, one seed, "
+              "with the old cost model and defaults, and had only the non-blocking reactive baseline; it read "
+              "reactive / proactive 1.05x and recompute / proactive 1.95x at its highest rate. Measured at steady "
+              "state, non-blocking reactive and proactive are tied at every load (the proactive planner's "
+              "prefetches do not arrive ahead of need: every upload is a miss, docs/benchmarks.md, \"Skip-join at "
+              "capacity\", part 5), and the paper's blocking baseline is what proactive beats, by the ratios above."]
     fig, ax = plt.subplots(figsize=(5.6, 3.2))
     for kv in KV:
         ax.plot(LOADS, [stat(data[kv][(load, "skip-join-mlfq")]["mean_per_token_s"]).mean for load in LOADS],
