@@ -87,16 +87,22 @@ def _field(path: Path, where: str, record: object, name: str, kind: type) -> obj
     return value
 
 
+def _conversation_turns(path: Path, i: int, record) -> list[dict]:
+    """Record i's `conversations`, each turn checked to have string `from` and `value` fields."""
+    turns = _field(path, f"record {i}", record, "conversations", list)
+    for j, turn in enumerate(turns):
+        for name in ("from", "value"):
+            _field(path, f"record {i}, conversations[{j}]", turn, name, str)
+    return turns
+
+
 def read_sharegpt(path: str | Path, count_tokens: CountTokens,
                   length_filter: LengthFilter | None = LengthFilter()) -> list[WorkItem]:
     """The first human->gpt pair of each conversation; conversations without one are skipped."""
     path = Path(path)
     items = []
     for i, record in enumerate(_load_json_list(path)):
-        turns = _field(path, f"record {i}", record, "conversations", list)
-        for j, turn in enumerate(turns):
-            for name in ("from", "value"):
-                _field(path, f"record {i}, conversations[{j}]", turn, name, str)
+        turns = _conversation_turns(path, i, record)
         first = next((j for j, t in enumerate(turns) if t["from"] == "human"), None)
         if first is None or first + 1 >= len(turns) or turns[first + 1]["from"] != "gpt":
             continue
@@ -119,10 +125,7 @@ def read_sharegpt_conversations(path: str | Path) -> list[Conversation]:
     path = Path(path)
     out = []
     for i, record in enumerate(_load_json_list(path)):
-        turns = _field(path, f"record {i}", record, "conversations", list)
-        for j, turn in enumerate(turns):
-            for name in ("from", "value"):
-                _field(path, f"record {i}, conversations[{j}]", turn, name, str)
+        turns = _conversation_turns(path, i, record)
         pairs = tuple((turns[j]["value"], turns[j + 1]["value"]) for j in range(len(turns) - 1)
                       if turns[j]["from"] == "human" and turns[j + 1]["from"] == "gpt")
         if pairs:
