@@ -34,7 +34,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_cache_salt
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
@@ -168,9 +168,7 @@ class Engine:
             raise ValidationError("params must be a SamplingParams")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValidationError(f"priority must be an integer, got {priority!r}", param="priority")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValidationError(f"cache_salt must be a non-empty string, got {cache_salt!r}"[:200],
-                                  param="cache_salt")
+        check_cache_salt(cache_salt)
         if request_id in self.requests:
             raise ValidationError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text, prompt_ids = self._tokenize(prompt, params.truncate_prompt_tokens)

@@ -23,6 +23,12 @@ def _check_int(name: str, value, lo: int | None = None, hi: int | None = None, a
         raise ValidationError(f"{name} must be {rng}, got {value}", param=name)
 
 
+def check_cache_salt(salt) -> None:
+    """vLLM's `cache_salt` request field: None or a non-empty string (the engine and the HTTP layer both ask)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValidationError(f"cache_salt must be a non-empty string, got {salt!r}"[:200], param="cache_salt")
+
+
 def _check_float(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValidationError(f"{name} must be a number, got {value!r}", param=name)

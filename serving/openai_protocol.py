@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ValidationError
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_cache_salt
 
 Prompt = str | list[int]
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
@@ -235,8 +235,7 @@ def _request(kind: str, model: str, body: dict, prompts: list[Prompt], params: S
         raise ValidationError(f"priority must be an integer (lower runs first), got {priority!r}"[:200],
                               param="priority")
     cache_salt = body.get("cache_salt")
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValidationError(f"cache_salt must be a non-empty string, got {cache_salt!r}"[:200], param="cache_salt")
+    check_cache_salt(cache_salt)
     return GenerationRequest(kind, model, prompts, params, stream, include_usage, echo, user, priority,
                              continuous_usage=continuous, prompt_logprobs=want_prompt_logprobs,
                              tokens_as_ids=_opt_bool(body, "return_tokens_as_token_ids"), cache_salt=cache_salt)
