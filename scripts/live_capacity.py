@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from server_process import ServerProcess  # scripts/ is this script's folder
-from steady_state import T_975, WINDOW
+from steady_state import WINDOW, stat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,14 +48,6 @@ def window_metrics(result: dict) -> dict:
             "mean_per_token_s": statistics.fmean(per_token) if per_token else float("nan"),
             "p95_per_token_s": sorted(per_token)[int(0.95 * (len(per_token) - 1))] if per_token else float("nan"),
             "mean_ttft_s": statistics.fmean(result["ttfts"][i] for i in counted) if counted else float("nan")}
-
-
-def interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of a 95% t interval."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, float("nan")
-    return mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
 
 
 class Live:
@@ -133,17 +125,15 @@ def main(argv: list[str] | None = None) -> int:
              f"{rate:.3f} req/s, {args.num_prompts} requests, {args.seeds} seeds, middle 80% of arrivals",
              f"{'policy':>16} {'mean s/token':>16} {'P95':>16} {'served req/s':>16} {'failed':>6}"]
     for p in policies:
-        m, h = interval([d["mean_per_token_s"] for d in data[p]])
-        q, qh = interval([d["p95_per_token_s"] for d in data[p]])
-        s, sh = interval([d["served_rate"] for d in data[p]])
-        lines.append(f"{p:>16} {m:>9.4f} ± {h:<5.3f} {q:>9.4f} ± {qh:<5.3f} {s:>9.3f} ± {sh:<5.3f} "
+        m, q, s = (stat([d[k] for d in data[p]]) for k in ("mean_per_token_s", "p95_per_token_s", "served_rate"))
+        lines.append(f"{p:>16} {m.mean:>9.4f} ± {m.half:<5.3f} {q.mean:>9.4f} ± {q.half:<5.3f} "
+                     f"{s.mean:>9.3f} ± {s.half:<5.3f} "
                      f"{sum(d['failed'] for d in data[p]):>6}")
     if "fcfs" in data:
         for p in policies:
             if p != "fcfs":
-                r, rh = interval([f["mean_per_token_s"] / x["mean_per_token_s"]
-                                  for f, x in zip(data["fcfs"], data[p])])
-                lines.append(f"FCFS / {p} mean per-token latency, paired per seed: {r:.2f} ± {rh:.2f}x")
+                r = stat([f["mean_per_token_s"] / x["mean_per_token_s"] for f, x in zip(data["fcfs"], data[p])])
+                lines.append(f"FCFS / {p} mean per-token latency, paired per seed: {r.mean:.2f} ± {r.half:.2f}x")
     lines.append(f"{time.perf_counter() - t0:.0f} s wall")
     print("\n".join(lines))
     (args.result_dir / "summary.json").write_text(json.dumps(

@@ -34,10 +34,10 @@ def test_window_counts_arrivals_in_the_middle_80_percent_and_finishes_inside_it(
     assert m["mean_per_token_s"] == pytest.approx(sum(per_token) / 8)
 
 
-def test_interval_is_a_95_percent_t_interval():
-    mean, half = live_capacity.interval([1.0, 2.0, 3.0])
+def test_the_interval_it_prints_is_a_95_percent_t_interval():
+    mean, half = live_capacity.stat([1.0, 2.0, 3.0]).mean, live_capacity.stat([1.0, 2.0, 3.0]).half
     assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5)
-    assert live_capacity.interval([5.0])[0] == 5.0
+    assert live_capacity.stat([5.0]).mean == 5.0
 
 
 def test_live_capacity_end_to_end(tiny_model_dir, tmp_path, capsys):
