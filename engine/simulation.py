@@ -77,9 +77,16 @@ class SimulationResult:
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
-    """The q-quantile as the simulator reports it: the value at index int(q * (n - 1)) when sorted (0.0 if empty)."""
+    """The q-quantile (0 <= q <= 1) by the project's one rule, numpy.percentile's default and so vLLM's benchmark's
+    (and the load generator's, fastserve/bench/metrics.py): linear interpolation between the sorted values at
+    positions floor(q * (n - 1)) and the next. 0.0 if empty."""
     xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))] if xs else 0.0
+    if not xs:
+        return 0.0
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def p95(xs: Sequence[float]) -> float:

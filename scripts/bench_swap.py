@@ -32,13 +32,10 @@ from engine import SamplingParams  # noqa: E402
 from engine.async_engine import AsyncEngine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.simulation import p95  # noqa: E402  (the project's one quantile rule)
 from fastserve.bench.workload import load_workload  # noqa: E402
 
 DEFAULT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
-
-
-def p95(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=20)[-1] if len(xs) > 1 else xs[0]
 
 
 async def drive(engine: Engine, items) -> list:

@@ -30,6 +30,8 @@ from pathlib import Path
 from server_process import ServerProcess  # scripts/ is this script's folder
 from steady_state import WINDOW, stat
 
+from engine.simulation import p95
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -46,7 +48,7 @@ def window_metrics(result: dict) -> dict:
     return {"counted": len(counted), "failed": len(outs) - len(done),
             "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,
             "mean_per_token_s": statistics.fmean(per_token) if per_token else float("nan"),
-            "p95_per_token_s": sorted(per_token)[int(0.95 * (len(per_token) - 1))] if per_token else float("nan"),
+            "p95_per_token_s": p95(per_token) if per_token else float("nan"),
             "mean_ttft_s": statistics.fmean(result["ttfts"][i] for i in counted) if counted else float("nan")}
 
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from experiment_sections.common import SCALES  # noqa: E402  (name -> (model shape, profile), as the sections use)
 
+from engine.simulation import quantile  # noqa: E402  (the project's one quantile rule)
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
 
 DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
@@ -111,15 +112,14 @@ def windowed_metrics(outputs, arrivals: Sequence[float]) -> dict:
     ttft = sorted(o.metrics.ttft_s for o in counted)
     e2e = [o.metrics.e2e_s for o in outputs]  # starvation: over every request
     finished_in = sum(1 for o in outputs if lo <= o.metrics.finished_time <= hi)
-    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0  # noqa: E731
     return {
         "counted": len(counted),
         "mean_per_token_s": statistics.fmean(per_token),
-        "p50_per_token_s": q(per_token, 0.5),
-        "p95_per_token_s": q(per_token, 0.95),
-        "p99_per_token_s": q(per_token, 0.99),
+        "p50_per_token_s": quantile(per_token, 0.5),
+        "p95_per_token_s": quantile(per_token, 0.95),
+        "p99_per_token_s": quantile(per_token, 0.99),
         "mean_ttft_s": statistics.fmean(ttft),
-        "p99_ttft_s": q(ttft, 0.99),
+        "p99_ttft_s": quantile(ttft, 0.99),
         "mean_e2e_s": statistics.fmean(o.metrics.e2e_s for o in counted),
         "max_e2e_s": max(e2e),
         "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,

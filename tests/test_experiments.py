@@ -67,10 +67,11 @@ def test_phase_latencies_splits_prefill_and_decode():
 
     outs = [out(1.0, 3.0, 5), out(2.0, 2.0, 1)] + [out(0.1, 0.5, 3) for _ in range(18)]
     ph = phase_latencies(outs)
-    # 20 TTFTs, P95 at sorted index int(0.95 * 19) = 18: 1.0; TPOTs skip the 1-token job: 19 values,
-    # (3 - 1) / 4 = 0.5 once and (0.5 - 0.1) / 2 = 0.2 eighteen times, index int(0.95 * 18) = 17: 0.2
-    assert ph["p95_ttft_s"] == pytest.approx(1.0)
-    assert ph["p95_tpot_s"] == pytest.approx(0.2)
+    # P95 as numpy.percentile: 20 TTFTs (eighteen 0.1, then 1.0, 2.0), position 0.95 * 19 = 18.05: 1.0 + 0.05 * 1.0;
+    # TPOTs skip the 1-token job: 19 values, (3 - 1) / 4 = 0.5 once and (0.5 - 0.1) / 2 = 0.2 eighteen times,
+    # position 0.95 * 18 = 17.1: 0.2 + 0.1 * 0.3
+    assert ph["p95_ttft_s"] == pytest.approx(1.05)
+    assert ph["p95_tpot_s"] == pytest.approx(0.23)
     assert phase_latencies([out(0.1, 0.5, 3)] * 19 + [out(1.0, 3.0, 5)] * 2)["p95_tpot_s"] == pytest.approx(0.5)
 
 

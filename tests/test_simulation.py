@@ -321,3 +321,16 @@ def test_the_blocking_reactive_baseline_starts_no_step_while_a_copy_is_in_flight
         overlapped[kv_policy], duration[kv_policy] = count[0], res.duration_s
     assert overlapped["reactive-blocking"] == 0 and overlapped["reactive"] > 40
     assert duration["reactive-blocking"] > duration["reactive"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=40), st.sampled_from([0.0, 0.5, 0.9, 0.95, 0.99, 1.0]))
+def test_quantile_is_numpys_percentile(values, q):
+    """One quantile rule in the project: the simulator's and the experiments' P95/P99 are numpy.percentile's linear
+    interpolation, as the load generator's (and vLLM's benchmark) are."""
+    import numpy as np
+
+    from engine.simulation import quantile
+
+    assert quantile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)), rel=1e-9, abs=1e-6)
+    assert quantile([], q) == 0.0
