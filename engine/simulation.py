@@ -17,7 +17,9 @@ anything the profile does not measure (kernel overlap, network, CPU limits).
 
 from __future__ import annotations
 
+import heapq
 import json
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -183,3 +185,120 @@ def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: fl
     if not events:
         raise RuntimeError("simulation stalled: jobs wait, but no arrival or copy is pending")
     clock.advance(max(min(events) - now, 0.0) or 1e-9)
+
+
+# -- multi-turn chat (issue 28) ---------------------------------------------------------------------------------
+THINK_TIME_DISTRIBUTIONS = ("exponential", "constant")
+
+
+@dataclass
+class ChatTurn:
+    conversation: int  # index into the conversations given
+    number: int  # 1 = the conversation's first user turn
+    output: RequestOutput
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.output.prompt_token_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.output.num_cached_tokens or 0
+
+
+@dataclass
+class ConversationResult:
+    turns: list[ChatTurn]  # every finished turn, in the order they were sent
+    duration_s: float  # virtual seconds from the first arrival to the last finish
+    busy_s: float
+    ended: dict[str, int]  # how conversations ended: completed (every turn) / context (the next did not fit)
+    engine: Engine
+
+    def summary(self) -> dict:
+        """The simulator's summary over every turn (SimulationResult.summary), plus the prompt tokens sent, those
+        the prefix cache held at each turn's first step, and the hit rate (cached / sent)."""
+        outs = [t.output for t in self.turns]
+        prompt = sum(t.prompt_len for t in self.turns)
+        cached = sum(t.cached_tokens for t in self.turns)
+        base = SimulationResult(outs, self.duration_s, self.busy_s, self.engine).summary()
+        return base | {"conversations": sum(self.ended.values()), "completed": self.ended.get("completed", 0),
+                       "ended_by_context": self.ended.get("context", 0), "turns": len(self.turns),
+                       "prompt_tokens": prompt, "cached_tokens": cached,
+                       "hit_rate": cached / prompt if prompt else 0.0}
+
+
+def run_conversations(
+    engine: Engine,
+    conversations: Sequence[Sequence[tuple[int, int]]],
+    arrivals: Sequence[float],
+    *,
+    think_time_s: float = 5.0,
+    think_time_distribution: str = "exponential",
+    seed: int = 0,
+    max_turns: int | None = None,
+    max_steps: int | None = None,
+) -> ConversationResult:
+    """Replay chats as the load generator does (fastserve/bench/multiturn.py): conversation i opens at
+    arrivals[i]; its turns are (user tokens, answer tokens) pairs. Each turn's prompt is the whole history, the
+    earlier user turns and the engine's own answers, token for token, then the new user turn (its ids drawn per
+    conversation, so conversations share nothing); it asks for the answer's length (at least 1, ignore_eos). A
+    turn is sent once the previous answer has finished plus a think time (mean think_time_s, exponential or
+    constant; drawn per conversation from the seed). A conversation ends after its last turn (or max_turns), or
+    before a turn whose prompt and answer would not fit the engine's context."""
+    if think_time_distribution not in THINK_TIME_DISTRIBUTIONS:
+        raise ValueError(f"think_time_distribution must be one of {', '.join(THINK_TIME_DISTRIBUTIONS)}")
+    if len(arrivals) != len(conversations):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(conversations)} conversations")
+    clock: VirtualClock = engine.clock
+    vocab, limit = engine.model_config.vocab_size, engine.max_model_len
+    rngs = [random.Random(seed * 1_000_003 + i) for i in range(len(conversations))]
+    history: list[list[int]] = [[2] for _ in conversations]  # BOS, then the conversation so far
+    pending: list[tuple[float, int, int]] = [(at, i, 0) for i, at in enumerate(arrivals)]  # (send time, conv, turn)
+    heapq.heapify(pending)
+    sent: dict[str, tuple[int, int]] = {}
+    turns: list[ChatTurn] = []
+    order: dict[str, int] = {}
+    ended = {"completed": 0, "context": 0}
+    start = min(arrivals, default=0.0)
+    if clock.now() < start:
+        clock.advance(start - clock.now())
+    steps = 0
+
+    def send(at: float, i: int, k: int) -> None:
+        turns_of = conversations[i][:max_turns] if max_turns else conversations[i]
+        if k >= len(turns_of):
+            ended["completed"] += 1
+            return
+        user_len, answer_len = max(1, turns_of[k][0]), max(1, turns_of[k][1])
+        prompt = history[i] + [rngs[i].randrange(4, vocab) for _ in range(user_len)]
+        if len(prompt) + answer_len > limit:
+            ended["context"] += 1
+            return
+        rid = f"{i}-{k + 1}"
+        params = SamplingParams(temperature=0, max_tokens=answer_len, ignore_eos=True, detokenize=False)
+        engine.add_request(rid, prompt, params, arrival_time=at)
+        sent[rid] = (i, k)
+        order[rid] = len(order)
+
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= clock.now():
+            send(*heapq.heappop(pending))
+        before = engine.num_steps
+        for out in engine.step() if engine.has_unfinished() else []:
+            if not out.finished:
+                continue
+            i, k = sent.pop(out.request_id)
+            turns.append(ChatTurn(i, k + 1, out))
+            history[i] = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            rng = rngs[i]
+            think = (rng.expovariate(1.0 / think_time_s) if think_time_distribution == "exponential"
+                     else think_time_s) if think_time_s > 0 else 0.0
+            heapq.heappush(pending, (out.metrics.finished_time + think, i, k + 1))
+        steps += 1
+        if max_steps is not None and steps > max_steps:
+            raise RuntimeError(f"simulation did not finish within {max_steps} steps")
+        if engine.num_steps == before and (pending or engine.has_unfinished()):
+            _advance_to_next_event(engine, clock, pending[0][0] if pending else None)
+    turns.sort(key=lambda t: order[t.output.request_id])
+    end = max((t.output.metrics.finished_time for t in turns), default=start)
+    return ConversationResult(turns, end - start, engine.executor.busy_s, ended, engine)

@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens,
                     help="most tokens in one iteration (default: %(default)s)")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=EngineConfig().enable_prefix_caching,
+                    help="reuse the KV of cached prompt prefixes (default: %(default)s)")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="sharegpt: replay whole conversations (--num-prompts of them, --request-rate conversations/s)"
+                         ", each turn sent with the history after the previous answer plus a think time")
+    ap.add_argument("--think-time", type=float, default=5.0, help="multi-turn: mean think time, s (default: 5)")
+    ap.add_argument("--think-time-distribution", default="exponential", choices=("exponential", "constant"))
+    ap.add_argument("--max-turns", type=int, default=None, help="multi-turn: at most this many turns per conversation")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                     default=EngineConfig().enable_chunked_prefill,
                     help="split prompts that do not fit the rest of an iteration's budget (default: %(default)s)")
@@ -135,8 +144,10 @@ def run(args: argparse.Namespace) -> dict:
         if warning := mismatch_warning(counter, vocab, "pass --gpt2-bpe DIR to count as OPT does"):
             print(warning, file=sys.stderr)
         count = counter.count
-    from engine.simulation import run_trace, simulated_engine
+    from engine.simulation import run_trace
 
+    if args.multi_turn:
+        return run_multi_turn(args, model, count)
     limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings", 2048)
     if args.max_model_len:
         limit = min(limit, args.max_model_len)
@@ -151,16 +162,7 @@ def run(args: argparse.Namespace) -> dict:
                                          range_ratio=args.random_range_ratio))
     print(filter_line(stats))
 
-    engine = simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
-                              num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
-                              kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens,
-                              enable_chunked_prefill=args.enable_chunked_prefill,
-                              starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
-                              starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
-                              mlfq_ladder=args.mlfq_ladder,
-                              pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
-                              **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+    engine = make_engine(args, model)
     trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
     t = time.perf_counter()
     result = run_trace(engine, trace)
@@ -170,6 +172,51 @@ def run(args: argparse.Namespace) -> dict:
                                "recomputed_tokens": kv.num_recomputed_tokens, "wall_s": wall,
                                "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
                                "rate": args.request_rate}
+
+
+def conversation_lengths(path: str, n: int, seed: int, count) -> list[list[tuple[int, int]]]:
+    """n ShareGPT conversations (the load generator's seeded sample) as (user, answer) token counts per turn."""
+    from fastserve.bench.multiturn import sample_conversations
+
+    return [[(count(u), count(a)) for u, a in c.turns] for c in sample_conversations(path, n, seed)]
+
+
+def run_multi_turn(args: argparse.Namespace, model: Path, count) -> dict:
+    from engine.simulation import run_conversations
+    from fastserve.bench.arrivals import gamma_arrivals
+
+    if args.dataset_name != "sharegpt" or not args.dataset_path:
+        raise ValueError("--multi-turn replays ShareGPT conversations: give --dataset-name sharegpt --dataset-path")
+    if args.request_rate is None:
+        raise ValueError("--multi-turn needs --request-rate (conversations per second)")
+    convs = conversation_lengths(args.dataset_path, args.num_prompts, args.seed, count)
+    arrivals = gamma_arrivals(len(convs), args.request_rate, args.burstiness, args.seed)
+    engine = make_engine(args, model)
+    t = time.perf_counter()
+    result = run_conversations(engine, convs, arrivals, think_time_s=args.think_time,
+                               think_time_distribution=args.think_time_distribution, seed=args.seed,
+                               max_turns=args.max_turns)
+    wall = time.perf_counter() - t
+    kv = engine.kv.stats
+    return result.summary() | {"offloads": kv.num_offloads, "drops": kv.num_drops, "wall_s": wall,
+                               "policy": args.scheduling_policy, "kv_policy": args.kv_policy,
+                               "prefix_caching": args.enable_prefix_caching, "rate": args.request_rate}
+
+
+def make_engine(args: argparse.Namespace, model: Path):
+    from engine.simulation import simulated_engine
+
+    return simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
+                            num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
+                            kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            enable_chunked_prefill=args.enable_chunked_prefill,
+                            enable_prefix_caching=args.enable_prefix_caching,
+                            starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
+                            starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
+                            mlfq_ladder=args.mlfq_ladder,
+                            pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
+                            **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
 
 
 def main(argv: list[str] | None = None) -> int:
