@@ -22,6 +22,8 @@ FASTSERVE_CPU_KERNEL=0 turns both off (the sparse-op path and the Python loop se
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -114,6 +116,28 @@ def _stage_sources(csrc: Path, src_dir: Path) -> list[str]:
     return [str(src_dir / f.name) for f in _source_files(csrc) if f.suffix == ".cpp"]
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold the build folder for one process at a time, with a lock the kernel drops when its holder dies.
+
+    cpp_extension guards a build with a plain file (`lock` in the folder, torch's FileBaton) that its builder
+    deletes when done; a builder killed mid-build (a test's timeout, ^C, a killed server) leaves the file, and
+    every later process then waits on it for ever: the server hangs at start-up before it logs a line. Every
+    load here takes an flock on `fastserve.flock` first, so while one is held nobody else of ours is building:
+    a `lock` file found then is stale, and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "fastserve.flock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
@@ -162,14 +186,15 @@ def _load():
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         started = time.perf_counter()
-        library = cpp_extension.load(
-            name=name,
-            sources=sources,
-            extra_cflags=CFLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            library = cpp_extension.load(
+                name=name,
+                sources=sources,
+                extra_cflags=CFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         op = torch.ops.fastserve_cpu.decode_attention
     except Exception as e:  # no compiler, no ninja, a build error: the fallbacks serve
         _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

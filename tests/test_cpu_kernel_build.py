@@ -107,3 +107,62 @@ def test_two_clones_and_fresh_processes_load_one_build_without_rebuilding(tmp_pa
     assert {r["name"] for r in runs} == {ext.build_name()}
     assert stamps(build_dir) == before, "a clone's load rebuilt (or re-staged) the kernel"
     assert all(r["s"] < 20 for r in runs), [round(r["s"], 1) for r in runs]  # a rebuild takes 20-70 s here
+
+
+HOLD = (
+    "import sys, time\n"
+    "from pathlib import Path\n"
+    "from kernels import cpu_decode_extension as e\n"
+    "d = Path(sys.argv[1])\n"
+    "with e.build_lock(d):\n"
+    "    (d / 'lock').touch()  # what cpp_extension's FileBaton leaves when its builder is killed\n"
+    "    print('held', flush=True)\n"
+    "    time.sleep(120)\n"
+)
+ENTER = (
+    "import sys\n"
+    "from pathlib import Path\n"
+    "from kernels import cpu_decode_extension as e\n"
+    "with e.build_lock(Path(sys.argv[1])):\n"
+    "    print('entered', flush=True)\n"
+)
+
+
+def test_a_builder_killed_mid_build_does_not_wedge_the_next_one(tmp_path):
+    """One process at a time holds the build folder; when the holder is killed (SIGKILL, mid-build, torch's
+    `lock` file left behind) the next one gets in at once and removes the stale file."""
+    build_dir = tmp_path / "build"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(build_dir)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = subprocess.Popen([sys.executable, "-c", ENTER, str(build_dir)], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiter.wait(timeout=3)  # kept out while the holder lives
+        holder.kill()
+        out, _ = waiter.communicate(timeout=60)
+        assert out.strip() == "entered" and waiter.returncode == 0
+        assert not (build_dir / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_loading_goes_through_a_stale_build_lock():
+    """The real load, in a fresh process, with the build folder's `lock` left by a killed build: torch's own
+    FileBaton would wait on it for ever (the server hung at start-up this way); the load gets the op."""
+    assert ext.decode_attention_op() is not None, ext.unavailable_reason()
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(ext.build_name(), verbose=False))
+    with ext.build_lock(build_dir):  # no build of ours is running while the stale file is planted
+        (build_dir / "lock").touch()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["ok"], run["reason"]
+    assert not (build_dir / "lock").exists()
