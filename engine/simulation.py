@@ -122,8 +122,8 @@ def simulated_engine(
         if "device_kv_bytes" not in capacity:
             raise ValueError(f"{profile}: give num_device_blocks or a capacity.device_kv_bytes field")
         num_device_blocks = int(capacity["device_kv_bytes"] // block_bytes)
-    if num_host_blocks is None:
-        num_host_blocks = int(capacity.get("host_kv_bytes", 0) // block_bytes)
+    if num_host_blocks is None:  # the profile's host tier, else the live engine's default (swap_space GiB)
+        num_host_blocks = int(capacity.get("host_kv_bytes", EngineConfig.swap_space * (1 << 30)) // block_bytes)
     transfer = TransferModel(**data.get("transfer", {}))
     clock = VirtualClock()
     executor = SimulatedExecutor(cost, clock, num_device_blocks, block_size, block_bytes, transfer,
