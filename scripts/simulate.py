@@ -7,6 +7,10 @@ virtual clock, with costs from a job profile (engine/simulation.py).
     python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --num-prompts 200 --request-rate 2
+    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+        --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
+        --gpt2-bpe ../shared/datasets/gpt2-bpe --multi-turn --num-prompts 200 --request-rate 0.4 \\
+        --enable-prefix-caching      # whole conversations, each turn over its history (issue 28)
 
 The first runs at about FCFS's capacity on that profile (2.97 req/s), where the policies differ: seed 0 read a
 mean per-token latency of 0.060 s for skip-join MLFQ and 0.203 s with --scheduling-policy fcfs (P95 0.135 and
