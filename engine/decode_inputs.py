@@ -7,8 +7,16 @@ context lengths and block tables (and, on a later pipeline stage, the hidden
 states coming in), each sized for the largest batch and the longest context.
 Each step fills the first `bucket` rows (the batch padded up to the next
 bucket size) and the first `width` columns of the block tables (the longest
-table padded up to a power of two), from a host staging copy of the integer
-inputs (pinned on CUDA, copied with non-blocking copies).
+table padded up to a power of two). The integer inputs and the block tables
+are one flat device tensor; on CUDA a step writes them into one preallocated,
+pinned host copy of it (through a numpy view: no tensor is built from a
+Python list) and moves the used prefix with one non-blocking copy. On CPU the
+padded buffers are host memory and are written in place (from two tensors
+built from the lists); the unpadded ones of tensor-parallel workers are
+staged there too (a host-to-host copy), which is faster than building the
+block tables' tensor from lists. Eager steps that only want
+the staging, not the padding (tensor-parallel workers, whose decode steps do
+not replay graphs), take buckets of every size (exact_buckets): no padding.
 
 Padding rows are harmless by construction: a padded row's token sits at
 position 0 of the scratch block, one block past the KV manager's block ids
@@ -24,6 +32,8 @@ Legend: B the largest bucket, MB blocks of the longest context, E hidden size.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
 
 import torch
 
@@ -49,6 +59,12 @@ def block_table_widths(max_blocks: int) -> list[int]:
     return widths
 
 
+def exact_buckets(max_num_seqs: int, max_model_len: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Every batch size and every block-table width: a step fills the buffers without padding (an eager step
+    that wants the staged inputs alone)."""
+    return list(range(1, max_num_seqs + 1)), list(range(1, -(-max_model_len // block_size) + 1))
+
+
 def graph_buckets(max_num_seqs: int, max_model_len: int, block_size: int,
                   attention_backend: str) -> tuple[list[int], list[int]]:
     """The bounded set of buckets whose CUDA graphs are captured at start-up, as (batch sizes, block-table
@@ -70,7 +86,10 @@ class DecodeInputs:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, scratch_block: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, hidden_input: bool,
-                 batch_sizes: list[int] | None = None, widths: list[int] | None = None) -> None:
+                 batch_sizes: list[int] | None = None, widths: list[int] | None = None,
+                 stage: bool | None = None) -> None:
+        """stage: write a host copy (pinned on CUDA) through its numpy view and move it with one non-blocking copy
+        a step; by default on CUDA only (on CPU the padded buffers are written in place)."""
         self.batch_sizes = sorted(batch_sizes or decode_batch_sizes(max_num_seqs))
         self.max_blocks = -(-max_model_len // block_size)
         self.widths = sorted(widths or block_table_widths(self.max_blocks))
@@ -79,16 +98,25 @@ class DecodeInputs:
                              f"x {self.max_blocks} blocks")
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         b, mb = self.batch_sizes[-1], self.max_blocks
-        self.ints = torch.zeros((5, b), dtype=torch.long, device=device)  # [5, B]: ids, positions, slots, lens
-        self.block_tables = torch.zeros((b, mb), dtype=torch.long, device=device)  # [B, MB]
+        # One flat tensor: [5, B] ints (ids, positions, slot blocks, slot offsets, context lengths), then [B, MB]
+        # block tables, so that a step's inputs are one contiguous prefix (one copy when staged).
+        self.flat = torch.zeros(5 * b + b * mb, dtype=torch.long, device=device)
+        self.ints = self.flat[: 5 * b].view(5, b)  # [5, B]
+        self.block_tables = self.flat[5 * b:].view(b, mb)  # [B, MB]
         self.rows = torch.arange(b, dtype=torch.long, device=device)  # [B]: decode token i is flat row i
         # [B, E]: a later pipeline stage's incoming hidden states (None on the first stage)
         self.hidden = torch.zeros((b, hidden_size), dtype=dtype, device=device) if hidden_input else None
         cuda = device.type == "cuda"
-        self._staged_ints = torch.zeros((5, b), dtype=torch.long, pin_memory=cuda) if cuda else None
-        self._staged_tables = torch.zeros((b, mb), dtype=torch.long, pin_memory=cuda) if cuda else None
-        self._copied = torch.cuda.Event() if cuda else None  # the last host-to-device copy of the staging
+        self.staged = cuda if stage is None else stage
+        # The host copy a staged step writes (pinned on CUDA), through numpy views. (A numpy view makes a storage
+        # unresizable, so the device buffers never get one: ModelRunner.release frees them in place.)
+        self._host = torch.zeros(self.flat.shape, dtype=torch.long, pin_memory=cuda) if self.staged else None
+        host = self._host.numpy() if self.staged else None
+        self._host_ints = host[: 5 * b].reshape(5, b) if self.staged else None
+        self._host_tables = host[5 * b:].reshape(b, mb) if self.staged else None
+        self._copied = torch.cuda.Event() if cuda and self.staged else None  # the last copy of the staging
         self._copy_pending = False
+        self.copies = 0  # host-to-device copies made by fill (one a step when staged)
         self.fill_padding()
 
     def fill_padding(self) -> None:
@@ -99,9 +127,8 @@ class DecodeInputs:
         self.ints[_SLOT_BLOCKS] = self.scratch_block
         self.ints[_CONTEXT_LENS] = 1
         self.block_tables.fill_(self.scratch_block)
-        if self._staged_ints is not None:
-            self._staged_ints.copy_(self.ints)
-            self._staged_tables.copy_(self.block_tables)
+        if self.staged:
+            self._host.copy_(self.flat)
 
     @property
     def max_num_seqs(self) -> int:
@@ -119,37 +146,40 @@ class DecodeInputs:
         """(padded batch size, padded block-table width) of a batch this accepts."""
         n = len(batch.seqs)
         blocks = max(s.start_pos // self.block_size + 1 for s in batch.seqs)
-        return (next(b for b in self.batch_sizes if b >= n), next(w for w in self.widths if w >= blocks))
+        return self.batch_sizes[bisect_left(self.batch_sizes, n)], self.widths[bisect_left(self.widths, blocks)]
 
     def fill(self, batch: ModelBatch) -> tuple[int, int]:
-        """Write the batch's inputs into the buffers, padded to its bucket; returns the bucket."""
+        """Write the batch's inputs into the buffers, padded to its bucket; returns the bucket. Staged: into the
+        host copy through its numpy view, then one non-blocking copy of the prefix the bucket uses; else (CPU) in
+        place."""
         bucket, width = self.bucket_of(batch)
         n, bs, scratch = len(batch.seqs), self.block_size, self.scratch_block
         pad = bucket - n
+        starts = [s.start_pos for s in batch.seqs]
         ints = [[s.token_ids[0] for s in batch.seqs] + [0] * pad,
-                [s.start_pos for s in batch.seqs] + [0] * pad,
-                [s.block_table[s.start_pos // bs] for s in batch.seqs] + [scratch] * pad,
-                [s.start_pos % bs for s in batch.seqs] + [0] * pad,
-                [s.start_pos + 1 for s in batch.seqs] + [1] * pad]
+                starts + [0] * pad,
+                [s.block_table[p // bs] for s, p in zip(batch.seqs, starts)] + [scratch] * pad,
+                [p % bs for p in starts] + [0] * pad,
+                [p + 1 for p in starts] + [1] * pad]
         tables = []
-        for s in batch.seqs:
-            own = s.block_table[: s.start_pos // bs + 1]
+        for s, p in zip(batch.seqs, starts):
+            own = s.block_table[: p // bs + 1]
             tables.append(own + [scratch] * (width - len(own)))
         tables += [[scratch] * width] * pad
-        ints_t = torch.tensor(ints, dtype=torch.long)  # [5, bucket]
-        tables_t = torch.tensor(tables, dtype=torch.long)  # [bucket, width]
-        if self._copied is None:  # CPU: the buffers are host memory already
-            self.ints[:, :bucket] = ints_t
-            self.block_tables[:bucket, :width] = tables_t
+        if not self.staged:  # CPU: the buffers are host memory already
+            self.ints[:, :bucket] = torch.tensor(ints, dtype=torch.long)
+            self.block_tables[:bucket, :width] = torch.tensor(tables, dtype=torch.long)
             return bucket, width
         if self._copy_pending:
             self._copied.synchronize()  # the previous step's copy has read the staging
-        self._staged_ints[:, :bucket] = ints_t
-        self._staged_tables[:bucket, :width] = tables_t
-        self.ints.copy_(self._staged_ints, non_blocking=True)
-        self.block_tables[:bucket].copy_(self._staged_tables[:bucket], non_blocking=True)
-        self._copied.record()
-        self._copy_pending = True
+        self._host_ints[:, :bucket] = ints  # numpy writes into the (pinned) host buffer: no tensor is built
+        self._host_tables[:bucket, :width] = tables
+        used = self.ints.numel() + bucket * self.max_blocks  # the ints, then the tables' first `bucket` rows
+        self.flat[:used].copy_(self._host[:used], non_blocking=True)
+        self.copies += 1
+        if self._copied is not None:
+            self._copied.record()
+            self._copy_pending = True
         return bucket, width
 
     def fill_hidden(self, hidden: torch.Tensor) -> None:  # [S, E] from the previous stage

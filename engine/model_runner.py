@@ -29,7 +29,7 @@ import torch
 
 from engine.batch import NOT_SAMPLED, ModelBatch, SequenceResult, SequenceWork
 from engine.cuda_graphs import DecodeGraphs, capture_supported
-from engine.decode_inputs import DecodeInputs, graph_buckets
+from engine.decode_inputs import DecodeInputs, exact_buckets, graph_buckets
 from engine.device_memory import device_free_bytes, free_storage
 from engine.host_tier import HostTier, SlowLockForTests
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
@@ -85,7 +85,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.workspace = Workspace()
         self.decode_graphs: DecodeGraphs | None = None
-        self._decode_settings: tuple[int, int, bool] | None = None  # (max_num_seqs, max_model_len, capture)
+        # (max_num_seqs, max_model_len, capture, staged_only): the arguments of use_decode_graphs
+        self._decode_settings: tuple | None = None
 
     @property
     def kv_block_bytes(self) -> int:
@@ -105,19 +106,32 @@ class ModelRunner:
     def scratch_block(self) -> int:
         return self.kv_cache.shape[0] - 1
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool,
+                          staged_only: bool = False, stage: bool | None = None) -> None:
         """Run decode-only steps of up to max_num_seqs sequences through persistent input buffers padded to
-        buckets; with capture (CUDA only), as CUDA graphs captured per bucket. Call after allocate_kv_cache."""
+        buckets; with capture (CUDA only), as CUDA graphs captured per bucket. Call after allocate_kv_cache.
+        staged_only (capture False): eager steps through the buffers without padding, for their staged inputs
+        alone: one host buffer (pinned on CUDA) and one non-blocking copy a step, instead of a tensor built from
+        a Python list for each input (use_staged_decode_inputs). stage: see DecodeInputs (tests)."""
         if capture and not capture_supported(self.device):
             raise ValueError("CUDA graphs need a CUDA device; on CPU use capture=False (the padded path alone)")
-        self._decode_settings = (max_num_seqs, max_model_len, capture)
+        self._decode_settings = (max_num_seqs, max_model_len, capture, staged_only, stage)
         # Captured: the bounded set of buckets of graph_buckets (capture_decode_graphs takes them all at start-up)
         sizes, widths = (graph_buckets(max_num_seqs, max_model_len, self.block_size, self.attention_backend)
-                         if capture else (None, None))
+                         if capture else exact_buckets(max_num_seqs, max_model_len, self.block_size)
+                         if staged_only else (None, None))
         buffers = DecodeInputs(max_num_seqs, max_model_len, self.block_size, self.scratch_block,
                                self.model.cfg.hidden_size, self.dtype, self.device,
-                               hidden_input=not self.model.is_first, batch_sizes=sizes, widths=widths)
+                               hidden_input=not self.model.is_first, batch_sizes=sizes, widths=widths, stage=stage)
         self.decode_graphs = DecodeGraphs(self.model, lambda: self.kv_cache, buffers, capture, self.workspace)
+
+    def use_staged_decode_inputs(self, max_num_seqs: int, max_model_len: int, stage: bool = True) -> None:
+        """Decode-only steps run eagerly, unpadded, from the persistent buffers: their inputs are staged in one
+        host buffer (pinned on CUDA) and moved with one non-blocking copy (tensor-parallel workers, which do not
+        replay graphs; engine/executor/worker.py). On CPU too: writing the host buffer through its numpy view
+        and copying it beats building the block tables' tensor from lists (scripts/bench_tp_decode_inputs.py).
+        stage=False: written in place (CPU only; benchmarks)."""
+        self.use_decode_graphs(max_num_seqs, max_model_len, capture=False, staged_only=True, stage=stage)
 
     def capture_decode_graphs(self) -> GraphCapture | None:
         """Capture every bucket's decode graph now, before serving (rather than on a bucket's first step, with a

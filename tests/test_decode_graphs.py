@@ -310,3 +310,50 @@ def test_start_up_captures_the_bounded_set_before_serving_and_logs_it(tiny_model
         assert len(captured) == 30 and runner.decode_graphs._graphs[(1, 1)] is None
     finally:
         llm.close()
+
+
+# -- staged decode inputs without graphs (tensor-parallel workers; issue 26) ------------------------------------
+def _decode_batch(n: int, contexts: list[int], bs: int = 4) -> ModelBatch:
+    greedy = SamplingParams(temperature=0)
+    return ModelBatch([SequenceWork(f"j{i}", [10 + i], c, list(range(i * 20, i * 20 + c // bs + 1)), greedy, None, 1)
+                       for i, c in zip(range(n), contexts)], None)
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_staged_decode_inputs_make_one_copy_a_step_and_equal_the_eager_ones(tiny_model_dir, stage):
+    """use_staged_decode_inputs (what a tensor-parallel worker uses): a decode step's inputs, unpadded, in the
+    persistent buffers, written through a numpy view of one host buffer and moved by one copy (stage=True, the
+    default; stage=False, CPU only: in place); the eager path builds a tensor from a Python list for every input.
+    The metadata and the hidden states equal the eager step's."""
+    from engine.host_copies import HostCopyCounter
+
+    cfg = OPTConfig.from_model_dir(tiny_model_dir)
+    runners = []
+    for staged in (False, True):
+        stage_model = load_model_stage(tiny_model_dir, cfg, TensorParallelGroup(ParallelLayout()), "float32", "cpu")
+        runner = ModelRunner(stage_model, torch.device("cpu"), torch.float32, block_size=4)
+        runner.allocate_kv_cache(160)
+        if staged:
+            runner.use_staged_decode_inputs(max_num_seqs=8, max_model_len=64, stage=stage)
+        runners.append(runner)
+    eager, staged = runners
+    for n, contexts in ((3, [9, 4, 1]), (7, [17, 3, 8, 30, 1, 12, 5]), (1, [33])):
+        batch = _decode_batch(n, contexts)
+        with HostCopyCounter() as before:
+            want = eager.prepare(batch)
+        with HostCopyCounter() as after:
+            got = staged.prepare(batch)
+        assert before.count >= 8 and before.calls["tensor"] >= 8  # ids, positions, slots x 2, rows, table, lens
+        # (in place on CPU: two tensors from the lists, in host memory, where the "device" buffers are)
+        assert dict(after.calls) == ({"copy_": 1} if stage else {"tensor": 2, "__setitem__": 2})
+        assert got.decode_bucket == (n, max(c // 4 + 1 for c in contexts))  # every size: no padding
+        assert got.num_tokens == n and got.sample_rows.tolist() == want.sample_rows.tolist()
+        assert got.token_ids.tolist() == want.token_ids.tolist() and got.positions.tolist() == want.positions.tolist()
+        for name in ("slot_blocks", "slot_offsets", "decode_context_lens"):
+            assert getattr(got.meta, name).tolist() == getattr(want.meta, name).tolist(), name
+        width = want.meta.decode_block_tables.shape[1]
+        real = [[b if j < c // 4 + 1 else 0 for j, b in enumerate(row[:width])]
+                for row, c in zip(got.meta.decode_block_tables.tolist(), contexts)]
+        assert real == want.meta.decode_block_tables.tolist()  # past a row's blocks: scratch (masked) against 0
+        torch.testing.assert_close(staged.forward(got), eager.forward(want), rtol=1e-5, atol=1e-5)
+    assert staged.decode_graphs.buffers.copies == (3 if stage else 0)

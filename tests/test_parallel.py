@@ -112,6 +112,40 @@ def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_check
     assert wait_gone(pids) == []
 
 
+def test_tp_decode_steps_stage_their_inputs_in_one_copy_and_give_the_tp1_outputs(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """TP workers run decode steps eagerly (no graphs across ranks) from the staged decode inputs: one host
+    buffer (pinned on CUDA) and one non-blocking copy a step, on every rank (engine/decode_inputs.py; the workers
+    count each step's prepare with engine/host_copies.py). Before, each decode step built 8 tensors from Python
+    lists. Greedy tokens equal tp = 1's, logprobs within float32 rounding
+    (the sharded matmuls add in another order)."""
+    from engine.host_copies import COUNT_ENV
+
+    counts = tmp_path / "copies.txt"
+    monkeypatch.setenv(COUNT_ENV, str(counts))
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+    arrivals = {0: [("a", PROMPTS[0], params), ("b", PROMPTS[1], params)], 3: [("c", PROMPTS[2], params)]}
+    engine = parallel_engine(tiny_model_dir, 2, 1, block_size=4, num_gpu_blocks_override=128)
+    single = Engine(EngineConfig(model=str(tiny_model_dir), block_size=4, num_gpu_blocks_override=128,
+                                 profile="analytic"))
+    try:
+        got, want = run_staggered(engine, arrivals), run_staggered(single, arrivals)
+    finally:
+        pids = worker_pids(engine)
+        engine.shutdown()
+    assert wait_gone(pids) == []
+    for rid in "abc":
+        g, w = got[rid].outputs[0], want[rid].outputs[0]
+        assert g.token_ids == w.token_ids, rid
+        for lg, lw in zip(g.logprobs, w.logprobs, strict=True):
+            assert lg.keys() == lw.keys() and all(abs(lg[t] - lw[t]) < 1e-4 for t in lg), rid
+    rows = [tuple(map(int, line.split())) for line in counts.read_text().splitlines()]
+    decode = [r for r in rows if r[1] == r[2]]  # one token a sequence
+    assert {r[0] for r in decode} == {0, 1} and len(decode) >= 2 * 9  # both ranks, every decode step
+    assert {r[3] for r in decode} == {1}  # one copy a decode step, on every rank
+    assert all(r[3] >= 8 for r in rows if r[1] != r[2])  # prefills still run the eager path: it is counted
+
+
 def _drain(engine: Engine):
     outs = []
     while engine.has_unfinished():

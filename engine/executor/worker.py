@@ -53,6 +53,7 @@ from engine.cuda_graphs import graphs_wanted
 from engine.decode_inputs import graph_buckets
 from engine.executor import messages as m
 from engine.executor.device_identity import describe_cuda_device
+from engine.host_copies import HostCopyCounter, count_file
 from engine.host_tier import SlowLockForTests
 from engine.kv_cache import blocks_that_fit, kv_reserve
 from engine.loader import load_model_stage
@@ -113,6 +114,7 @@ class Worker:
         self._sends: list = []  # (isend work, tensor) of hidden states on their way to the next stage
         self._host_tier_id = -1  # the controller's id of the host tier attached last
         self._host_reported = 0  # its blocks_ready as last reported
+        self._count_file = count_file()  # tests: count each step's host-to-device copies (engine/host_copies.py)
 
     # -- start-up --------------------------------------------------------------------------------
     def ready_message(self) -> m.Ready:
@@ -153,6 +155,9 @@ class Worker:
                 if self.runner.decode_graphs is None and graphs_wanted(s.enforce_eager, self.device, s.tp_size):
                     self.runner.use_decode_graphs(s.max_num_seqs, s.max_model_len, capture=True)
                     self.runner.capture_decode_graphs()  # before serving: no capture in the middle of traffic
+                elif self.runner.decode_graphs is None and s.tp_size > 1:
+                    # Eager decode steps (no graphs across ranks): inputs staged in one pinned buffer, one copy
+                    self.runner.use_staged_decode_inputs(s.max_num_seqs, s.max_model_len)
             elif isinstance(msg, m.AttachHost):
                 # Locked in the background; the loop reports the progress (MultiprocExecutor.host_blocks_ready).
                 self.runner.attach_host_tier(msg.num_blocks, test_lock=SlowLockForTests.from_env(self.rank))
@@ -177,7 +182,13 @@ class Worker:
         start = time.perf_counter()
         batch = self._batch(msg.jobs, msg.eos_token_id)
         runner, layout = self.runner, self.layout
-        inputs = runner.prepare(batch)
+        if self._count_file is None:
+            inputs = runner.prepare(batch)
+        else:
+            with HostCopyCounter() as counter:
+                inputs = runner.prepare(batch)
+            with open(self._count_file, "a") as f:
+                f.write(f"{self.rank} {batch.num_tokens} {len(batch.seqs)} {counter.count}\n")
         hidden = None
         if not layout.is_first_stage:
             hidden = torch.empty(inputs.num_tokens, runner.model.cfg.hidden_size, dtype=runner.dtype,
