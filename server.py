@@ -474,6 +474,9 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                       "device caches; 'none' = the default: both tiers less an eighth of the device", None),
     "profile": ("'analytic' or a job-profile JSON (default: a stored matching profile, else measured)", None),
     "max_queued_requests": ("most requests waiting to start; beyond, 503 + Retry-After (default: no limit)", None),
+    "async_output_processing": ("launch the next step before decoding this step's text and building its "
+                                "outputs, which then overlap the next step's compute (same outputs; not with "
+                                "pipeline parallelism)", None),
     "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "
                       "CUDA, with one tensor-parallel rank; on CPU every step is eager anyway)", None),
 }

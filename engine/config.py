@@ -78,6 +78,13 @@ class EngineConfig:
     # Decode steps replay CUDA graphs captured per batch bucket (engine/cuda_graphs.py) unless this is set;
     # on CPU, and on tensor-parallel workers, they always run eagerly.
     enforce_eager: bool = False
+    # Async output processing (as vLLM V0's): step k+1 is scheduled and launched as soon as step k's tokens are
+    # committed (appended, stop tokens and lengths checked, finished jobs released), and step k's detokenizing
+    # (sequences without stop strings) and output snapshots are done while step k+1 computes. Same batches,
+    # tokens and outputs; never in the simulator or with pipeline parallelism (engine.engine.overlaps_output).
+    # Off by default: on the 2-core CPU it takes 2/3 of the engine's work off the critical path but no gain in
+    # the step's period could be measured (docs/benchmarks.md, "Issue 26, control plane ... async output").
+    async_output_processing: bool = False
     max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:

@@ -60,6 +60,18 @@ class StepPlan:
     cost: float  # profiled seconds charged to every job of the batch
 
 
+@dataclass
+class CommittedStep:
+    """A step whose tokens are in (Engine.commit_step) but whose outputs are not built yet (publish_step)."""
+
+    end: float  # when its results came in
+    advanced: dict[str, RequestState]  # requests that got a token
+    # (sequence, token, ending) whose text is still to be decoded: sequences without stop strings, whose finish
+    # does not depend on their text (async output processing; empty otherwise)
+    untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]]
+    deferred: bool  # published after the next step's launch: a finished request's finished_time is `end`
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """A read-only snapshot of the policy's counters (for the server's /metrics)."""
@@ -75,6 +87,13 @@ class SchedulerStats:
     started_by_priority: dict[int, int]  # jobs started (first run) per request class, over the engine's life
 
 
+def overlaps_output(config: EngineConfig, executor: Executor) -> bool:
+    """Whether complete_step publishes a step's outputs after launching the next (async output processing): as
+    configured, but not in the simulator (its virtual clock would move between a step's end and its outputs) nor
+    with several steps in flight (pipeline stages overlap their steps already)."""
+    return config.async_output_processing and not executor.simulated and executor.max_in_flight == 1
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -87,7 +106,7 @@ class Engine:
         self.kv = self._make_kv_manager()
         self._seq_of_job: dict[str, SequenceState] = {}
         if config.enable_prefix_caching:
-            self.kv.enable_prefix_caching(EnginePrefixSource(self._seq_of_job))
+            self.kv.enable_prefix_caching(EnginePrefixSource(self._seq_of_job), config.prefix_caching_host_tier)
         self.cost_model = self._load_cost_model()
         self.scheduler = make_policy(
             SchedulerConfig(
@@ -109,6 +128,8 @@ class Engine:
         # False: step() returns only finished requests (offline use, simulation) instead of a
         # snapshot of every request that advanced, which costs a copy of its tokens each step.
         self.emit_running_outputs = True
+        # Async output processing: complete_step launches the next step before it decodes text and builds outputs
+        self.overlaps_output = overlaps_output(config, self.executor)
 
     # -- set-up --------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -320,7 +341,13 @@ class Engine:
 
     def complete_step(self) -> list[RequestOutput]:
         """Wait for the oldest step in flight and finish it. ExecutorDeadError (a worker died) propagates: no
-        step can run again; the caller ends every request."""
+        step can run again; the caller ends every request.
+
+        With overlaps_output, finishing is split around the next step's launch: commit_step (tokens appended,
+        stop tokens, EOS and lengths checked, finished jobs released, the scheduler told), then launch_steps
+        (step k+1 scheduled and submitted: it computes from here on), then publish_step (text decoded for
+        sequences without stop strings, output snapshots), which so overlaps step k+1's compute. Step k+1 is
+        decided from the same state as in synchronous mode: a job that finished at step k is not in it."""
         plan, future = self.in_flight.popleft()
         try:
             result = future.result()
@@ -332,7 +359,14 @@ class Engine:
             self._end_in_flight(plan)
             return self.fail_step(plan, f"internal error in the forward pass: {type(e).__name__}")
         self._end_in_flight(plan)
-        return self.finish_step(plan, result)
+        if not self.overlaps_output:
+            return self.finish_step(plan, result)
+        committed = self.commit_step(plan, result, defer_text=True)
+        try:
+            self.launch_steps()
+        finally:  # (an executor that died at the launch: the text is complete for the errors that follow)
+            outputs = self.publish_step(committed)
+        return outputs
 
     @staticmethod
     def _end_in_flight(plan: StepPlan) -> None:
@@ -402,7 +436,15 @@ class Engine:
         )
 
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
+        """A step's results into its requests; the outputs of the requests that advanced."""
+        return self.publish_step(self.commit_step(plan, result))
+
+    def commit_step(self, plan: StepPlan, result: BatchResult, defer_text: bool = False) -> CommittedStep:
+        """Everything of a step's results the next decision depends on: tokens appended, stop tokens, EOS,
+        lengths and stop strings checked, finished jobs released, the step charged to the scheduler. defer_text:
+        the text of sequences without stop strings is decoded later, by publish_step."""
         end = self.clock.now()
+        untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = [] if defer_text else None
         touched: dict[str, RequestState] = {}
         advanced: dict[str, RequestState] = {}  # requests that got a token (a chunk alone gives the client nothing)
         for seq, work, res in zip(plan.seqs, plan.batch.seqs, result.results):
@@ -418,17 +460,24 @@ class Engine:
             if job.num_scheduled and job.num_computed + job.num_scheduled < job.context_len:
                 job.num_computed += job.num_scheduled  # a chunk of a prefill: its KV is cached, nothing sampled
             else:
-                self._append_token(seq, res, end)
+                self._append_token(seq, res, end, untexted)
                 advanced[req.request_id] = req
             job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
         self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
         self.num_steps += 1
         self.last_batch_size = len(plan.seqs)
+        return CommittedStep(end, advanced, untexted or [], defer_text)
+
+    def publish_step(self, committed: CommittedStep) -> list[RequestOutput]:
+        """The text commit_step left to decode, then the output snapshots of the requests that advanced (a
+        finished request's last, which removes it from the engine)."""
+        for seq, token, ending in committed.untexted:
+            self._decode_text(seq, token, ending)
         outputs = []
-        for req in advanced.values():
+        for req in committed.advanced.values():
             if req.finished:
-                outputs.append(self._finish_request(req))
+                outputs.append(self._finish_request(req, committed.end if committed.deferred else None))
             elif self.emit_running_outputs:
                 outputs.append(req.to_output())
         return outputs
@@ -437,7 +486,9 @@ class Engine:
         ids = dict.fromkeys(s.request.request_id for s in plan.seqs)
         return [out for rid in ids if (out := self.fail(rid, message)) is not None]
 
-    def _append_token(self, seq: SequenceState, res, now: float) -> None:
+    def _append_token(self, seq: SequenceState, res, now: float,
+                      untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = None
+                      ) -> None:
         job, req, params = seq.job, seq.request, seq.request.params
         job.num_computed = job.context_len
         token = res.token_id
@@ -451,7 +502,6 @@ class Engine:
         elif now > metrics.last_token_time:  # (a request's other sequences in the same step: one gap)
             metrics.itl_s.append(now - metrics.last_token_time)
         metrics.last_token_time = now
-        old_len = len(seq.text)
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:
             ending = ("stop", token)
@@ -459,12 +509,12 @@ class Engine:
             ending = ("stop", None)
         elif job.num_generated >= params.max_tokens or job.context_len >= self.max_model_len:
             ending = ("length", None)
+        old_len = len(seq.text)
         if params.detokenize:
-            # As vLLM: the text of a stop token (EOS or stop_token_ids) is left out unless include_stop_str_in_output.
-            if ending is None or ending[0] != "stop" or params.include_stop_str_in_output:
-                seq.text += seq.detokenizer.step([token])
-            if ending is not None:
-                seq.text += seq.detokenizer.flush()
+            if untexted is not None and not params.stop_strings:  # no finish depends on this text: decoded later
+                untexted.append((seq, token, ending))
+            else:
+                self._decode_text(seq, token, ending)
         # As vLLM: no stop string counts before min_tokens tokens exist.
         stopped = (bool(params.stop_strings) and job.num_generated >= params.min_tokens
                    and seq.check_stop_strings(old_len))
@@ -472,6 +522,15 @@ class Engine:
             seq.finish(*ending)
         if seq.finished:
             self._release(seq)
+
+    @staticmethod
+    def _decode_text(seq: SequenceState, token: int, ending: tuple[str, int | None] | None) -> None:
+        params = seq.request.params
+        # As vLLM: the text of a stop token (EOS or stop_token_ids) is left out unless include_stop_str_in_output.
+        if ending is None or ending[0] != "stop" or params.include_stop_str_in_output:
+            seq.text += seq.detokenizer.step([token])
+        if ending is not None:
+            seq.text += seq.detokenizer.flush()
 
     @staticmethod
     def _add_prompt_logprobs(seq: SequenceState, chunk: list, start: int) -> None:
@@ -493,9 +552,9 @@ class Engine:
         self.scheduler.remove(seq.job)
         self._seq_of_job.pop(seq.job.job_id, None)
 
-    def _finish_request(self, req: RequestState) -> RequestOutput:
+    def _finish_request(self, req: RequestState, now: float | None = None) -> RequestOutput:
         m = req.metrics
-        m.finished_time = self.clock.now()
+        m.finished_time = self.clock.now() if now is None else now
         m.preemptions = sum(s.job.num_preemptions for s in req.seqs)
         m.queued_s = max(0.0, (m.finished_time - m.arrival_time) - m.executing_s - m.swap_wait_s)
         self.requests.pop(req.request_id, None)
