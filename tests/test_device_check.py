@@ -113,6 +113,7 @@ def test_the_check_fails_at_once_without_a_gpu_and_still_archives_its_table(tmp_
     assert {r[0] for r in rows.values()} == {"SKIP"}
     env = json.loads(files["device_check/env.json"])
     assert env["cuda_available"] is False and env["pinned_torch"] == "2.13.0" and env["torch"]
+    assert "triton" in env and env["pinned_triton"]  # the machine's Triton beside the pinned one
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("fastserve-device-check")] == []  # cleaned up
 
 
@@ -147,6 +148,7 @@ def test_every_step_runs_in_order_and_reads_nothing_outside_the_repository(tmp_p
                     assert (ROOT / arg).exists(), arg
     rows = table_rows(run.stdout)
     assert len(rows) == 7 and {r[0] for r in rows.values()} == {"PASS"}
+    assert "budget 480 s" in run.stdout  # 8 minutes at most, so that a second run fits in a 15-minute lease
 
 
 def test_bench_attention_fails_past_its_tolerance(tmp_path):
