@@ -469,6 +469,9 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
                           "to a first run), so promotions do not churn the batch (and a promoted new job goes "
                           "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),
+    "prefix_caching_host_tier": ("with --enable-prefix-caching and a host tier (--kv-policy reactive or proactive): "
+                                 "cached KV blocks the device evicts live on in the host tier and hits there are "
+                                 "uploaded; --no-prefix-caching-host-tier: the device alone caches", None),
     "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
     "kv_overcommit": ("past capacity, new jobs wait while started jobs' KV (device + host) exceeds this many "
                       "device caches; 'none' = the default: both tiers less an eighth of the device", None),
@@ -482,7 +485,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
 }
 
 
-NEGATABLE_SWITCHES = {"enable_chunked_prefill", "enable_prefix_caching"}  # vLLM's --enable-X / --no-enable-X pairs
+# vLLM's --enable-X / --no-enable-X pairs, and ours
+NEGATABLE_SWITCHES = {"enable_chunked_prefill", "enable_prefix_caching", "prefix_caching_host_tier"}
 
 
 def _flag_type(hint):

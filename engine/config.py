@@ -46,6 +46,10 @@ class EngineConfig:
     # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
     # what follows its longest cached prefix.
     enable_prefix_caching: bool = False
+    # With prefix caching and a host tier (kv_policy reactive or proactive): cached blocks the device evicts live on
+    # in the host tier, and hits there are uploaded (memory/kv_manager.py, enable_prefix_caching). Off: the device
+    # alone caches (an evicted block is lost).
+    prefix_caching_host_tier: bool = True
     max_model_len: int | None = None  # defaults to the model's context
     block_size: int = 16
     gpu_memory_utilization: float = 0.9

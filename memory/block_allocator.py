@@ -58,6 +58,10 @@ class BlockAllocator:
     def owner_of(self, block: int) -> str | None:
         return self._owner.get(block)
 
+    def holders(self) -> dict[int, frozenset[str]]:
+        """Every held block and who holds it (the KV manager's accounting check)."""
+        return {b: frozenset((o,)) for b, o in self._owner.items()}
+
     def check_invariants(self) -> None:
         """Every block free or owned once; used by tests and debug assertions."""
         free = set(self._free)

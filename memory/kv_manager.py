@@ -67,9 +67,10 @@ from memory.kv_policy import KVPolicy
 from memory.prefix_cache import CachingBlockAllocator, hash_block
 from memory.proactive import plan_transfers
 from memory.residency import JobKV, Residency
-from memory.transfers import Direction, NoCopyBackend, TransferBackend, TransferHandle
+from memory.transfers import CompletedTransfer, Direction, NoCopyBackend, TransferBackend, TransferHandle
 
 THRASH_TICKS = 4  # an offload undone within this many ticks counts as thrash
+CACHE_OWNER = "<prefix-cache>"  # holds the host blocks of the cache's own device -> host copies while they run
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -92,6 +93,26 @@ class KVStats:
     enst_samples: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=1000))  # the latest
     enst_count: int = 0
     enst_abs_error_s: float = 0.0  # sum of |predicted - actual|
+    # Prefix caching's host tier (the section "Two tiers for cached blocks" of enable_prefix_caching):
+    cache_blocks_backed_up: int = 0  # cached device blocks copied to the host as they were released
+    cache_evicted_to_host: int = 0  # cached device blocks evicted (handed out) with a copy on the host
+    cache_evicted_dropped: int = 0  # ... with none (host full, or its copy still in flight)
+    host_hit_tokens: int = 0  # prompt tokens of hits found on the host tier (uploaded, not computed)
+    num_prefix_uploads: int = 0  # uploads of a job's cached prefix found on the host (not KV it computed)
+    num_prefix_uploads_on_demand: int = 0  # of those, started when the scheduler picked the job (not ahead)
+    num_prefix_prefetches: int = 0  # jobs parked with a host prefix while they waited to start (proactive)
+    blocks_not_copied: int = 0  # blocks of an offload or upload whose copy the other tier's cache already held
+
+
+@dataclass(eq=False)
+class _Backup:
+    """One device -> host copy of cached blocks no job holds (the host tier's copy of what the device may evict)."""
+
+    device: list[int]
+    host: list[int]  # held by CACHE_OWNER until the copy lands, then named (cached) and released
+    hashes: list
+    handle: TransferHandle | None = None
+    void: set[int] = field(default_factory=set)  # device blocks evicted while their copy ran: the copy is stale
 
 
 class PrefixSource(Protocol):
@@ -154,6 +175,13 @@ class KVManager:
         self.tick = 0
         self.stats = KVStats()
         self._prefix: PrefixSource | None = None  # prefix caching's token source (enable_prefix_caching)
+        self._host_cache = False  # the host tier caches blocks too (enable_prefix_caching's host_tier)
+        self._backups: dict[_Backup, None] = {}  # the cache's device -> host copies in flight
+        self._backup_of: dict[int, _Backup] = {}  # device block -> its copy in flight
+        self._backup_host_blocks = 0  # host blocks those copies hold (CACHE_OWNER)
+        self._waiting: dict[str, JobKV] = {}  # looked up at admission, no KV yet: may find its prefix on the host
+        self._recheck_waiting = False  # the tiers' contents changed since _park_waiting last looked
+        self._prefix_parked: dict[object, JobKV] = {}  # jobs not started whose cached prefix waits on the host
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
@@ -176,7 +204,7 @@ class KVManager:
 
     def started_blocks(self) -> int:
         """KV blocks held by jobs on either tier, a block being copied counted once."""
-        return self.device.num_used + self.host.num_used - self._copied
+        return self.device.num_used + self.host.num_used - self._copied - self._backup_host_blocks
 
     def parked_unfit(self) -> Container:
         """Jobs the policy's walk may pass over now without asking: their KV is on the host alone, and
@@ -212,13 +240,22 @@ class KVManager:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
         not ready until it lands (job.ready False): the policy leaves it out of this tick's batch."""
         kv = self._entry(job)
+        if self._waiting:
+            self._waiting.pop(job.job_id, None)
+        end = job.num_computed + num_new_tokens  # the position this step's work ends at
+        if self._host_cache and kv.residency is Residency.NONE and kv.transfer is None:
+            self._take_host_prefix(kv, job, num_new_tokens)  # a longer prefix on the host: parks the job there
+            if kv.residency is Residency.HOST:  # (num_new_tokens counted from 0: the prefix is not work now)
+                end = min(job.num_computed + num_new_tokens, job.context_len)
         if kv.residency is Residency.HOST:
-            self.stats.num_swap_misses += 1
+            if kv.host_prefix:
+                self.stats.num_prefix_uploads_on_demand += 1  # (its prefix, not KV it computed: not a swap miss)
+            else:
+                self.stats.num_swap_misses += 1
             if not self.start_upload(kv, now=self._now()):
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
             if not job.ready:
                 self._block(job.job_id)
-        end = job.num_computed + num_new_tokens  # the position this step's work ends at
         if self._prefix is not None and kv.transfer is None:
             if kv.residency is Residency.NONE:  # (new, or dropped: num_computed is 0)
                 end = self._attach_prefix(kv, job, num_new_tokens)
@@ -243,7 +280,8 @@ class KVManager:
         if self.policy is not KVPolicy.PROACTIVE:
             return True
         kv = self._jobs.get(job.job_id)
-        return kv is None or kv.residency not in (Residency.HOST, Residency.OFFLOADING)
+        # (A job not started whose host copy is a cached prefix is a new job: it may make room as one does.)
+        return kv is None or kv.host_prefix or kv.residency not in (Residency.HOST, Residency.OFFLOADING)
 
     def evict(self, job) -> None:
         """Give the job's device blocks back: drop them now (recompute, or host full), or start an offload
@@ -263,6 +301,8 @@ class KVManager:
                 return
         if self.policy is KVPolicy.RECOMPUTE or not self.start_offload(kv):
             self._drop(kv)
+        if self._host_cache:
+            self._start_backups()
 
     def wait_for_room(self, job, num_new_tokens: int) -> bool:
         """If room_coming(): promise that room to the job for this tick, start its swap-wait clock and
@@ -320,6 +360,8 @@ class KVManager:
         kv = self._jobs.pop(job_id, None)
         self._blocked.pop(job_id, None)
         self._waits.pop(job_id, None)
+        if self._waiting:
+            self._waiting.pop(job_id, None)
         if kv is None:
             return
         if kv.transfer is not None and not kv.transfer.done():  # (not on the host alone: its copy is in flight)
@@ -333,9 +375,14 @@ class KVManager:
             self._register_full(kv)  # its blocks go back to the cache, named, for the next hit
         self._unpark(kv)
         self._release_all(kv)
+        if self._host_cache:
+            self._start_backups()
 
     def host_resident(self) -> list[JobKV]:
-        """Entries whose KV is on the host alone, in the order they got there (memory/proactive.py)."""
+        """Entries whose KV is on the host alone, in the order they got there (memory/proactive.py), then the
+        jobs not started whose cached prefix waits on the host (two tiers: the planner uploads both by ENST)."""
+        if self._prefix_parked:
+            return list(self._on_host.values()) + list(self._prefix_parked.values())
         return list(self._on_host.values())
 
     def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
@@ -348,14 +395,19 @@ class KVManager:
         return found
 
     def pending_transfers(self) -> int:
-        """Copies in flight (the engine loop keeps polling while there are any)."""
-        return len(self._inflight)
+        """Copies in flight, the cache's own included (the engine loop keeps polling while there are any)."""
+        return len(self._inflight) + len(self._backups)
 
     def poll(self) -> None:
         """At the start of a tick: accrue the last tick's swap waits, and complete finished copies (free
         the source tier's blocks, mark uploaded jobs ready). Costs one look per copy in flight and per
         job kept by a copy, not per job."""
         self._accrue_waits()
+        if self._host_cache:
+            if self._backups:
+                for backup in [b for b in self._backups if b.handle.done()]:
+                    self._finish_backup(backup)
+            self._start_backups()
         if not self._inflight:
             return
         for kv in [kv for kv in self._inflight if kv.transfer.done()]:
@@ -372,6 +424,8 @@ class KVManager:
         """After the scheduler picked `batch`: start proactive offloads/uploads (proactive only)."""
         self.tick += 1
         if self.policy is KVPolicy.PROACTIVE:
+            if self._recheck_waiting and self._waiting:
+                self._park_waiting()  # waiting jobs whose prefix is on the host: the planner uploads them by ENST
             plan_transfers(self, batch, estimated_wait, now)  # (it keeps clear of this tick's promised room)
         self._claimed = self._promised = 0  # promises of room last for the tick that made them
 
@@ -387,6 +441,8 @@ class KVManager:
         was uploaded, records predicted (ENST) vs actual wait for the ENST-accuracy telemetry."""
         waited = self._waits.pop(job.job_id, 0.0)
         kv = self._jobs.get(job.job_id)
+        if kv is not None:
+            kv.host_prefix = False  # it has run: its KV is its own now
         if kv is not None and kv.predicted_wait is not None:
             actual = now - kv.upload_time
             self.stats.enst_samples.append((kv.predicted_wait, actual))
@@ -396,16 +452,44 @@ class KVManager:
         return waited
 
     # -- prefix caching (memory/prefix_cache.py; issue 28) -----------------------------------------
-    def enable_prefix_caching(self, source: PrefixSource) -> None:
+    def enable_prefix_caching(self, source: PrefixSource, host_tier: bool = True) -> None:
         """Make the device tier a prefix cache (before any job): a job with no KV starts from its longest
         cached prefix (allocate), its full blocks are named as they fill and stay cached after it ends, and an
         allocation evicts unreferenced cached blocks, least recently released first. Evicting a job whose
         prefix another job holds releases its references and drops the rest (never copies or frees a block
-        in use); its named blocks stay cached, so it recomputes only what was evicted meanwhile."""
+        in use); its named blocks stay cached, so it recomputes only what was evicted meanwhile.
+
+        Two tiers for cached blocks (host_tier, when there is a host tier): the host tier is a cache too.
+        - A cached device block that no job holds any more is copied to the host as it is released (one copy
+          per name: not if the host has that name already), so that when an allocation evicts it (least
+          recently released first) its KV lives on in the host tier instead of being lost. Nothing waits on
+          that copy: the device block stays free to the allocator, and one evicted before its copy lands
+          leaves the copy void (freed, unnamed). The host tier frees a cached block only when it needs the
+          room (least recently released first, after its free blocks), for an offload or another copy.
+        - A lookup finds a prefix on either tier. One longer on the host than on the device is a hit too:
+          the job takes references on the host blocks and is parked there (residency HOST, host_prefix), its
+          cached length computed; its upload (start_upload) shares the blocks the device still caches and
+          copies only the rest, and the job runs once it lands. Proactive: a job still waiting to start whose
+          prefix is on the host is parked so at the next tick (_park_waiting), and the planner uploads it by
+          ENST with the preempted jobs' KV (host_resident); picked before that, it is uploaded on demand.
+        - Offloads and uploads copy only what the other tier's cache lacks: a block whose name the destination
+          caches is shared there, not copied (a preempted job's shared blocks are never copied twice); an
+          offloaded job's named blocks are named on the host when the copy lands, so they stay cached after it.
+        A block held by any job is never evicted on either tier (reference counts)."""
         if self._jobs:
             raise RuntimeError("enable_prefix_caching() after jobs were allocated")
         self.device = CachingBlockAllocator(self.device.num_blocks, "device")
         self._prefix = source
+        if host_tier and self.num_host_blocks and self.policy is not KVPolicy.RECOMPUTE:
+            self.host = CachingBlockAllocator(self.host.num_blocks, "host")
+            self._host_cache = True
+            self.device.on_evict = self._on_device_evict
+            self.device.track_released = True
+
+    @property
+    def host_caching(self) -> bool:
+        """Whether the host tier caches prefix blocks too (enable_prefix_caching's host_tier)."""
+        return self._host_cache
 
     @property
     def prefix_caching(self) -> bool:
@@ -426,11 +510,162 @@ class KVManager:
         kv = self._entry(job)
         max_blocks = (job.context_len - 1) // self.block_size
         self._extend_hashes(kv, job, max_blocks)
-        return len(self.device.lookup(kv.hashes, max_blocks)) * self.block_size
+        found = len(self.device.lookup(kv.hashes, max_blocks))
+        if self._host_cache and kv.residency is Residency.NONE and not kv.host:
+            found = max(found, len(self.host.lookup(kv.hashes, max_blocks)))
+            self._waiting[job.job_id] = kv
+            self._recheck_waiting = True
+        return found * self.block_size
 
     def clear_prefix_cache(self) -> int:
-        """Forget every cached block no job holds (vLLM's reset_prefix_cache); returns how many."""
-        return self.device.evict_all() if self._prefix is not None else 0
+        """Forget every cached block no job holds, on both tiers (vLLM's reset_prefix_cache); returns how many."""
+        if self._prefix is None:
+            return 0
+        n = self.device.evict_all()
+        return n + self.host.evict_all() if self._host_cache else n
+
+    # -- two tiers for cached blocks (enable_prefix_caching) ------------------------------------------
+    def _on_device_evict(self, block: int, block_hash) -> None:
+        """The device cache handed out (or forgot) a block no job held."""
+        backup = self._backup_of.pop(block, None)
+        if backup is not None:
+            backup.void.add(block)  # its copy read a block being reused: never name it
+        if backup is None and self.host.block_of(block_hash) is not None:
+            self.stats.cache_evicted_to_host += 1
+        else:
+            self.stats.cache_evicted_dropped += 1
+        self._recheck_waiting = True
+
+    def _start_backups(self) -> None:
+        """Copy to the host the cached device blocks released since the last call that are still unheld and whose
+        names the host lacks, in the order they were released (the order the device evicts them), as many as
+        the host has room for."""
+        dev, host = self.device, self.host
+        released = dev.released
+        if not released:
+            return
+        dev.released = []
+        self._grow_host()
+        blocks, names, seen = [], [], set()
+        for b in released:
+            if b in seen or b in self._backup_of or not dev.is_evictable(b):
+                continue
+            seen.add(b)
+            h = dev.hash_of(b)
+            if host.block_of(h) is None:
+                blocks.append(b)
+                names.append(h)
+        n = min(len(blocks), host.num_free)
+        if not n:
+            return
+        del blocks[n:], names[n:]
+        backup = _Backup(blocks, host.allocate(CACHE_OWNER, n), names)
+        for b in blocks:
+            self._backup_of[b] = backup
+        self._backups[backup] = None
+        self._backup_host_blocks += n
+        self.stats.cache_blocks_backed_up += n
+        backup.handle = self.transfers.copy(Direction.OFFLOAD, list(zip(blocks, backup.host)))
+        if backup.handle.done():
+            self._finish_backup(backup)
+
+    def _finish_backup(self, backup: _Backup) -> None:
+        """A cache copy landed: name its host blocks (those not void, whose name no other host block took
+        meanwhile) and release them to the host cache."""
+        host = self.host
+        for d, hb, h in zip(backup.device, backup.host, backup.hashes):
+            if d in backup.void:
+                continue
+            if self._backup_of.get(d) is backup:
+                del self._backup_of[d]
+            host.register(hb, h)
+        host.free(CACHE_OWNER, backup.host)
+        self._backup_host_blocks -= len(backup.host)
+        del self._backups[backup]
+        self._recheck_waiting = True
+
+    def _take_host_prefix(self, kv: JobKV, job, num_new_tokens: int) -> None:
+        """A job with no KV at its first allocation: if its cached prefix is longer on the host than on the device,
+        park it on the host with that prefix (allocate then uploads it), as long as the upload and this step's
+        work fit the free device room (else the prefix is cut short, down to the device's)."""
+        if not self._prefix.may_reuse(job):
+            return
+        bs, ctx, dev = self.block_size, job.context_len, self.device
+        max_blocks = (ctx - 1) // bs
+        self._extend_hashes(kv, job, max_blocks)
+        on_device = len(dev.lookup(kv.hashes, max_blocks))
+        hosted = self.host.lookup(kv.hashes, max_blocks)
+        if len(hosted) <= on_device:
+            return
+        # Device blocks the upload takes: one per hosted block the device does not cache (those it does are
+        # shared, and the unheld ones among them leave the free count), then this step's work past the prefix.
+        shared = [dev.block_of(h) for h in kv.hashes[:len(hosted)]]
+        while len(hosted) > on_device:
+            k = len(hosted)
+            need = blocks_needed(min(ctx, k * bs + num_new_tokens), bs) - sum(
+                1 for b in shared[:k] if b is not None and dev.ref_count(b))
+            if need <= dev.num_free:
+                break
+            hosted.pop()
+        if len(hosted) > on_device:
+            self._park_prefix(kv, job, hosted)
+
+    def _park_prefix(self, kv: JobKV, job, hosted: list[int]) -> None:
+        """Take the job's references on its cached prefix on the host and park it there, that prefix computed."""
+        h = len(hosted) * self.block_size
+        self.host.share(job.job_id, hosted)
+        kv.host = list(hosted)
+        kv.host_prefix = True
+        kv.residency = Residency.HOST
+        job.num_computed = h
+        self.device.count_query(job.context_len, h)
+        if kv.cached_tokens is None:
+            kv.cached_tokens = h
+        self.stats.host_hit_tokens += h
+        self._waiting.pop(job.job_id, None)
+        self._park(kv)
+
+    def _park_waiting(self) -> None:
+        """Proactive: park the jobs waiting to start whose cached prefix is longer on the host than on the device,
+        so that the planner uploads them ahead of need by ENST (host_resident)."""
+        self._recheck_waiting = False
+        bs, dev, host = self.block_size, self.device, self.host
+        for jid, kv in list(self._waiting.items()):
+            if kv.residency is not Residency.NONE or kv.device or kv.host or kv.transfer is not None:
+                del self._waiting[jid]
+                continue
+            job = kv.job
+            max_blocks = (job.context_len - 1) // bs
+            if not kv.hashes or host.block_of(kv.hashes[0]) is None:
+                continue
+            hosted = host.lookup(kv.hashes, max_blocks)
+            if len(hosted) > len(dev.lookup(kv.hashes, max_blocks)):
+                self._park_prefix(kv, job, hosted)
+                self.stats.num_prefix_prefetches += 1
+
+    def audit(self) -> dict[str, dict[str, int]]:
+        """The accounting check (no leaks): every block of each tier is free, cached (named, held by no one), held
+        by jobs (live ones: an ended job holds nothing), or held by the cache's own copies in flight, and the
+        counts add up to the tier. Returns those counts per tier; raises AssertionError on any mismatch."""
+        self.check_invariants()
+        live = set(self._jobs) | {kv.job.job_id for kv in self._orphans}
+        out = {}
+        for alloc in (self.device, self.host):
+            holders = alloc.holders()
+            jobs = copies = 0
+            for b, owners in holders.items():
+                stray = set(owners) - live - {CACHE_OWNER}
+                assert not stray, f"{alloc.tier} block {b} is held by {sorted(stray)!r}, which are not live jobs"
+                if owners - {CACHE_OWNER}:
+                    jobs += 1
+                else:
+                    copies += 1
+            cached = alloc.num_evictable if isinstance(alloc, CachingBlockAllocator) else 0
+            free = alloc.num_free - cached
+            assert free + cached + jobs + copies == alloc.num_blocks, f"{alloc.tier}: blocks unaccounted for"
+            out[alloc.tier] = {"free": free, "cached": cached, "jobs": jobs, "copies": copies,
+                               "refs": alloc.num_refs if isinstance(alloc, CachingBlockAllocator) else jobs}
+        return out
 
     def _attach_prefix(self, kv: JobKV, job, n: int) -> int:
         """A job with no KV: take references on its longest cached prefix (whole blocks, never its last
@@ -505,18 +740,22 @@ class KVManager:
         self.host.check_invariants()
         entries = list(self._jobs.values()) + self._orphans
         dev = sum(len(kv.device) for kv in entries)
-        host = sum(len(kv.host) for kv in entries)
+        host = sum(len(kv.host) for kv in entries) + self._backup_host_blocks
         # (With prefix caching, blocks are shared: the tables add up to the references held.)
         used = self.device.num_refs if self._prefix is not None else self.device.num_used
         assert dev == used, f"tables hold {dev} device blocks, allocator says {self.device.num_used}"
-        assert host == self.host.num_used, f"tables hold {host} host blocks, allocator says {self.host.num_used}"
+        host_used = self.host.num_refs if self._host_cache else self.host.num_used
+        assert host == host_used, f"tables hold {host} host blocks, allocator says {host_used}"
         pending = sum(kv.pending_blocks for kv in entries)
         assert pending == self._pending_free, f"entries hold {pending} pending blocks, the counter {self._pending_free}"
         assert set(self._inflight) == {kv for kv in entries if kv.transfer is not None}, "in-flight set is stale"
-        assert set(self._on_host.values()) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
+        parked = list(self._on_host.values()) + list(self._prefix_parked.values())
+        assert set(parked) == {kv for kv in self._jobs.values() if kv.residency is Residency.HOST}, \
             "host-resident set is stale"
+        assert all(kv.host_prefix for kv in self._prefix_parked.values()) and not any(
+            kv.host_prefix for kv in self._on_host.values()), "a parked prefix in the wrong set"
         assert all(kv.job is job for job, kv in self._on_host.items()), "host-resident index keyed wrong"
-        assert self._host_sizes == Counter(len(kv.host) for kv in self._on_host.values()), "host sizes are stale"
+        assert self._host_sizes == Counter(len(kv.host) for kv in parked), "host sizes are stale"
         assert self._host_floor is None or self._host_floor == min(self._host_sizes), "host floor is stale"
         copied = sum(min(len(kv.device), len(kv.host)) for kv in self._inflight)
         assert copied == self._copied, f"copies in flight hold {copied} blocks twice, the counter {self._copied}"
@@ -544,35 +783,107 @@ class KVManager:
         """Begin device -> host; False (nothing started) when the host tier has no room."""
         n = len(kv.device)
         self._grow_host()
-        if n > self.host.num_free:
-            self.stats.host_full_fallbacks += 1
-            return False
-        kv.host = self.host.allocate(kv.job.job_id, n)
+        if self._host_cache:
+            pairs = self._host_copies(kv)
+            if pairs is None:
+                self.stats.host_full_fallbacks += 1
+                return False
+        else:
+            if n > self.host.num_free:
+                self.stats.host_full_fallbacks += 1
+                return False
+            kv.host = self.host.allocate(kv.job.job_id, n)
+            pairs = list(zip(kv.device, kv.host))
         kv.offload_tick = self.tick
         kv.residency = Residency.OFFLOADING
         kv.transfer_tick = self.tick
         kv.job.ready = False
         self.stats.num_offloads += 1
-        self.stats.blocks_offloaded += n
+        self.stats.blocks_offloaded += len(pairs)
         self._hold_pending(kv, n)
-        self._begin(kv, self.transfers.copy(Direction.OFFLOAD, list(zip(kv.device, kv.host))))
+        self._begin(kv, self.transfers.copy(Direction.OFFLOAD, pairs) if pairs else CompletedTransfer())
         return True
+
+    def _host_copies(self, kv: JobKV) -> list[tuple[int, int]] | None:
+        """Two tiers: the job's host table for an offload, sharing the host cache's copy of each named block it
+        has and allocating the rest; returns the (device, host) pairs to copy, or None (nothing changed) when
+        the host has no room."""
+        dev, host, jid = self.device, self.host, kv.job.job_id
+        self._register_full(kv)
+        shared: dict[int, int] = {}
+        for i, b in enumerate(kv.device):
+            name = dev.hash_of(b)
+            if name is not None:
+                hb = host.block_of(name)
+                if hb is not None:
+                    shared[i] = hb
+        unheld = sum(1 for hb in shared.values() if not host.ref_count(hb))
+        if len(kv.device) - len(shared) + unheld > host.num_free:
+            return None
+        host.share(jid, list(shared.values()))
+        fresh = iter(host.allocate(jid, len(kv.device) - len(shared)))
+        kv.host = [shared[i] if i in shared else next(fresh) for i in range(len(kv.device))]
+        self.stats.blocks_not_copied += len(shared)
+        return [(b, hb) for i, (b, hb) in enumerate(zip(kv.device, kv.host)) if i not in shared]
+
+    def _device_copies(self, kv: JobKV) -> list[tuple[int, int]] | None:
+        """Two tiers: the job's device table for an upload, sharing the device cache's copy of each named host
+        block and allocating the rest; returns the (host, device) pairs to copy, or None (nothing changed) when
+        the device has no room."""
+        dev, host, jid = self.device, self.host, kv.job.job_id
+        shared: dict[int, int] = {}
+        for i, hb in enumerate(kv.host):
+            name = host.hash_of(hb)
+            if name is not None:
+                b = dev.block_of(name)
+                if b is not None:
+                    shared[i] = b
+        unheld = sum(1 for b in shared.values() if not dev.ref_count(b))
+        if len(kv.host) - len(shared) + unheld > dev.num_free:
+            return None
+        dev.share(jid, list(shared.values()))
+        fresh = iter(dev.allocate(jid, len(kv.host) - len(shared)))
+        kv.device = [shared[i] if i in shared else next(fresh) for i in range(len(kv.host))]
+        self.stats.blocks_not_copied += len(shared)
+        return [(hb, b) for i, (hb, b) in enumerate(zip(kv.host, kv.device)) if i not in shared]
 
     def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
         n = len(kv.host)
-        if n > self.device.num_free:
-            return False
-        self._unpark(kv)
-        kv.device = self.device.allocate(kv.job.job_id, n)
+        if self._host_cache:
+            if self._upload_unfit(kv):
+                return False
+            self._unpark(kv)
+            pairs = self._device_copies(kv)
+            if pairs is None:  # (cannot happen: _upload_unfit checked the same room)
+                self._park(kv)
+                return False
+        else:
+            if n > self.device.num_free:
+                return False
+            self._unpark(kv)
+            kv.device = self.device.allocate(kv.job.job_id, n)
+            pairs = list(zip(kv.host, kv.device))
         self._wanted_back(kv)
         kv.residency = Residency.UPLOADING
         kv.transfer_tick = self.tick
         kv.predicted_wait, kv.upload_time = predicted_wait, now
         kv.job.ready = False
         self.stats.num_uploads += 1
-        self.stats.blocks_uploaded += n
-        self._begin(kv, self.transfers.copy(Direction.UPLOAD, list(zip(kv.host, kv.device))))
+        self.stats.num_prefix_uploads += kv.host_prefix
+        self.stats.blocks_uploaded += len(pairs)
+        self._begin(kv, self.transfers.copy(Direction.UPLOAD, pairs) if pairs else CompletedTransfer())
         return True
+
+    def _upload_unfit(self, kv: JobKV) -> bool:
+        """Two tiers: whether the device lacks the room an upload of this job's host blocks takes (one block per
+        block the device does not cache, plus the unheld cached ones, which leave the free count)."""
+        dev, host = self.device, self.host
+        need = 0
+        for hb in kv.host:
+            name = host.hash_of(hb)
+            b = dev.block_of(name) if name is not None else None
+            need += b is None or not dev.ref_count(b)
+        return need > dev.num_free
 
     def _begin(self, kv: JobKV, handle: TransferHandle) -> None:
         kv.transfer = handle
@@ -594,6 +905,13 @@ class KVManager:
         self._end_copy(kv)
         self._release_pending(kv)
         if kv.residency is Residency.OFFLOADING:
+            if self._host_cache:  # its named blocks are named on the host too: cached there after it comes back
+                dev, host = self.device, self.host
+                for b, hb in zip(kv.device, kv.host):
+                    name = dev.hash_of(b)
+                    if name is not None and host.hash_of(hb) is None:
+                        host.register(hb, name)
+                self._recheck_waiting = True
             self.device.free(jid, kv.device)
             kv.device = []
             kv.residency = Residency.HOST
@@ -644,7 +962,7 @@ class KVManager:
 
     def _park(self, kv: JobKV) -> None:
         """The entry's KV is now on the host alone."""
-        self._on_host[kv.job] = kv
+        (self._prefix_parked if kv.host_prefix else self._on_host)[kv.job] = kv
         n = len(kv.host)
         self._host_sizes[n] += 1
         if self._host_floor is not None and n < self._host_floor:
@@ -652,7 +970,8 @@ class KVManager:
 
     def _unpark(self, kv: JobKV) -> None:
         """The entry's KV leaves the host-alone state (call before its block lists change)."""
-        if self._on_host.pop(kv.job, None) is None:
+        if self._on_host.pop(kv.job, None) is None and (
+                not self._prefix_parked or self._prefix_parked.pop(kv.job, None) is None):
             return
         n, sizes = len(kv.host), self._host_sizes
         sizes[n] -= 1

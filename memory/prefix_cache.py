@@ -1,6 +1,7 @@
 """Automatic prefix caching (issue 28): full KV blocks named by a hash chain, shared by reference count.
 
-What it is: the device tier's block bookkeeping when prefix caching is on. A block that a job filled
+What it is: a tier's block bookkeeping when prefix caching is on (the device's; and the host's with the host
+tier caching too, memory/kv_manager.py's enable_prefix_caching). A block that a job filled
 completely (block_size tokens whose KV is computed) is registered under a hash of its token ids and of the
 hash of the block before it (the first block's parent is an optional cache_salt), so the name of block i
 says everything about positions [0, (i + 1) * block_size): two sequences whose first k blocks hash alike
@@ -18,7 +19,8 @@ A chain's blocks are released last-block-first (a job's blocks in reverse), so e
 cached prefixes before their heads: a head without its tail still serves the next hit, a tail without its
 head never does.
 
-What it is not: storage (the engine owns the tensors), or the choice of which job runs. The token ids come
+What it is not: storage (the engine owns the tensors), the copies between tiers (memory/kv_manager.py), or the
+choice of which job runs. The token ids come
 from the engine (memory/kv_manager.py asks for them through the provider it is given).
 
 Hashes are SHA-256 digests (vLLM's default since v0.10): Python's hash() of ints is predictable, so a
@@ -31,7 +33,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from memory.block_allocator import BlockAllocator, OutOfBlocks
 
@@ -76,6 +78,12 @@ class CachingBlockAllocator(BlockAllocator):
         self._hash_of: dict[int, BlockHash] = {}  # registered block -> its name
         self._block_of: dict[BlockHash, int] = {}  # name -> the one block registered under it
         self._num_refs = 0
+        # Called with (block, name) as an allocation or evict_all takes a cached block out of the cache (the
+        # KV manager's hook: a host copy of it in flight is then void; memory/kv_manager.py, two tiers).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # Blocks that became evictable since the KV manager last drained this list (its host-tier backups).
+        self.released: list[int] = []
+        self.track_released = False
         # Telemetry (vLLM's prefix_cache_queries / _hits count tokens: what lookups asked for, what they found).
         self.num_queries = 0
         self.num_hits = 0
@@ -114,8 +122,22 @@ class CachingBlockAllocator(BlockAllocator):
         owners = self._owners.get(block)
         return next(iter(owners)) if owners else None
 
+    def holders(self) -> dict[int, frozenset[str]]:
+        return {b: frozenset(o) for b, o in self._owners.items()}
+
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
+
+    def hash_of(self, block: int) -> BlockHash | None:
+        """The block's name (None: not cached)."""
+        return self._hash_of.get(block)
+
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        """The block cached under this name (None: none)."""
+        return self._block_of.get(block_hash)
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
 
     def evictable_order(self) -> list[int]:
         """Evictable blocks, the next to be evicted first."""
@@ -133,8 +155,11 @@ class CachingBlockAllocator(BlockAllocator):
                 b = self._free.popleft()
             else:
                 b, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(b)]
+                h = self._hash_of.pop(b)
+                del self._block_of[h]
                 self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(b, h)
             self._owners[b] = {owner}
             blocks.append(b)
         self._num_refs += n
@@ -156,11 +181,10 @@ class CachingBlockAllocator(BlockAllocator):
                 del self._owners[b]
                 if b in self._hash_of:
                     self._evictable[b] = None
+                    if self.track_released:
+                        self.released.append(b)
                 else:
                     self._free.append(b)
-
-    def grow(self, num_blocks: int) -> None:
-        raise NotImplementedError("the device tier does not grow")
 
     # -- the cache's verbs --------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash], max_blocks: int | None = None) -> list[int]:
@@ -210,8 +234,11 @@ class CachingBlockAllocator(BlockAllocator):
         blocks keep their names (their owners still read them)."""
         n = len(self._evictable)
         for b in self._evictable:
-            del self._block_of[self._hash_of.pop(b)]
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
             self._free.append(b)
+            if self.on_evict is not None:
+                self.on_evict(b, h)
         self._evictable.clear()
         return n
 

@@ -39,3 +39,6 @@ class JobKV:
     num_registered: int = 0
     registered_table: list | None = None
     cached_tokens: int | None = None  # tokens its first lookup found cached (None: never looked up)
+    # Two tiers (memory/kv_manager.py): the job has not run yet and its `host` blocks are a cached prefix found on
+    # the host tier (references on the host cache's blocks), parked there for an upload ahead of need.
+    host_prefix: bool = False

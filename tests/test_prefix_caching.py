@@ -50,7 +50,17 @@ def run(engine, arrivals, params=PARAMS, check=True):
             time.sleep(0.002)  # a copy thread is moving KV
         step += 1
         assert step < 3000
+    drain(engine)
     return done
+
+
+def drain(engine) -> None:
+    """Let the copies still in flight land (the prefix cache's own device -> host copies may outlive the jobs)."""
+    deadline = time.monotonic() + 10
+    while engine.kv.pending_transfers():
+        assert time.monotonic() < deadline, "copies never landed"
+        time.sleep(0.002)
+        engine.kv.poll()
 
 
 def same_outputs(got: dict, want: dict) -> None:
@@ -119,8 +129,10 @@ def test_shared_prefixes_and_follow_up_turns_give_the_uncached_outputs(uncached,
     dev = engine.kv.device
     assert dev.num_hits > 0 and dev.num_hits <= dev.num_queries
     assert dev.num_used == 0 and dev.num_refs == 0 and dev.num_free == dev.num_blocks  # references back to zero
-    cached = dev.num_cached
-    assert cached > 0 and engine.kv.clear_prefix_cache() == cached and dev.num_cached == 0
+    host = engine.kv.host
+    cached = dev.num_cached + (host.num_cached if engine.kv.host_caching else 0)
+    assert dev.num_cached > 0 and engine.kv.clear_prefix_cache() == cached and dev.num_cached == 0
+    assert not engine.kv.host_caching or host.num_cached == 0
     dev.check_invariants()
 
 
@@ -179,8 +191,8 @@ def test_evicting_jobs_that_share_a_prefix_never_copies_or_frees_a_block_in_use(
     copies = []
 
     def copy(direction, pairs):
-        if direction is Direction.OFFLOAD:
-            assert all(dev.ref_count(src) == 1 for src, _ in pairs), "an offload copied a shared block"
+        if direction is Direction.OFFLOAD:  # (a job's offload: its own blocks; the cache's copy: blocks no one holds)
+            assert all(dev.ref_count(src) <= 1 for src, _ in pairs), "an offload copied a shared block"
         copies.append(direction)
         return real_copy(direction, pairs)
 
