@@ -232,3 +232,33 @@ def test_no_overlap_where_it_would_change_the_result(tiny_model_dir):
 
     assert overlaps_output(on, Executor(False, 1)) and not overlaps_output(off, Executor(False, 1))
     assert not overlaps_output(on, Executor(False, 2)) and not overlaps_output(on, Executor(True, 1))
+
+
+def test_an_executor_that_dies_at_the_next_launch_still_leaves_complete_text(tiny_model_dir):
+    """With async output, the next step's launch comes between commit and publish: if the executor dies there,
+    ExecutorDeadError propagates (as in synchronous mode) and the committed step's text is decoded first, so the
+    requests the caller then fails carry the text of every token they got."""
+    from engine.executor.base import ExecutorDeadError
+
+    with make_llm(tiny_model_dir, True) as llm:
+        engine = llm.engine
+        engine.add_request("r0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        submit, calls = engine.executor.submit, []
+
+        def dying_submit(batch):
+            calls.append(len(calls))
+            if len(calls) == 4:
+                raise ExecutorDeadError("worker 0 died")
+            return submit(batch)
+
+        engine.executor.submit = dying_submit
+        engine.step()
+        engine.step()
+        with pytest.raises(ExecutorDeadError):
+            engine.step()  # step 3 commits, then launching step 4 fails
+        seq = engine.requests["r0"].seqs[0]
+        assert len(seq.output_ids) == 3
+        assert seq.text == llm.tokenizer.decode(seq.output_ids) != ""
+        out = engine.fail("r0", "worker 0 died")
+        assert out.finished and out.outputs[0].text == seq.text and out.outputs[0].token_ids == seq.output_ids
+        engine.executor.submit = submit
