@@ -174,3 +174,24 @@ def test_bench_engine_reads_sharegpt_lengths_from_the_repository(name):
     assert all(2 <= i <= 128 for i in ins) and all(1 <= o <= 128 for o in outs)
     with pytest.raises(SystemExit, match="--lengths tests/data/sharegpt_fig15_trace.json"):
         bench_engine.sharegpt_lengths(16, 128, ROOT / "tests/data/absent.csv")
+
+
+def test_each_step_counts_the_triton_kernels_it_compiled(tmp_path):
+    """The compiles column (what sizes the kernel steps' limits on the first GPU run): the new *.cubin files a
+    step leaves in TRITON_CACHE_DIR; '-' without a cache folder."""
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    run = run_steps(tmp_path, f"""
+        dc_begin res 100
+        dc_step none 10 true
+        dc_step two 10 bash -c 'mkdir -p {cache}/a {cache}/b && touch {cache}/a/k.cubin {cache}/b/k.cubin {cache}/a/p'
+        dc_step one 10 bash -c 'mkdir -p {cache}/c && touch {cache}/c/k.cubin'
+        dc_finish out/a.tar.gz""", TRITON_CACHE_DIR=str(cache))
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = table_rows(run.stdout)
+    assert [(step, r[3]) for step, r in rows.items()] == [("none", "0"), ("two", "2"), ("one", "1")]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    run = subprocess.run(["bash", "-c", f"source {shlex.quote(str(ROOT / 'scripts/device_check_steps.sh'))}\n"
+                          "dc_begin res 100\ndc_step x 10 true\ndc_finish out/b.tar.gz\n"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert table_rows(run.stdout)["x"][3] == "-"
