@@ -141,11 +141,13 @@ def probe(tiny_model_dir):
         return llm.tokenizer.eos_token_id, text.outputs[0].text[8:11], tokens.outputs[0].token_ids[3]
 
 
-def test_async_output_gives_the_synchronous_outputs_and_batches(tiny_model_dir, probe):
+@pytest.mark.parametrize("engine_args", [{}, {"enable_chunked_prefill": True, "max_num_batched_tokens": 6},
+                                         {"enable_prefix_caching": True}], ids=["plain", "chunked", "prefix-cache"])
+def test_async_output_gives_the_synchronous_outputs_and_batches(tiny_model_dir, probe, engine_args):
     requests = mixed_requests(*probe)
     runs = {}
     for mode in (False, True):
-        with make_llm(tiny_model_dir, mode) as llm:
+        with make_llm(tiny_model_dir, mode, **engine_args) as llm:
             runs[mode] = run(llm, requests)
     assert_same_runs(runs[False], runs[True])
     snaps = runs[True][0]
