@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -264,3 +265,27 @@ def test_an_executor_that_dies_at_the_next_launch_still_leaves_complete_text(tin
         out = engine.fail("r0", "worker 0 died")
         assert out.finished and out.outputs[0].text == seq.text and out.outputs[0].token_ids == seq.output_ids
         engine.executor.submit = submit
+
+
+def test_async_output_over_tensor_parallel_workers(tiny_model_dir, probe):
+    """tp 2 (real gloo worker processes, one step in flight): the next step's message goes out before the last
+    step's outputs are built; the same batches and outputs as synchronous mode over the same workers."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    def config(async_output: bool) -> EngineConfig:
+        return EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, block_size=4,
+                            num_gpu_blocks_override=128, profile="analytic", async_output_processing=async_output)
+
+    requests = mixed_requests(*probe)[:6]
+    first = Engine(config(False))
+    try:
+        runs = {}
+        for mode in (False, True):
+            engine = first if not mode else Engine(config(True), executor=first.executor)
+            engine.emit_running_outputs = True
+            assert engine.overlaps_output == mode
+            runs[mode] = run(SimpleNamespace(engine=engine), requests)
+        assert_same_runs(runs[False], runs[True])
+    finally:
+        first.executor.shutdown()
