@@ -267,6 +267,7 @@ def test_an_executor_that_dies_at_the_next_launch_still_leaves_complete_text(tin
         engine.executor.submit = submit
 
 
+@pytest.mark.slow  # two engines over worker processes: ~30-60 s here
 def test_async_output_over_tensor_parallel_workers(tiny_model_dir, probe):
     """tp 2 (real gloo worker processes, one step in flight): the next step's message goes out before the last
     step's outputs are built; the same batches and outputs as synchronous mode over the same workers."""
