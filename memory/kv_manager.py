@@ -187,8 +187,12 @@ class KVManager:
     def can_fit(self, job, num_new_tokens: int) -> bool:
         # _extra_device_blocks(job, n) <= free, inlined (the scheduler asks this of every job it walks).
         kv = self._jobs.get(job.job_id)
-        have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
-        return -(-(job.num_computed + num_new_tokens) // self.block_size) - have <= self.device.num_free
+        need = -(-(job.num_computed + num_new_tokens) // self.block_size)
+        if kv is None:
+            return need <= self.device.num_free
+        if kv.residency is Residency.HOST:  # the upload takes every host block (a chunked job may hold more)
+            return max(need, len(kv.host)) <= self.device.num_free
+        return need - len(kv.device) <= self.device.num_free
 
     def may_start(self, job, num_new_tokens: int) -> bool:
         """Overload admission: whether a job may start its (re)computation now. A job holding KV (device or
@@ -769,9 +773,13 @@ class KVManager:
 
     def _extra_device_blocks(self, job, num_new_tokens: int) -> int:
         kv = self._jobs.get(job.job_id)
-        # A job on the host holds no device blocks: bringing it back needs room for the whole context.
-        have = len(kv.device) if kv is not None and kv.residency is not Residency.HOST else 0
-        return max(0, blocks_needed(job.num_computed + num_new_tokens, self.block_size) - have)
+        need = blocks_needed(job.num_computed + num_new_tokens, self.block_size)
+        if kv is not None and kv.residency is Residency.HOST:
+            # A job on the host holds no device blocks: bringing it back needs room for every block it has there,
+            # which may be more than its computed tokens need (chunked prefill: blocks allocated for a chunk that
+            # did not run, when the job's upload started instead) and the new tokens'.
+            return max(need, len(kv.host))
+        return max(0, need - (len(kv.device) if kv is not None else 0))
 
     def _grow_host(self) -> None:
         """Take in the host blocks the backend has readied since last asked (engine/host_tier.py): only

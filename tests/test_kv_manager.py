@@ -473,3 +473,35 @@ def test_swap_makes_room_only_for_a_host_job_that_runs_before_an_idle_one():
         kv.plan([], lambda j, now, enst=enst: enst[j.job_id], now=0.0)
         assert kv.residency("j1") is expect and kv.residency("j0") is Residency.DEVICE, h_enst
         assert kv.residency("j9") is Residency.HOST
+
+
+def test_a_job_back_from_the_host_needs_room_for_every_host_block_it_holds():
+    """Chunked prefill: a job picked for a chunk while on the host starts its upload and gets device blocks for
+    that chunk too, but does not run it this tick; offloaded again, it holds more host blocks than its computed
+    tokens need. Bringing it back for a smaller chunk needs all of them: can_fit said yes on its tokens alone and
+    allocate() then failed (a skip-join run at 1.5x capacity with budget 256 in the simulator)."""
+    be = ManualBackend()
+    kv = KVManager(8, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    a, b = job(0, 20), job(1, 24)
+    grow(kv, a, 4)  # its first chunk: 1 block
+    kv.evict(a)
+    be.complete_all()
+    kv.poll()
+    kv.allocate(a, 8)  # picked for a chunk of 8 while on the host: upload of 1 block + 2 for the chunk
+    assert kv.residency("j0") is Residency.UPLOADING and not a.ready
+    be.complete_all()
+    kv.poll()
+    kv.evict(a)  # preempted before the chunk ran: its 3 device blocks go to the host
+    be.complete_all()
+    kv.poll()
+    assert kv.residency("j0") is Residency.HOST and a.num_computed == 4 and kv.host.num_used == 3
+    grow(kv, b, 24)  # 6 of the 8 device blocks: 2 free, enough for 5 tokens but not for a's 3 host blocks
+    assert kv.device.num_free == 2
+    assert not kv.can_fit(a, 1)
+    kv.free("j1")
+    assert kv.can_fit(a, 1)
+    kv.allocate(a, 1)
+    be.complete_all()
+    kv.poll()
+    assert a.ready and kv.residency("j0") is Residency.DEVICE and kv.device.num_used == 3
+    kv.check_invariants()
