@@ -12,7 +12,8 @@ Sections: skip-join at capacity measured at steady state in units of FCFS's capa
 light-load SLOs, per phase), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
 rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), sim vs live
 (scripts/bench_sim_vs_live.py), and what the paper did not test (past capacity, the ENST ablation, alpha,
-profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals).
+profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), and chunked prefill with long
+prompts among short ones (budget vs ITL and served rate, the issue-25 goals).
 Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
 not measurements. The simulations are deterministic (seeded traces, virtual clock); the text of the document
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
     ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
+    ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
+                    "(--max-num-batched-tokens)")
     ap.add_argument("--update", action="store_true", help="with --only: replace those sections in --out")
     args = ap.parse_args(argv)
     args.scales = [MAIN] + [s for s in args.scales.split(",") if s != MAIN]

@@ -28,10 +28,11 @@ import hashlib
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +62,10 @@ class Setup:
     n: int = MIN_REQUESTS
     engine: tuple = ()  # sorted (name, value) pairs passed to simulated_engine (max_num_seqs, kv_policy, ...)
     dataset_path: str | None = None
+    # Long prompts mixed in (issue 25's workload): each request, with this probability (its own seeded draw),
+    # gets a prompt of long_range tokens instead (uniform), its output cut to fit 2,048 tokens in all.
+    long_share: float = 0.0
+    long_range: tuple[int, int] = (1500, 2000)
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -97,14 +102,27 @@ def ratio_stat(num: Sequence[float], den: Sequence[float]) -> Stat:
 
 # -- one run -----------------------------------------------------------------------------------------------------
 def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, int, int]], dict]:
+    """The seed's trace, and the length filter's stats with "long": the indices of the requests whose prompt
+    was replaced by a long one (setup.long_share; the draws do not depend on the rate)."""
     stats: dict = {}
     items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, seed=seed, length_filter=LengthFilter(),
                           stats=stats)
-    return [(it.arrival_s, it.prompt_len, it.output_len) for it in items], stats
+    trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
+    stats["long"] = set()
+    if setup.long_share > 0:
+        rng = random.Random(seed + 1000)
+        for i, (arrival, _, out) in enumerate(trace):
+            if rng.random() < setup.long_share:
+                prompt = rng.randint(*setup.long_range)
+                trace[i] = (arrival, prompt, max(1, min(out, 2048 - prompt)))
+                stats["long"].add(i)
+    return trace, stats
 
 
-def windowed_metrics(outputs, arrivals: Sequence[float]) -> dict:
-    """The steady-state metrics of a finished run: requests arriving in the middle 80% of the span count."""
+def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] = frozenset()) -> dict:
+    """The steady-state metrics of a finished run: requests arriving in the middle 80% of the span count. ITL:
+    every gap between a counted request's successive tokens. The short requests' metrics leave out the requests
+    in `long` (by request id, the trace index); with none long they are every counted request's."""
     first, last = min(arrivals), max(arrivals)
     lo, hi = first + WINDOW[0] * (last - first), first + WINDOW[1] * (last - first)
     counted = [o for o in outputs if lo <= o.metrics.arrival_time <= hi]
@@ -112,6 +130,8 @@ def windowed_metrics(outputs, arrivals: Sequence[float]) -> dict:
     ttft = sorted(o.metrics.ttft_s for o in counted)
     e2e = [o.metrics.e2e_s for o in outputs]  # starvation: over every request
     finished_in = sum(1 for o in outputs if lo <= o.metrics.finished_time <= hi)
+    itl = [g for o in counted for g in o.metrics.itl_s]
+    short = [o for o in counted if int(o.request_id) not in long]
     return {
         "counted": len(counted),
         "mean_per_token_s": statistics.fmean(per_token),
@@ -124,6 +144,13 @@ def windowed_metrics(outputs, arrivals: Sequence[float]) -> dict:
         "max_e2e_s": max(e2e),
         "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,
         "window_s": hi - lo,
+        "median_itl_s": quantile(itl, 0.5),
+        "p99_itl_s": quantile(itl, 0.99),
+        "short_mean_per_token_s": statistics.fmean(o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids))
+                                                   for o in short) if short else 0.0,
+        "short_p99_ttft_s": quantile([o.metrics.ttft_s for o in short], 0.99),
+        "generated_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outputs
+                                      if lo <= o.metrics.finished_time <= hi) / (hi - lo) if hi > lo else 0.0,
     }
 
 
@@ -141,9 +168,9 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
     kv = engine.kv.stats
-    out = windowed_metrics(result.outputs, [a for a, _, _ in trace])
+    out = windowed_metrics(result.outputs, [a for a, _, _ in trace], stats["long"])
     out |= {"policy": policy, "rate": rate, "seed": seed, "wall_s": wall, "requests": len(trace),
-            "dropped_by_filter": stats["dropped"], "dataset_items": stats["read"],
+            "dropped_by_filter": stats["dropped"], "dataset_items": stats["read"], "long_prompts": len(stats["long"]),
             "offloads": kv.num_offloads, "uploads": kv.num_uploads,
             "swap_misses": kv.num_swap_misses, "drops": kv.num_drops,
             "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
@@ -281,12 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity-seeds", type=int, default=3)
     ap.add_argument("--engine", action="append", default=[], help="NAME=VALUE passed to the simulated engine "
                     "(e.g. kv_policy=reactive, max_num_seqs=256); repeatable")
+    ap.add_argument("--long-share", type=float, default=0.0, help="share of requests given a 1,500-2,000-token "
+                    "prompt instead (issue 25's mix)")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     engine = tuple(sorted(_engine_arg(a) for a in args.engine))
-    setup = Setup(args.scale, args.dataset, args.num_prompts, engine, args.dataset_path)
+    setup = Setup(args.scale, args.dataset, args.num_prompts, engine, args.dataset_path, args.long_share)
     runner = Runner(args.jobs, args.cache)
     t0 = time.perf_counter()
     _, stats = trace_for(setup, 1.0, 0)

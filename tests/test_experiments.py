@@ -177,3 +177,45 @@ def test_update_puts_a_new_section_in_the_documents_order(tmp_path):
     text = doc.read_text()
     assert [ln for ln in text.split("\n") if ln.startswith("## ")] == ["## A", "## B", "## C", "## D"]
     assert "--only b`\n\n## C\n" in text
+
+
+def test_steady_state_mix_replaces_a_seeded_share_of_prompts_whatever_the_rate():
+    """Issue 25's workload: with long_share each request's prompt is replaced, by its own seeded draw, with one of
+    long_range tokens (its output cut to fit 2,048); the same requests at any rate, none without a share."""
+    from steady_state import Setup, trace_for
+
+    plain, stats0 = trace_for(Setup(n=400), 1.0, 3)
+    mixed, stats = trace_for(Setup(n=400, long_share=0.1), 1.0, 3)
+    fast, stats2 = trace_for(Setup(n=400, long_share=0.1), 4.0, 3)
+    assert stats0["long"] == set() and stats["long"] == stats2["long"]
+    assert 20 <= len(stats["long"]) <= 60  # ~40 of 400
+    for i, ((t0, p0, o0), (t1, p1, o1)) in enumerate(zip(plain, mixed)):
+        assert t0 == t1
+        if i in stats["long"]:
+            assert 1500 <= p1 <= 2000 and 1 <= o1 == min(o0, 2048 - p1)
+        else:
+            assert (p1, o1) == (p0, o0)
+    assert [p for _, p, _ in fast] == [p for _, p, _ in mixed]
+
+
+def test_windowed_metrics_report_itl_and_the_short_requests_alone(sim_model):
+    """ITL: every gap between a counted request's tokens; the short requests' metrics leave out the long ones."""
+    from steady_state import windowed_metrics
+
+    from engine.simulation import quantile
+
+    model, profile = sim_model
+    trace = [(i * 0.5, 1800 if i % 4 == 1 else 40, 6) for i in range(21)]
+    res = run_trace(simulated_engine(model, profile, num_device_blocks=2000, scheduling_policy="fcfs"), trace)
+    long = {i for i in range(21) if i % 4 == 1}
+    m = windowed_metrics(res.outputs, [t for t, _, _ in trace], long)
+    counted = [o for o in res.outputs if 1.0 <= o.metrics.arrival_time <= 9.0]
+    short = [o for o in counted if int(o.request_id) not in long]
+    assert 0 < len(short) < len(counted) == m["counted"]
+    gaps = [g for o in counted for g in o.metrics.itl_s]
+    assert len(gaps) == 5 * len(counted)
+    assert m["p99_itl_s"] == quantile(gaps, 0.99) and m["median_itl_s"] == quantile(gaps, 0.5)
+    assert m["short_mean_per_token_s"] == pytest.approx(sum(o.metrics.e2e_s / 6 for o in short) / len(short))
+    assert m["short_p99_ttft_s"] == quantile([o.metrics.ttft_s for o in short], 0.99)
+    everyone = windowed_metrics(res.outputs, [t for t, _, _ in trace])
+    assert everyone["short_mean_per_token_s"] == pytest.approx(everyone["mean_per_token_s"])

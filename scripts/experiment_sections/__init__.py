@@ -29,6 +29,7 @@ SECTIONS: dict[str, str] = {
     "robustness": "sched",
     "kv_steady": "sched",
     "azure": "azure",
+    "chunked": "chunked",
     "live_slo": "live_slo",
     "live": "live",
 }
