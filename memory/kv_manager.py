@@ -101,6 +101,7 @@ class KVStats:
     num_prefix_uploads: int = 0  # uploads of a job's cached prefix found on the host (not KV it computed)
     num_prefix_uploads_on_demand: int = 0  # of those, started when the scheduler picked the job (not ahead)
     num_prefix_prefetches: int = 0  # jobs parked with a host prefix while they waited to start (proactive)
+    num_prefix_releases: int = 0  # of those, uploaded but given back to the cache when nothing could run
     blocks_not_copied: int = 0  # blocks of an offload or upload whose copy the other tier's cache already held
 
 
@@ -431,6 +432,8 @@ class KVManager:
             if self._recheck_waiting and self._waiting:
                 self._park_waiting()  # waiting jobs whose prefix is on the host: the planner uploads them by ENST
             plan_transfers(self, batch, estimated_wait, now)  # (it keeps clear of this tick's promised room)
+            if not batch and self._host_cache:
+                self._release_unstarted()
         self._claimed = self._promised = 0  # promises of room last for the tick that made them
 
     @property
@@ -646,6 +649,26 @@ class KVManager:
             if len(hosted) > len(dev.lookup(kv.hashes, max_blocks)):
                 self._park_prefix(kv, job, hosted)
                 self.stats.num_prefix_prefetches += 1
+
+    def _release_unstarted(self) -> None:
+        """Nothing could run this tick: the jobs not started that hold device blocks only because their cached
+        prefix was uploaded ahead of need give them back to the cache (named, so their next allocation finds them
+        again, on the device or the host). The scheduler evicts started jobs alone, so room held by these would
+        otherwise stay held while the jobs the scheduler walks first wait for it (a livelock the soak found).
+        Not parked again before the next tick: the scheduler has the room first."""
+        for jid, kv in list(self._jobs.items()):
+            job = kv.job
+            if (not kv.host_prefix or kv.residency is not Residency.DEVICE or kv.transfer is not None
+                    or job.in_flight or job.first_scheduled_time is not None):
+                continue
+            self._register_full(kv)
+            self.device.free(jid, kv.device)
+            kv.device, kv.residency, kv.host_prefix = [], Residency.NONE, False
+            kv.registered_table, kv.num_registered = None, 0
+            job.num_computed = 0
+            self._waiting[jid] = kv
+            self.stats.num_prefix_releases += 1
+        self._start_backups()
 
     def audit(self) -> dict[str, dict[str, int]]:
         """The accounting check (no leaks): every block of each tier is free, cached (named, held by no one), held

@@ -15,7 +15,8 @@ added, wherever they are then (waiting, uploading their prefix from the host, pr
 engine.abort is what the HTTP server calls when a client disconnects (serving/, AsyncEngine.abort). An aborted
 turn is retried once with the same history (a client reconnecting) or ends its conversation.
 
-Checks (exit status 1 if one fails): every --audit-every steps, KVManager.audit (every block of each tier free,
+Checks (exit status 1 if one fails): the engine keeps making progress (some output within 5,000 steps); every
+--audit-every steps, KVManager.audit (every block of each tier free,
 cached, held by a live job or by a cache copy in flight; reference counts equal the block tables); at the end,
 no job holds a block and no reference is left on either tier, and after clear_prefix_cache() every block of both
 tiers is free. It also reports how often blocks went to the host and came back, so a run that never used the host
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 BS = 4
+NO_PROGRESS_STEPS = 5000  # steps without any output: a livelock (a turn takes a few dozen steps at most)
 SMALL = dict(vocab_size=512, max_position_embeddings=256, hidden_size=64, num_hidden_layers=3,
              num_attention_heads=4, ffn_dim=128)
 
@@ -112,7 +114,9 @@ def soak(engine, cfg: SoakConfig) -> dict:
         open_conversation()
     idle = list(convs)
     t0 = time.perf_counter()
+    last_progress = 0
     while sent < cfg.requests or live:
+        assert steps - last_progress < NO_PROGRESS_STEPS, f"no request finished in {NO_PROGRESS_STEPS} steps (livelock)"
         while idle and sent < cfg.requests:  # every idle conversation sends its next turn now
             c = idle.pop()
             if not send(c):  # the next turn would not fit the context: a new conversation instead
@@ -121,6 +125,8 @@ def soak(engine, cfg: SoakConfig) -> dict:
                 idle.append(next_conv - 1)
         outs = engine.step()
         steps += 1
+        if outs:
+            last_progress = steps
         for out in outs:
             if not out.finished or out.request_id not in live:
                 continue

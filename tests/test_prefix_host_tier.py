@@ -359,3 +359,33 @@ def test_the_property_workloads_evict_to_the_host_and_reuse_from_it(prop_model):
     same_outputs(got, want)
     s = engine.kv.stats
     assert s.cache_evicted_to_host > 0 and s.host_hit_tokens > 0 and got["e"].num_cached_tokens == 24
+
+
+def test_a_prefetched_job_gives_its_room_back_when_nothing_can_run():
+    """A waiting job whose prefix came up ahead of need holds device blocks the scheduler cannot evict (it evicts
+    started jobs only); when a tick runs nothing, they go back to the cache (named) and the job waits with no KV,
+    so the jobs ahead of it get the room (the soak's livelock, before this rule)."""
+    kv, be, src = make_kv(device=8, host=32, policy="proactive")
+    p = tokens(16, 1)
+    a = new_job(src, "a", p + [5])
+    prefill(kv, a)
+    kv.free("a")
+    land(kv, be)
+    z = new_job(src, "z", tokens(28, 2))  # evicts three of a's cached blocks from the device
+    prefill(kv, z)
+    kv.free("z")
+    land(kv, be)
+    w = new_job(src, "w", p + tokens(3, 3))
+    assert kv.expected_hit(w) == 16
+    kv.plan([new_job(src, "x", [1])], lambda j, now: 1.0, 0.0)  # a tick that ran something: w comes up
+    land(kv, be)
+    assert kv.residency("w") is Residency.DEVICE and w.num_computed == 16 and kv.stats.num_prefix_prefetches == 1
+    kv.plan([], lambda j, now: 1.0, 0.0)  # a tick that ran nothing
+    assert kv.residency("w") is Residency.NONE and w.num_computed == 0 and kv.stats.num_prefix_releases == 1
+    assert kv.device.num_refs == 0 and kv.device.num_free == 8
+    assert kv.expected_hit(w) == 16  # still cached
+    kv.allocate(w, w.context_len)  # its first allocation finds the prefix again, on the device
+    assert w.ready and w.num_computed == 16 and kv.cached_tokens("w") == 16
+    kv.free("w")
+    land(kv, be)
+    kv.audit()
