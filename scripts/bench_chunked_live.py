@@ -5,6 +5,7 @@ other jobs on a shared machine changes over time.
 
     .venv/bin/python scripts/bench_chunked_live.py throughput --budgets 512 2048 --reps 3
     .venv/bin/python scripts/bench_chunked_live.py serve --budgets 256 512 --rate 3 --reps 3
+    .venv/bin/python scripts/bench_chunked_live.py replay --budgets 256 512 --rate 2 --reps 2
 
 throughput: saturation, in process. Every request is queued at once (more than --max-num-seqs, so prompts keep
 joining running decodes until the queue is empty) and the engine steps until all are done; the tokens (prompt and
@@ -16,6 +17,11 @@ B, for each B of --budgets, or --no-enable-chunked-prefill), the load generator 
 the mix as token-id prompts at a Poisson --rate with streaming; P99 and median ITL (every gap between a request's
 streamed chunks), the served request rate, and per repetition the ratios unchunked P99 ITL / chunked (the goal:
 >= 3) and chunked served rate / unchunked (the goal: >= 0.97).
+
+replay: the serve comparison without HTTP and without the machine's load: the engine in process on a virtual clock
+that each step advances by the CPU time it took (the engine's and the model's threads), the mix's requests added
+at their Poisson arrival times on that clock; ITL is then what a dedicated core would give. The served rate is
+requests over the span from the first arrival to the last finish.
 """
 
 from __future__ import annotations
@@ -99,6 +105,81 @@ def throughput(args) -> int:
     return 0
 
 
+# -- arrivals on a clock of CPU time, in process ------------------------------------------------------------------
+def replay_run(trace: list[tuple[float, list[int], int]], budget: int | None, max_num_seqs: int) -> dict:
+    """The engine on a virtual clock that each step advances by the CPU time it took (process_time: the engine's
+    and the model's threads), requests added at their Poisson arrival times on that clock: the latencies a
+    dedicated core would give, whatever share of the machine the process gets."""
+    from engine.clock import VirtualClock
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    clock = VirtualClock()
+    engine = Engine(EngineConfig(device="cpu", enable_chunked_prefill=budget is not None,
+                                 max_num_batched_tokens=budget or 8192, max_num_seqs=max_num_seqs, seed=0),
+                    clock=clock)
+    engine.emit_running_outputs = False
+    done = []
+    try:
+        nxt = 0
+        while nxt < len(trace) or engine.has_unfinished():
+            if not engine.has_unfinished() and trace[nxt][0] > clock.now():
+                clock.advance(trace[nxt][0] - clock.now())
+            while nxt < len(trace) and trace[nxt][0] <= clock.now():
+                arrival, prompt, out = trace[nxt]
+                engine.add_request(str(nxt), prompt, SamplingParams(temperature=0, max_tokens=out, ignore_eos=True),
+                                   arrival_time=arrival)
+                nxt += 1
+            cpu = time.process_time()
+            outs = engine.step()
+            clock.advance(time.process_time() - cpu)
+            done += [o for o in outs if o.finished]
+    finally:
+        engine.shutdown()
+    from engine.simulation import quantile
+
+    itl = [g for o in done for g in o.metrics.itl_s]
+    span = max(o.metrics.finished_time for o in done) - trace[0][0]
+    return {"p99_itl_ms": 1e3 * quantile(itl, 0.99), "median_itl_ms": 1e3 * quantile(itl, 0.5),
+            "request_throughput": len(done) / span, "completed": len(done)}
+
+
+def replay(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    mix, long = mixed_trace(args.num_prompts, args.rate, args.seed, args.long_share)
+    rng = random.Random(args.seed)
+    trace = [(t, [rng.randrange(3, VOCAB) for _ in range(p)], o) for t, p, o in mix]
+    print(f"{len(trace)} requests ({len(long)} long) at {args.rate} req/s of CPU time, budgets {args.budgets}",
+          flush=True)
+    sides = ["unchunked", *(f"chunked {b}" for b in args.budgets)]
+    budget = dict(zip(sides, [None, *args.budgets]))
+    runs: dict = {side: [] for side in sides}
+    for rep in range(args.reps):
+        for side in (sides if rep % 2 == 0 else sides[::-1]):
+            r = replay_run(trace, budget[side], args.max_num_seqs)
+            runs[side].append(r)
+            print(f"rep {rep} {side:>13}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.items()), flush=True)
+    report(runs, sides)
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+def report(runs: dict, sides: list[str]) -> None:
+    base = runs["unchunked"]
+    for side in sides[1:]:
+        itl = [u["p99_itl_ms"] / c["p99_itl_ms"] for c, u in zip(runs[side], base)]
+        served = [c["request_throughput"] / u["request_throughput"] for c, u in zip(runs[side], base)]
+        print(f"{side}: unchunked P99 ITL / this (goal >= 3) {spread(itl, 2)}; served rate / unchunked's "
+              f"(goal >= 0.97) {spread(served)}")
+    for side in sides:
+        print(f"{side}: P99 ITL ms {spread([r['p99_itl_ms'] for r in runs[side]], 1)}; median ITL ms "
+              f"{spread([r['median_itl_ms'] for r in runs[side]], 1)}")
+
+
 # -- over HTTP ---------------------------------------------------------------------------------------------------
 def write_mix(path: Path, n: int, seed: int, long_share: float) -> set[int]:
     trace, long = mixed_trace(n, 1.0, seed, long_share)
@@ -148,15 +229,7 @@ def serve(args) -> int:
             r = serve_run(args, budget[side], dataset, tmp, f"{side.replace(' ', '-')}-{rep}")
             runs[side].append(r)
             print(f"rep {rep} {side:>13}: " + ", ".join(f"{k} {r[k]:.4g}" for k in keys), flush=True)
-    base = runs["unchunked"]
-    for side in sides[1:]:
-        itl = [u["p99_itl_ms"] / c["p99_itl_ms"] for c, u in zip(runs[side], base)]
-        served = [c["request_throughput"] / u["request_throughput"] for c, u in zip(runs[side], base)]
-        print(f"{side}: unchunked P99 ITL / this (goal >= 3) {spread(itl, 2)}; served rate / unchunked's "
-              f"(goal >= 0.97) {spread(served)}")
-    for side in sides:
-        print(f"{side}: P99 ITL ms {spread([r['p99_itl_ms'] for r in runs[side]], 1)}; median ITL ms "
-              f"{spread([r['median_itl_ms'] for r in runs[side]], 1)}")
+    report(runs, sides)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     return 0
@@ -170,18 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--num-prompts", type=int, default=150)
     t.add_argument("--max-num-seqs", type=int, default=32)
     s = sub.add_parser("serve", help="over HTTP at a Poisson rate")
-    s.add_argument("--budgets", type=int, nargs="+", default=[512])
-    s.add_argument("--num-prompts", type=int, default=150)
-    s.add_argument("--rate", type=float, default=3.0)
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    for p in (t, s):
+    r = sub.add_parser("replay", help="in process, Poisson arrivals on a clock of CPU time")
+    for p in (s, r):
+        p.add_argument("--budgets", type=int, nargs="+", default=[512])
+        p.add_argument("--num-prompts", type=int, default=150)
+        p.add_argument("--rate", type=float, default=3.0)
+        p.add_argument("--max-num-seqs", type=int, default=256)
+    for p in (t, s, r):
         p.add_argument("--reps", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--long-share", type=float, default=0.1)
         p.add_argument("--threads", type=int, default=1, help="torch threads (the server's OMP_NUM_THREADS)")
         p.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    return throughput(args) if args.mode == "throughput" else serve(args)
+    return {"throughput": throughput, "serve": serve, "replay": replay}[args.mode](args)
 
 
 if __name__ == "__main__":
