@@ -142,6 +142,7 @@ def replay_run(trace: list[tuple[float, list[int], int]], budget: int | None, ma
     itl = [g for o in done for g in o.metrics.itl_s]
     span = max(o.metrics.finished_time for o in done) - trace[0][0]
     return {"p99_itl_ms": 1e3 * quantile(itl, 0.99), "median_itl_ms": 1e3 * quantile(itl, 0.5),
+            "p999_itl_ms": 1e3 * quantile(itl, 0.999), "max_itl_ms": 1e3 * max(itl),
             "request_throughput": len(done) / span, "completed": len(done)}
 
 
