@@ -159,6 +159,10 @@ class KVManager:
         self._grow_host()
         self._now = now  # the engine's clock: swap waits are measured on it (virtual in the simulator)
         self._jobs: dict[str, JobKV] = {}
+        self._made = 0  # entries made so far (JobKV.order)
+        # Entries that became device-resident (Residency.DEVICE), pruned lazily when offload_candidates meets one
+        # that has left that state or was freed: the planner's candidates without a scan of every job.
+        self._device_resident: dict[JobKV, None] = {}
         self._orphans: list[JobKV] = []  # freed while a copy was in flight
         self._inflight: dict[JobKV, None] = {}  # entries with a transfer in flight (orphans included)
         # Entries whose KV is on the host alone (Residency.HOST), by job, in the order they got there; and how
@@ -272,6 +276,7 @@ class KVManager:
             kv.device.extend(self.device.allocate(job.job_id, extra))
         if kv.residency is Residency.NONE:
             kv.residency = Residency.DEVICE
+            self._device_resident[kv] = None
 
     @property
     def victims_by_priority(self) -> bool:
@@ -393,8 +398,16 @@ class KVManager:
     def offload_candidates(self, exclude: set[str]) -> list[JobKV]:
         """Entries whose KV is on the device alone with no copy this tick, not in flight in a pipeline
         stage and not in `exclude` (the batch): what the proactive planner may offload."""
-        found = [e for e in self._jobs.values() if e.residency is Residency.DEVICE and e.device
-                 and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != self.tick]
+        resident, jobs, tick = self._device_resident, self._jobs, self.tick
+        found, gone = [], []
+        for e in resident:
+            if e.residency is not Residency.DEVICE or jobs.get(e.job.job_id) is not e:
+                gone.append(e)  # left the device, or freed: forgotten until it comes back
+            elif e.device and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != tick:
+                found.append(e)
+        for e in gone:
+            del resident[e]
+        found.sort(key=lambda e: e.order)  # the order of self._jobs, as a scan of it would give
         if self._prefix is not None:  # a job sharing its prefix is never offloaded (its blocks are in use)
             found = [e for e in found if self.device.ref_count(e.device[0]) == 1]
         return found
@@ -766,6 +779,9 @@ class KVManager:
         self.device.check_invariants()
         self.host.check_invariants()
         entries = list(self._jobs.values()) + self._orphans
+        missing = [kv.job.job_id for kv in self._jobs.values()
+                   if kv.residency is Residency.DEVICE and kv not in self._device_resident]
+        assert not missing, f"device-resident entries the planner's index lacks: {missing}"
         dev = sum(len(kv.device) for kv in entries)
         host = sum(len(kv.host) for kv in entries) + self._backup_host_blocks
         # (With prefix caching, blocks are shared: the tables add up to the references held.)
@@ -791,7 +807,8 @@ class KVManager:
     def _entry(self, job) -> JobKV:
         kv = self._jobs.get(job.job_id)
         if kv is None:
-            kv = self._jobs[job.job_id] = JobKV(job)
+            self._made += 1
+            kv = self._jobs[job.job_id] = JobKV(job, order=self._made)
         return kv
 
     def _extra_device_blocks(self, job, num_new_tokens: int) -> int:
@@ -960,6 +977,7 @@ class KVManager:
             self.host.free(jid, kv.host)
             kv.host = []
             kv.residency = Residency.DEVICE
+            self._device_resident[kv] = None
             kv.job.ready = True
         kv.transfer = None
 

@@ -24,6 +24,7 @@ class JobKV:
     device: list[int] = field(default_factory=list)
     host: list[int] = field(default_factory=list)
     residency: Residency = Residency.NONE
+    order: int = 0  # when the KV manager made the entry (its offload candidates come in this order)
     transfer: TransferHandle | None = None
     transfer_tick: int = -1  # tick the last transfer started (no ping-pong within a tick)
     transfer_started: float = 0.0
