@@ -856,44 +856,42 @@ class KVManager:
         """Two tiers: the job's host table for an offload, sharing the host cache's copy of each named block it
         has and allocating the rest; returns the (device, host) pairs to copy, or None (nothing changed) when
         the host has no room."""
-        dev, host, jid = self.device, self.host, kv.job.job_id
         self._register_full(kv)
-        shared: dict[int, int] = {}
-        for i, b in enumerate(kv.device):
-            name = dev.hash_of(b)
-            if name is not None:
-                hb = host.block_of(name)
-                if hb is not None:
-                    shared[i] = hb
-        unheld = sum(1 for hb in shared.values() if not host.ref_count(hb))
-        if len(kv.device) - len(shared) + unheld > host.num_free:
+        made = self._mirror_table(kv.job.job_id, kv.device, self.device, self.host)
+        if made is None:
             return None
-        host.share(jid, list(shared.values()))
-        fresh = iter(host.allocate(jid, len(kv.device) - len(shared)))
-        kv.host = [shared[i] if i in shared else next(fresh) for i in range(len(kv.device))]
-        self.stats.blocks_not_copied += len(shared)
-        return [(b, hb) for i, (b, hb) in enumerate(zip(kv.device, kv.host)) if i not in shared]
+        kv.host, pairs = made
+        return pairs
 
     def _device_copies(self, kv: JobKV) -> list[tuple[int, int]] | None:
         """Two tiers: the job's device table for an upload, sharing the device cache's copy of each named host
         block and allocating the rest; returns the (host, device) pairs to copy, or None (nothing changed) when
         the device has no room."""
-        dev, host, jid = self.device, self.host, kv.job.job_id
-        shared: dict[int, int] = {}
-        for i, hb in enumerate(kv.host):
-            name = host.hash_of(hb)
-            if name is not None:
-                b = dev.block_of(name)
-                if b is not None:
-                    shared[i] = b
-        unheld = sum(1 for b in shared.values() if not dev.ref_count(b))
-        if len(kv.host) - len(shared) + unheld > dev.num_free:
+        made = self._mirror_table(kv.job.job_id, kv.host, self.host, self.device)
+        if made is None:
             return None
-        dev.share(jid, list(shared.values()))
-        fresh = iter(dev.allocate(jid, len(kv.host) - len(shared)))
-        kv.device = [shared[i] if i in shared else next(fresh) for i in range(len(kv.host))]
+        kv.device, pairs = made
+        return pairs
+
+    def _mirror_table(self, jid: str, table: list[int], tier, other) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """The job's table on `other` for a copy of `table` (on `tier`): each block whose name `other` caches is
+        shared (not copied), the rest allocated. Returns (the new table, the (source, destination) pairs to copy),
+        or None, with nothing changed, when `other` has no room."""
+        shared: dict[int, int] = {}
+        for i, b in enumerate(table):
+            name = tier.hash_of(b)
+            if name is not None:
+                found = other.block_of(name)
+                if found is not None:
+                    shared[i] = found
+        unheld = sum(1 for b in shared.values() if not other.ref_count(b))
+        if len(table) - len(shared) + unheld > other.num_free:
+            return None
+        other.share(jid, list(shared.values()))
+        fresh = iter(other.allocate(jid, len(table) - len(shared)))
+        mirror = [shared[i] if i in shared else next(fresh) for i in range(len(table))]
         self.stats.blocks_not_copied += len(shared)
-        return [(hb, b) for i, (hb, b) in enumerate(zip(kv.host, kv.device)) if i not in shared]
+        return mirror, [(b, m) for i, (b, m) in enumerate(zip(table, mirror)) if i not in shared]
 
     def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
         n = len(kv.host)
