@@ -86,7 +86,7 @@ def soak(engine, cfg: SoakConfig) -> dict:
     rng = random.Random(cfg.seed)
     kv = engine.kv
     systems = [[rng.randrange(3, 512) for _ in range(n)] for n in (8, 21, 34)]
-    ctx = engine.max_model_len
+    ctx = min(engine.max_model_len, cfg.device_blocks * BS)  # a request's whole KV must fit the device too
     convs: dict[int, dict] = {}  # conversation -> {"history": tokens, "turns_left": n, "retry": bool}
     live: dict[str, tuple[int, int | None]] = {}  # request id -> (conversation, step to abort at or None)
     next_conv = sent = finished = aborted = steps = 0
