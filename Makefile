@@ -43,7 +43,7 @@ browser:
 ## test: lint + the test suite (slow tests excluded; see test-slow; the third-party clients: see test-clients)
 test: $(STAMP) browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow and not cuda" --ignore=tests/clients $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not cuda" --ignore=tests/clients --durations=20 $(ARGS)
 
 ## test-clients: guidellm, lm-eval, langchain-openai and litellm (installed first, versions pinned in
 ## requirements-clients.txt) run against a live server.py with the built-in tiny model (tests/clients)
