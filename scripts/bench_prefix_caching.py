@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
+from steady_state import engine_arg  # noqa: E402  (--engine NAME=VALUE, as the steady-state harness reads it)
+
 from fastserve.bench.workload import LengthFilter, load_workload  # noqa: E402
 
 PARTS = ("tick", "throughput")
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="NAME=VALUE, an engine setting for both sides (e.g. kv_policy=recompute); repeatable")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    args.engine_args = dict(_engine_arg(a) for a in args.engine)
+    args.engine_args = dict(engine_arg(a) for a in args.engine)
     parts = args.parts.split(",")
     if set(parts) - set(PARTS):
         raise SystemExit(f"--parts: choose from {', '.join(PARTS)}")
@@ -217,16 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0 if ok else 1
-
-
-def _engine_arg(text: str) -> tuple[str, object]:
-    name, _, value = text.partition("=")
-    for conv in (int, float):
-        try:
-            return name, conv(value)
-        except ValueError:
-            pass
-    return name, {"true": True, "false": False, "none": None}.get(value.lower(), value)
 
 
 if __name__ == "__main__":

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    engine = tuple(sorted(_engine_arg(a) for a in args.engine))
+    engine = tuple(sorted(engine_arg(a) for a in args.engine))
     setup = Setup(args.scale, args.dataset, args.num_prompts, engine, args.dataset_path, args.long_share)
     runner = Runner(args.jobs, args.cache)
     t0 = time.perf_counter()
@@ -333,14 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _engine_arg(text: str) -> tuple[str, object]:
+def engine_arg(text: str) -> tuple[str, object]:
+    """NAME=VALUE of an --engine flag: the value as an int, a float, true/false/none, or else the string."""
     name, _, value = text.partition("=")
     for conv in (int, float):
         try:
             return name, conv(value)
         except ValueError:
             pass
-    return name, None if value.lower() == "none" else value
+    return name, {"true": True, "false": False, "none": None}.get(value.lower(), value)
 
 
 if __name__ == "__main__":
