@@ -17,17 +17,7 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import overlaps_output
-
-PROMPTS = [
-    "The quick brown fox",
-    "Serving large language models",
-    "A",
-    "Scheduling at token granularity removes head-of-line blocking, which is most of the latency",
-    "Caches and queues",
-    "Numbers: 1 2 3 4 5 6 7 8 9 10",
-    "Paris is",
-    "Ünïcödé ✓ 日本語",
-]
+from tests.test_engine_outputs import PROMPTS
 
 
 def make_llm(model_dir, async_output: bool, **kw) -> LLM:
