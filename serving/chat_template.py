@@ -34,9 +34,15 @@ from engine.errors import ValidationError
 #   System: You are terse.
 #   User (alice): Hello
 #   Assistant:
+# A content that starts with white space is written right after the colon, any other after one space. So the
+# generation prompt is a prefix of the next turn's rendering of the reply the model wrote after it: a byte-level
+# BPE model answers "Assistant:" with " Hello" (the space is part of the word's token), and the next turn renders
+# "Assistant: Hello", the same tokens, so a prefix cache finds the whole previous turn, answer included (always
+# adding a space gave "Assistant:  Hello" and the cache stopped at the colon).
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{{ m['role'] | capitalize }}{% if m['name'] %} ({{ m['name'] }}){% endif %}: {{ m['content'] }}\n"
+    "{{ m['role'] | capitalize }}{% if m['name'] %} ({{ m['name'] }}){% endif %}:"
+    "{% if m['content'][:1] not in [' ', '\n', '\t', '\r'] %} {% endif %}{{ m['content'] }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )

@@ -10,8 +10,11 @@ import time
 import aiohttp
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.errors import ValidationError
+from engine.tokenizer import Tokenizer
 from serving.chat_template import ChatTemplate
 from tests.server_fixtures import (
     DEFAULT_ARGS,
@@ -185,6 +188,33 @@ def test_chat_template_default_and_from_a_file(tmp_path):
     assert template.render(messages[1:]) == "[Hi]</s>"
     with pytest.raises(ValidationError, match="no system messages"):
         template.render(messages)
+
+
+@settings(max_examples=200, deadline=None)
+@given(answer=st.text(max_size=20), user=st.text(min_size=1, max_size=20))
+def test_chat_template_generation_prompt_is_a_prefix_of_the_next_turn(answer, user):
+    """The next turn renders the model's answer right after the generation prompt (one space only when the
+    answer has no leading white space), so the previous turn's prompt and answer are a prefix of the next one."""
+    template = ChatTemplate()
+    history = [{"role": "user", "content": user}]
+    prompt = template.render(history)
+    after = template.render([*history, {"role": "assistant", "content": answer},
+                             {"role": "user", "content": user}])
+    joiner = "" if answer[:1] in (" ", "\n", "\t", "\r") else " "
+    assert after.startswith(prompt + joiner + answer + "\n")
+
+
+def test_chat_template_keeps_a_byte_level_bpe_answer_s_tokens(tiny_model_dir):
+    """With the tiny model's byte-level BPE, prompt tokens + the answer's tokens (" Hello there", as the model
+    writes a word after "Assistant:") are a token prefix of the next turn: a prefix cache hits the whole turn."""
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate()
+    history = [{"role": "user", "content": "Tell me a story."}]
+    answer = " Once upon a time there was a cat."
+    first = tokenizer.encode(template.render(history)) + tokenizer.encode(answer, add_special_tokens=False)
+    second = tokenizer.encode(template.render([*history, {"role": "assistant", "content": answer},
+                                               {"role": "user", "content": "More."}]))
+    assert second[:len(first)] == first
 
 
 def test_health_answers_during_a_long_prefill(server):
