@@ -15,18 +15,20 @@ from pathlib import Path
 
 from engine.config import DEFAULT_MODEL_DIR
 from modelmaker.opt_checkpoint import TINY_SHAPE, opt_config, write_opt_checkpoint
-from modelmaker.tiny_tokenizer import train_tiny_tokenizer
+from modelmaker.tiny_tokenizer import train_tiny_tokenizer, train_word_tokenizer
 
 TINY_SEED = 0
+TOKENIZERS = {"bpe": train_tiny_tokenizer, "word": train_word_tokenizer}  # "bpe": the built-in model's
 
 
-def build_tiny_model(out_dir: str | Path) -> Path:
-    """Write the tiny model (tokenizer + config + weights) into out_dir, atomically."""
+def build_tiny_model(out_dir: str | Path, tokenizer: str = "bpe") -> Path:
+    """Write the tiny model (tokenizer + config + weights) into out_dir, atomically. tokenizer="word" gives the
+    same shape with a word-level tokenizer (modelmaker/tiny_tokenizer.py says why)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-opt-", dir=out.parent))
     try:
-        tok = train_tiny_tokenizer(tmp)
+        tok = TOKENIZERS[tokenizer](tmp)
         write_opt_checkpoint(tmp, opt_config(vocab_size=tok.vocab_size, **TINY_SHAPE), seed=TINY_SEED)
         if out.exists():  # another process finished first
             shutil.rmtree(tmp)

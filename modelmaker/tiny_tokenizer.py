@@ -5,6 +5,12 @@ corpus in scripts/data/tiny_corpus.txt and writes it in OPT's Hugging Face layou
 `engine.tokenizer.Tokenizer` and transformers' AutoTokenizer load it and give the same ids (BOS "</s>" first).
 Training is deterministic: the same files, byte for byte, on every run and machine.
 
+`train_word_tokenizer` writes a word-level one (one id per white-space-separated word of the corpus, "<unk>" for
+any other): a random-weight model's output then survives decode -> encode, as a trained model's text does, and
+a byte-level BPE's random output does not (random byte tokens merge differently when re-encoded, and stray
+bytes become U+FFFD). Multi-turn benchmarks of prefix caching need that: the next turn sends the previous
+answer back as text (scripts/live_prefix_caching.py --tokenizer word).
+
 What this is not: a tokenizer for real text (the corpus is ~26 KB; OPT checkpoints ship their own), and
 not the loader (engine/tokenizer.py), which the engine uses; this module is development tooling
 (modelmaker/), outside the engine's imports.
@@ -74,5 +80,31 @@ def train_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 4096) -> 
     backend.save(str(out / "tokenizer.json"), pretty=True)
     backend.model.save(str(out))  # vocab.json + merges.txt
     _write_json(out / "tokenizer_config.json", _TOKENIZER_CONFIG)
+    _write_json(out / "special_tokens_map.json", _SPECIAL_TOKENS_MAP)
+    return Tokenizer.from_pretrained(out)
+
+
+# Words the default chat template (serving/chat_template.py) writes, so that they are not "<unk>".
+CHAT_TEMPLATE_WORDS = "System: User: Assistant:"
+
+
+def train_word_tokenizer(out_dir: str | os.PathLike) -> Tokenizer:
+    """A word-level tokenizer (split on white space; no decoder, so decoding joins words with one space) over the
+    corpus's words and the chat template's, written as tokenizer.json + the OPT configs; return it loaded.
+    Decoding then encoding any ids that are not special gives the same ids back."""
+    if not CORPUS.is_file():
+        raise TokenizerError(f"tiny tokenizer corpus {CORPUS} is missing")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], show_progress=False)
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    backend.train_from_iterator([*lines, CHAT_TEMPLATE_WORDS], trainer)  # ties broken by word: deterministic
+    bos = ("</s>", backend.token_to_id("</s>"))
+    backend.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[bos])
+    backend.save(str(out / "tokenizer.json"), pretty=True)
+    _write_json(out / "tokenizer_config.json", {**_TOKENIZER_CONFIG, "tokenizer_class": "PreTrainedTokenizerFast"})
     _write_json(out / "special_tokens_map.json", _SPECIAL_TOKENS_MAP)
     return Tokenizer.from_pretrained(out)

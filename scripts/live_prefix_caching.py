@@ -3,6 +3,13 @@ tiny model) over loopback HTTP, the load generator's multi-turn replay (`fastser
 on against --no-enable-prefix-caching at 0.8x of the uncached server's capacity.
 
     python scripts/live_prefix_caching.py --seeds 3 --num-prompts 120
+    python scripts/live_prefix_caching.py --tokenizer word ...   # answers that come back token for token
+
+- The model: the built-in tiny model has random weights, and its greedy answers do not survive the next turn's
+  decode -> encode (random byte-level BPE tokens re-merge, stray bytes become U+FFFD), so with it only the
+  previous turns' prompts can hit, never the answers; a trained model's text does round-trip. --tokenizer word
+  serves the same model shape with a word-level tokenizer whose random answers round-trip, which is what a
+  deployed model's cache sees. The summary says which one ran.
 
 - Capacity C (conversations/s): the uncached server's served rate of turns (turns that finished while new
   conversations were arriving in the middle 80% of their arrival span, per second of that window) when offered
@@ -105,9 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset-path", type=Path,
                     default=REPO.parent / "shared" / "datasets" / "sharegpt" / "sharegpt_v3_random1000.json")
     ap.add_argument("--server-threads", type=int, default=1)
+    ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
+                    help="bpe: the built-in tiny model; word: the same model with a word-level tokenizer "
+                         "(models/tiny-opt-word, built if missing), whose random answers survive the next turn's "
+                         "decode -> encode as a trained model's text does, so a previous answer can hit the cache")
     ap.add_argument("--result-dir", type=Path, default=Path("results/live-prefix-caching"))
     args = ap.parse_args(argv[:split])
     server_args = argv[split + 1:]
+    if args.tokenizer == "word":
+        from modelmaker.tiny_model import build_tiny_model
+
+        word_model = REPO / "models" / "tiny-opt-word"
+        if not (word_model / "config.json").is_file():
+            build_tiny_model(word_model, "word")
+        server_args = ["--model", str(word_model), *server_args]
     args.result_dir.mkdir(parents=True, exist_ok=True)
     live = Live(args, server_args)
     t0 = time.perf_counter()
@@ -138,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{d['mean_ttft_s'] * 1e3:.1f} ms, served {d['served_turn_rate']:.3f} turns/s", flush=True)
     finally:
         live.stop()
-    lines = [f"uncached capacity C = {cap:.4f} conversations/s; runs at {args.load:g}C = {rate:.4f} conversations/s, "
+    lines = [f"model: tiny ({args.tokenizer} tokenizer); uncached capacity C = {cap:.4f} conversations/s; "
+             f"runs at {args.load:g}C = {rate:.4f} conversations/s, "
              f"{args.num_prompts} conversations, think time {args.think_time:g} s (exponential), {args.seeds} seeds, "
              f"turns sent in the middle 80% of the arrivals",
              f"{'side':>9} {'computed share':>16} {'mean TTFT ms':>18} {'mean s/token':>18} {'served turns/s':>18} "
@@ -158,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"{time.perf_counter() - t0:.0f} s wall")
     print("\n".join(lines))
     (args.result_dir / "summary.json").write_text(json.dumps(
-        {"capacity_conversations_s": cap, "rate": rate, "seeds": args.seeds, "num_prompts": args.num_prompts,
+        {"capacity_conversations_s": cap, "rate": rate, "tokenizer": args.tokenizer, "seeds": args.seeds,
+         "num_prompts": args.num_prompts,
          "think_time": args.think_time, "server_args": server_args, "search": search, "data": data,
          "ttft_ratio": ratio.values, "computed_share": computed.values}, indent=1))
     return 0

@@ -1,6 +1,7 @@
 """Write random-weight OPT checkpoints in Hugging Face layout.
 
     python scripts/make_tiny_model.py --out models/tiny-opt               # the built-in tiny model
+    python scripts/make_tiny_model.py --tokenizer word --out models/tiny-opt-word   # its word-level twin
     python scripts/make_tiny_model.py --shape opt-125m --out models/opt-125m-random
     python scripts/make_tiny_model.py --shape opt-66b --out models/opt-66b-config   # config only
 
@@ -29,6 +30,7 @@ from modelmaker.tiny_model import build_tiny_model, ensure_tiny_model  # noqa: E
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 REPO = Path(__file__).resolve().parents[1]
+WORD_MODEL_DIR = REPO / "models" / "tiny-opt-word"
 
 
 def config_only_model(shape: str) -> Path:
@@ -63,18 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--weights", action="store_true", help="write weights even for shapes above opt-1.3b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
+                    help="the tiny model's tokenizer: byte-level BPE (the built-in model's) or word-level, whose "
+                         "random outputs survive decode -> encode (for multi-turn prefix caching benchmarks)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing directory")
     args = ap.parse_args(argv)
 
-    out = args.out or (DEFAULT_MODEL_DIR if args.shape == "tiny" else Path("models") / f"{args.shape}-random")
+    if args.tokenizer != "bpe" and args.shape != "tiny":
+        ap.error("--tokenizer applies to --shape tiny only (other shapes carry the built-in model's tokenizer)")
+    default_out = {"bpe": DEFAULT_MODEL_DIR, "word": WORD_MODEL_DIR}[args.tokenizer]
+    out = args.out or (default_out if args.shape == "tiny" else Path("models") / f"{args.shape}-random")
     if (out / "config.json").exists():
         if not args.force:
             print(f"{out} already exists (use --force to rewrite it)")
             return 0
         shutil.rmtree(out)
     if args.shape == "tiny":
-        build_tiny_model(out)
-        print(f"wrote the tiny model to {out}")
+        build_tiny_model(out, args.tokenizer)
+        print(f"wrote the tiny model ({args.tokenizer} tokenizer) to {out}")
         return 0
     with_weights = args.shape in WEIGHTS_BY_DEFAULT or args.weights
     write_checkpoint(args.shape, out, with_weights, args.format, args.dtype, args.seed)

@@ -64,6 +64,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def word_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a word-level tokenizer (its random answers survive decode -> encode), built once."""
+    from modelmaker.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-opt-word", "word")
+
+
+@pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory, tiny_model_dir):
     """Factory: a small random OPT checkpoint with the tiny tokenizer files, cached per shape."""
     cache: dict[tuple, Path] = {}

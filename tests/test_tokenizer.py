@@ -21,7 +21,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
-from modelmaker.tiny_tokenizer import train_tiny_tokenizer
+from modelmaker.tiny_tokenizer import SPECIAL_TOKENS, train_tiny_tokenizer, train_word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2_BPE = REPO / "tests" / "data" / "gpt2-bpe"  # GPT-2's real files, shipped (its README: source, licence)
@@ -278,3 +278,34 @@ def test_training_is_deterministic(tiny_dir: Path, tmp_path: Path):
 def test_too_small_vocab_is_a_clear_error(tmp_path: Path):
     with pytest.raises(TokenizerError, match="vocab_size=100 is too small"):
         train_tiny_tokenizer(tmp_path, vocab_size=100)
+
+
+# --- the word-level twin (multi-turn prefix caching benchmarks) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def word_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("word")
+    train_word_tokenizer(out)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(len(SPECIAL_TOKENS), 2000), max_size=60))
+def test_word_tokenizer_round_trips_any_output(word_dir: Path, ids):
+    """What the byte-level BPE cannot do for a random model: decode -> encode gives the ids back, also after the
+    chat template's "Assistant:" and a following turn, as the next turn of a chat renders them."""
+    tok = Tokenizer.from_pretrained(word_dir)
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    prompt = tok.encode("User: the cat\nAssistant:")
+    streamed = IncrementalDetokenizer(tok, prompt)
+    text = streamed.step(ids) + streamed.flush()
+    assert tok.encode(f"User: the cat\nAssistant:{text}\nUser: and") == [*prompt, *ids, *tok.encode("User: and")[1:]]
+
+
+def test_word_tokenizer_loads_like_transformers(word_dir: Path, real_prompts):
+    hf = transformers.AutoTokenizer.from_pretrained(word_dir)
+    tok = Tokenizer.from_pretrained(word_dir)
+    assert tok.encode_batch(real_prompts[:50]) == hf(real_prompts[:50])["input_ids"]
+    assert tok.bos_token_id == 2 and tok.encode("Assistant:")[1] != tok.unk_token_id
+    assert tok.vocab_size == len(hf) > 2000
