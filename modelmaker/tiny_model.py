@@ -19,6 +19,7 @@ from modelmaker.tiny_tokenizer import train_tiny_tokenizer, train_word_tokenizer
 
 TINY_SEED = 0
 TOKENIZERS = {"bpe": train_tiny_tokenizer, "word": train_word_tokenizer}  # "bpe": the built-in model's
+WORD_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "tiny-opt-word"  # where the word-level twin goes by default
 
 
 def build_tiny_model(out_dir: str | Path, tokenizer: str = "bpe") -> Path:
@@ -40,9 +41,10 @@ def build_tiny_model(out_dir: str | Path, tokenizer: str = "bpe") -> Path:
     return out
 
 
-def ensure_tiny_model(out_dir: str | Path = DEFAULT_MODEL_DIR) -> Path:
-    """out_dir (default: where the engine looks for the built-in model), built first if it has no config.json."""
-    out = Path(out_dir)
+def ensure_tiny_model(out_dir: str | Path | None = None, tokenizer: str = "bpe") -> Path:
+    """out_dir (default: where the engine looks for the built-in model, or WORD_MODEL_DIR for the word-level
+    twin), built first if it has no config.json."""
+    out = Path(out_dir) if out_dir is not None else {"bpe": DEFAULT_MODEL_DIR, "word": WORD_MODEL_DIR}[tokenizer]
     if not (out / "config.json").is_file():
-        build_tiny_model(out)
+        build_tiny_model(out, tokenizer)
     return out

@@ -4,6 +4,7 @@ blocks (--prefix-caching-host-tier, the default) against device-only eviction (-
 
     python scripts/bench_prefix_host_tier.py                        # 2 seeds, the sides alternating
     python scripts/bench_prefix_host_tier.py --seeds 0 1 2 --conversations 40 --rate 0.5
+    python scripts/bench_prefix_host_tier.py --tokenizer word      # the tiny model whose answers round-trip
 
 For each seed, both sides run in turn (which goes first alternates seed by seed, since other processes' load on
 the machine changes over time), each on a fresh server (server.py: the built-in tiny model, --profile analytic,
@@ -27,8 +28,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from server_process import ServerProcess  # noqa: E402
+
+from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
 
 DATASET = REPO.parent / "shared" / "datasets" / "sharegpt" / "sharegpt_v3_random1000.json"
 SIDES = {"host tier": [], "device only": ["--no-prefix-caching-host-tier"]}
@@ -40,6 +44,8 @@ def run_side(side: str, seed: int, args, tmp: Path) -> dict:
     flags = ["--profile", "analytic", "--device", "cpu", "--enable-prefix-caching",
              "--max-model-len", str(args.max_model_len), "--num-gpu-blocks-override", str(device_blocks),
              "--num-host-blocks-override", str(args.host_blocks), *SIDES[side]]
+    if args.tokenizer == "word":
+        flags += ["--model", str(ensure_tiny_model(tokenizer="word"))]
     name = f"{side.replace(' ', '-')}-{seed}"
     server = ServerProcess(flags, tmp, name=name).wait_ready(timeout=600)  # (slow to start on a busy machine)
     try:
@@ -75,6 +81,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--host-blocks", type=int, default=4096)
     p.add_argument("--dataset", type=Path, default=DATASET)
+    p.add_argument("--tokenizer", default="bpe", choices=["bpe", "word"],
+                   help="bpe: the built-in tiny model; word: its word-level twin, whose random answers survive the "
+                        "next turn's decode -> encode (scripts/live_prefix_caching.py says why)")
     p.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = p.parse_args(argv)
     rows = []

@@ -120,12 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[:split])
     server_args = argv[split + 1:]
     if args.tokenizer == "word":
-        from modelmaker.tiny_model import build_tiny_model
+        from modelmaker.tiny_model import ensure_tiny_model
 
-        word_model = REPO / "models" / "tiny-opt-word"
-        if not (word_model / "config.json").is_file():
-            build_tiny_model(word_model, "word")
-        server_args = ["--model", str(word_model), *server_args]
+        server_args = ["--model", str(ensure_tiny_model(tokenizer="word")), *server_args]
     args.result_dir.mkdir(parents=True, exist_ok=True)
     live = Live(args, server_args)
     t0 = time.perf_counter()

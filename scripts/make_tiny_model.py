@@ -25,12 +25,11 @@ import torch  # noqa: E402
 
 from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
-from modelmaker.tiny_model import build_tiny_model, ensure_tiny_model  # noqa: E402
+from modelmaker.tiny_model import WORD_MODEL_DIR, build_tiny_model, ensure_tiny_model  # noqa: E402
 
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
 REPO = Path(__file__).resolve().parents[1]
-WORD_MODEL_DIR = REPO / "models" / "tiny-opt-word"
 
 
 def config_only_model(shape: str) -> Path:
