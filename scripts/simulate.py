@@ -86,12 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=EngineConfig().enable_prefix_caching,
                     help="reuse the KV of cached prompt prefixes (default: %(default)s)")
-    ap.add_argument("--multi-turn", action="store_true",
+    ap.add_argument("--multi-turn", action=argparse.BooleanOptionalAction, default=False,
                     help="sharegpt: replay whole conversations (--num-prompts of them, --request-rate conversations/s)"
                          ", each turn sent with the history after the previous answer plus a think time")
     ap.add_argument("--think-time", type=float, default=5.0, help="multi-turn: mean think time, s (default: 5)")
     ap.add_argument("--think-time-distribution", default="exponential", choices=("exponential", "constant"))
     ap.add_argument("--max-turns", type=int, default=None, help="multi-turn: at most this many turns per conversation")
+    ap.add_argument("--conversation-trace", metavar="CSV", default=None,
+                    help="multi-turn: open conversations at an Azure 2023 trace's request times, scaled to "
+                         "--request-rate when given (as the load generator's --conversation-trace)")
+    ap.add_argument("--trace-speedup", type=float, default=1.0,
+                    help="multi-turn with --conversation-trace and no --request-rate: divide its times by this")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                     default=EngineConfig().enable_chunked_prefill,
                     help="split prompts that do not fit the rest of an iteration's budget (default: %(default)s)")
@@ -152,6 +157,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.multi_turn:
         return run_multi_turn(args, model, count)
+    if args.conversation_trace is not None:
+        raise ValueError("--conversation-trace goes with --multi-turn (single requests: --dataset-name azure-conv)")
     limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings", 2048)
     if args.max_model_len:
         limit = min(limit, args.max_model_len)
@@ -187,14 +194,15 @@ def conversation_lengths(path: str, n: int, seed: int, count) -> list[list[tuple
 
 def run_multi_turn(args: argparse.Namespace, model: Path, count) -> dict:
     from engine.simulation import run_conversations
-    from fastserve.bench.arrivals import gamma_arrivals
+    from fastserve.bench.multiturn import conversation_arrivals
 
     if args.dataset_name != "sharegpt" or not args.dataset_path:
         raise ValueError("--multi-turn replays ShareGPT conversations: give --dataset-name sharegpt --dataset-path")
-    if args.request_rate is None:
-        raise ValueError("--multi-turn needs --request-rate (conversations per second)")
+    if args.request_rate is None and args.conversation_trace is None:
+        raise ValueError("--multi-turn needs --request-rate (conversations per second) or --conversation-trace")
     convs = conversation_lengths(args.dataset_path, args.num_prompts, args.seed, count)
-    arrivals = gamma_arrivals(len(convs), args.request_rate, args.burstiness, args.seed)
+    arrivals = conversation_arrivals(len(convs), args.request_rate, args.burstiness, args.seed,
+                                     args.conversation_trace, args.trace_speedup)
     engine = make_engine(args, model)
     t = time.perf_counter()
     result = run_conversations(engine, convs, arrivals, think_time_s=args.think_time,

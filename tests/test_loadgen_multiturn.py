@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from fastserve.bench.client import RequestResult
-from fastserve.bench.multiturn import hit_rate, think_time
-from fastserve.bench.workload import read_sharegpt_conversations
+from fastserve.bench.multiturn import conversation_arrivals, hit_rate, think_time
+from fastserve.bench.workload import DatasetError, read_sharegpt_conversations
 from tests.server_fixtures import REPO
 
 WORDS = "river stone maple cloud lantern harbor meadow copper violet thunder orchard canyon".split()
@@ -80,9 +80,32 @@ def test_multi_turn_refuses_bad_flags(tmp_path, flags):
     assert "error:" in proc.stderr
 
 
-def test_max_turns_needs_multi_turn(tmp_path):
-    proc = run_cli(["--dataset-name", "synthetic", "--max-turns", "2"])
+@pytest.mark.parametrize("flag", [["--max-turns", "2"], ["--conversation-trace", "trace.csv"]])
+def test_max_turns_needs_multi_turn(tmp_path, flag):
+    proc = run_cli(["--dataset-name", "synthetic", *flag])
     assert proc.returncode == 2 and "--multi-turn" in proc.stderr
+
+
+def azure_csv(path, seconds: list[float]):
+    """An Azure 2023 trace CSV whose requests arrive at these seconds (18:15:00 + s)."""
+    rows = "".join(f"2023-11-16 18:{15 + int(t) // 60:02d}:{t % 60:010.7f},100,20\n" for t in seconds)
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    return path
+
+
+def test_conversation_arrivals_from_a_trace_keep_its_shape(tmp_path):
+    trace = azure_csv(tmp_path / "t.csv", [10.0, 10.5, 11.0, 14.0, 20.0, 21.0])
+    assert conversation_arrivals(5, None, trace=str(trace)) == pytest.approx([0, 0.5, 1, 4, 10])
+    assert conversation_arrivals(5, float("inf"), trace=str(trace), trace_speedup=2) == pytest.approx(
+        [0, 0.25, 0.5, 2, 5])
+    scaled = conversation_arrivals(5, 2.0, trace=str(trace))  # 5 conversations at 2/s: 4 gaps, 2 s in all
+    assert scaled == pytest.approx([0, 0.1, 0.2, 0.8, 2.0])
+    poisson = conversation_arrivals(5, 2.0, seed=3)
+    assert poisson == conversation_arrivals(5, 2.0, seed=3) != scaled and poisson[0] == 0
+    with pytest.raises(DatasetError, match="fewer than the 9"):
+        conversation_arrivals(9, 2.0, trace=str(trace))
+    with pytest.raises(DatasetError, match="one instant"):
+        conversation_arrivals(2, 2.0, trace=str(azure_csv(tmp_path / "same.csv", [5.0, 5.0])))
 
 
 @pytest.mark.parametrize("tokenizer", ["bpe", "word"])
@@ -96,10 +119,12 @@ def test_multi_turn_replay_against_a_caching_server(request, tokenizer, tmp_path
     srv = shared_server(request, model_dir, (*DEFAULT_ARGS, "--enable-prefix-caching"))
     wait_idle(srv.url)
     think = 0.3
+    # word: conversations open at an Azure trace's times scaled to 20/s (0, 0.05, 0.1 s: its gaps are 1:1)
+    trace = ["--conversation-trace", str(azure_csv(tmp_path / "t.csv", [3.0, 5.0, 7.0]))] if tokenizer == "word" else []
     proc = run_cli(["--base-url", srv.url, "--multi-turn", "--dataset-name", "sharegpt",
                     "--dataset-path", str(conversations_file(tmp_path)), "--num-prompts", "3",
                     "--request-rate", "20", "--think-time", str(think), "--think-time-distribution", "constant",
-                    "--tokenizer", str(model_dir), "--ignore-eos", "--cache-salt", uuid.uuid4().hex,
+                    "--tokenizer", str(model_dir), "--ignore-eos", "--cache-salt", uuid.uuid4().hex, *trace,
                     "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("Serving Benchmark Result (20 conv/s)", "Multi-turn", "Prefix cache hit rate (cached/prompt):",
@@ -116,6 +141,8 @@ def test_multi_turn_replay_against_a_caching_server(request, tokenizer, tmp_path
     for (conv, number), i in turns.items():
         if number == 1:
             assert cached[i] == 0  # a new conversation (its own salt: nothing from other tests)
+            if trace:  # opened no earlier than the scaled trace says
+                assert run["start_times"][i] >= conv * 0.05 - 0.005
             continue
         prev = turns[(conv, number - 1)]
         # The whole history came back: this prompt holds the last one, and its blocks were cached.

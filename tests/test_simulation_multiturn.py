@@ -130,10 +130,25 @@ def test_simulate_cli_multi_turn_with_and_without_caching(chats, tmp_path, monke
     assert on["prompt_tokens"] == off["prompt_tokens"] and off["cached_tokens"] == 0
     assert on["hit_rate"] > 0.5 and on["mean_ttft_s"] < off["mean_ttft_s"]
     assert on["prefix_caching"] is True and off["prefix_caching"] is False
+    # Conversations opened at an Azure trace's times (scaled to 2/s) rather than Poisson: the same turns.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{10 + i * i / 10:010.7f},100,20\n" for i in range(12)))
+    out = tmp_path / "trace.json"
+    rc = simulate.main(["--model", "opt-13b", "--profile", str(PROFILE), "--dataset-name", "sharegpt",
+                        "--dataset-path", str(chats), "--gpt2-bpe", str(GPT2_BPE), "--num-prompts", "12",
+                        "--request-rate", "2", "--multi-turn", "--think-time", "1", "--conversation-trace", str(trace),
+                        "--json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    timed = json.loads(out.read_text())
+    assert timed["turns"] == 36 and timed["prompt_tokens"] == on["prompt_tokens"]
+    assert timed["mean_ttft_s"] != on["mean_ttft_s"]  # other arrival times (a burst early on), another schedule
     capsys.readouterr()
     for args, words in ((["--dataset-name", "sharegpt", "--dataset-path", str(chats), "--gpt2-bpe", str(GPT2_BPE)],
                          "--multi-turn needs --request-rate"),
-                        (["--dataset-name", "synthetic", "--request-rate", "1"], "replays ShareGPT conversations")):
+                        (["--dataset-name", "synthetic", "--request-rate", "1"], "replays ShareGPT conversations"),
+                        (["--no-multi-turn", "--dataset-name", "lengths", "--conversation-trace", str(trace)],
+                         "--conversation-trace goes with --multi-turn")):
         assert simulate.main(["--model", "opt-13b", "--profile", str(PROFILE), "--multi-turn", *args]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1, err

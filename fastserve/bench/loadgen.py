@@ -15,8 +15,9 @@ Flags follow benchmark_serving's names (--backend openai|openai-chat|vllm, --bas
 --percentile-metrics, --metric-percentiles, --max-concurrency, --disable-tqdm); ours are --slo-per-token,
 --sweep, --token-id-prompts, --plot, --compare, --label, --gpt2-bpe, --vocab-size, --max-model-len,
 --trace-speedup, --request-timeout, the synthetic lengths, and the multi-turn replay's --multi-turn,
---think-time, --think-time-distribution, --max-turns, --cache-salt (with --multi-turn, --num-prompts counts
-conversations and --request-rate is conversations per second; the backend defaults to openai-chat).
+--think-time, --think-time-distribution, --max-turns, --cache-salt, --conversation-trace (with --multi-turn,
+--num-prompts counts conversations and --request-rate is conversations per second; the backend defaults to
+openai-chat).
 Prompts: datasets with text (sharegpt, alpaca) send their text, as vLLM does (--token-id-prompts sends random
 ids of the same counted length instead); the others (lengths, azure-*, synthetic) have no text and send random
 token ids in [4, vocab) from --seed, exactly the dataset's prompt length, with ignore_eos. The chat backend
@@ -137,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="--multi-turn: how think times are drawn around their mean (default: %(default)s)")
     add("--max-turns", type=int, help="--multi-turn: user turns per conversation at most (default: all)")
     add("--cache-salt", help="--multi-turn: send this cache_salt with every request (vLLM's field)")
+    add("--conversation-trace", metavar="CSV",
+        help="--multi-turn: open conversations at an Azure 2023 trace's request times (its first --num-prompts), "
+        "scaled to --request-rate conversations/s when given (the burst shape kept), else divided by "
+        "--trace-speedup (default: a gamma process at --request-rate, --burstiness)")
     return p
 
 
@@ -170,8 +175,8 @@ def _validate(args: argparse.Namespace) -> None:
             raise FlagError(f"--think-time must be a finite number >= 0, got {args.think_time}")
         if args.max_turns is not None and args.max_turns < 1:
             raise FlagError(f"--max-turns must be >= 1, got {args.max_turns}")
-    elif args.max_turns is not None or args.cache_salt is not None:
-        raise FlagError("--max-turns and --cache-salt go with --multi-turn")
+    elif args.max_turns is not None or args.cache_salt is not None or args.conversation_trace is not None:
+        raise FlagError("--max-turns, --cache-salt and --conversation-trace go with --multi-turn")
     if args.cache_salt == "":
         raise FlagError("--cache-salt must be a non-empty string")
     if args.dataset_name != "synthetic" and not args.dataset_path:
@@ -308,6 +313,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
             extra = None
             if args.multi_turn:  # (rate: conversations/s; a sharegpt dataset, so never None)
                 offered, label = rate, f"{rate:g} conv/s"
+                if args.conversation_trace and not math.isfinite(rate):  # the trace's own times
+                    offered, label = None, "conversation trace"
                 results, duration, summary, extra = await run_multi_turn(session, url, model, args,
                                                                          args.count_tokens, max_len, rate, label)
             else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import sys
 import time
@@ -35,9 +36,9 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from fastserve.bench.arrivals import gamma_arrivals
+from fastserve.bench.arrivals import gamma_arrivals, trace_arrivals
 from fastserve.bench.client import RequestResult, send_request
-from fastserve.bench.workload import Conversation, DatasetError, read_sharegpt_conversations
+from fastserve.bench.workload import Conversation, DatasetError, read_azure_trace, read_sharegpt_conversations
 
 THINK_TIME_DISTRIBUTIONS = ("exponential", "constant")
 MESSAGE_MARGIN = 8  # tokens a chat template may add around each message (the estimate that ends a conversation)
@@ -58,6 +59,28 @@ def sample_conversations(path: str, n: int, seed: int) -> list[Conversation]:
         raise DatasetError(f"{path}: no conversation has a human turn answered by a gpt turn")
     rng = random.Random(seed)
     return rng.sample(convs, n) if n <= len(convs) else [rng.choice(convs) for _ in range(n)]
+
+
+def conversation_arrivals(n: int, rate: float | None, burstiness: float = 1.0, seed: int = 0,
+                          trace: str | None = None, trace_speedup: float = 1.0) -> list[float]:
+    """When each of n conversations opens: a gamma process at `rate` conversations/s (burstiness 1: Poisson), or
+    with `trace` (an Azure 2023 trace CSV, fastserve/bench/workload.py) the trace's first n request times,
+    relative to the first; then, with a rate, scaled so that n conversations open at that mean rate (the trace's
+    burst shape kept), else divided by trace_speedup."""
+    if trace is None:
+        if rate is None:
+            raise ValueError("conversation arrivals need a rate (conversations/s) or a trace")
+        return gamma_arrivals(n, rate, burstiness, seed)
+    stamps = [it.arrival_s for it in read_azure_trace(trace)[:n]]
+    if len(stamps) < n:
+        raise DatasetError(f"{trace}: {len(stamps)} requests, fewer than the {n} conversations to time")
+    times = trace_arrivals(stamps, trace_speedup)
+    if rate is not None and math.isfinite(rate) and n > 1:
+        if not times[-1] > 0:
+            raise DatasetError(f"{trace}: its first {n} requests arrive at one instant; no rate to scale")
+        scale = (n - 1) / rate / times[-1]  # the mean gap becomes 1 / rate
+        times = [t * scale for t in times]
+    return times
 
 
 def think_time(rng: np.random.Generator, mean: float, distribution: str) -> float:
@@ -187,11 +210,12 @@ async def run(session: aiohttp.ClientSession, url: str, model: str, args: argpar
     """One multi-turn run at `rate` conversations/s: (every turn's result, duration, the summary, the run's
     extra JSON fields: the summary and per-turn conversation index, turn number, cached tokens)."""
     conversations = sample_conversations(args.dataset_path, args.num_prompts, args.seed)
-    arrivals = gamma_arrivals(len(conversations), rate, args.burstiness, args.seed)
+    arrivals = conversation_arrivals(len(conversations), rate, args.burstiness, args.seed,
+                                     args.conversation_trace, args.trace_speedup)
     turns, duration, ended = await replay(session, url, model, conversations, arrivals, args, count_tokens,
                                           max_len, desc)
     summary = summarize(turns, ended, len(conversations))
-    extra = {"multi_turn": summary, "think_time_s": args.think_time,
+    extra = {"multi_turn": summary, "think_time_s": args.think_time, "conversation_trace": args.conversation_trace,
              "think_time_distribution": args.think_time_distribution,
              "conversation_indices": [t.conversation for t in turns], "turn_numbers": [t.number for t in turns],
              "prompt_tokens": [t.result.prompt_tokens for t in turns],
