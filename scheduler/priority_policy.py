@@ -75,13 +75,20 @@ from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, Scheduler
 START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
 
 
-class Gate:
-    """Whether the walk still yields fresh jobs (closed once one is refused)."""
+NEVER = 1 << 62  # Gate.no_kv_from when no job is refused that way
 
-    __slots__ = ("fresh",)
+
+class Gate:
+    """Whether the walk still yields fresh jobs (closed once one is refused), and the started jobs it may leave
+    out, each of which schedule() would pass over without a side effect: those in `skip` (() = none), and those
+    with nothing computed (no KV: dropped) whose context is at least `no_kv_from` tokens (NEVER = none)."""
+
+    __slots__ = ("fresh", "skip", "no_kv_from")
 
     def __init__(self) -> None:
         self.fresh = True
+        self.skip: Container[Job] = ()
+        self.no_kv_from = NEVER
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -97,7 +104,8 @@ class PriorityPolicy(SchedulingPolicy):
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
     def _walk(self, gate: Gate) -> Iterator[Job]:
-        """Every job the policy holds, highest priority first; fresh jobs only while gate.fresh."""
+        """Every job the policy holds, highest priority first; fresh jobs only while gate.fresh. A started job
+        that gate says may be left out (as it says when the walk comes to the job) may be: only an economy."""
 
     @abstractmethod
     def _rank(self, job: Job) -> tuple:
@@ -105,7 +113,8 @@ class PriorityPolicy(SchedulingPolicy):
 
     @abstractmethod
     def _started_jobs(self) -> Iterable[Job]:
-        """Jobs that have run at least once (only they can hold KV)."""
+        """Jobs that have run at least once (only they can hold KV), in any order (ranks are unique: the eviction
+        order sorts them)."""
 
     @abstractmethod
     def _on_started(self, jobs: list[Job]) -> None:
@@ -172,6 +181,10 @@ class PriorityPolicy(SchedulingPolicy):
         tokens = 0
         kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
+        # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
+        # many or more until the next allocate or evict (KVAdmission.may_start). Past capacity hundreds of started
+        # jobs wait with their KV dropped, and each was asked every tick.
+        refused_from = NEVER
         started: list[Job] = []  # fresh jobs in the batch
         # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
         # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract). An
@@ -207,7 +220,11 @@ class PriorityPolicy(SchedulingPolicy):
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0 and not kv.may_start(job, n):
+            if job.num_computed == 0 and (n >= refused_from or not kv.may_start(job, n)):
+                if n < refused_from:
+                    refused_from = n
+                    if not chunked:  # (a chunk's n is not the job's context: the walk cannot tell it)
+                        gate.no_kv_from = n
                 if fresh:
                     gate.fresh = False
                 continue
@@ -219,11 +236,19 @@ class PriorityPolicy(SchedulingPolicy):
                 if not kv.may_evict_for(job):
                     if ask:
                         parked, ask = kv.parked_unfit(), False
+                        if not refused:
+                            gate.skip = parked
                     continue
                 room = victims.make_room(job, n, kv)
                 parked, ask = (), True
+                refused_from = gate.no_kv_from = NEVER
+                if not refused:
+                    gate.skip = ()
                 if not room:
                     refused = True
+                    # From here on every job parked on the host is passed over (above); each is started, ready
+                    # and holds KV, so none of the checks before that one acts on it: the walk may leave it out.
+                    gate.skip = on_host
                     exhausted = victims.spent  # stays so for the tick: no candidate comes back
                     if exhausted and not kv.room_for(1):
                         # Every ready resident job below this one is evicted and not one block is free or
@@ -239,6 +264,7 @@ class PriorityPolicy(SchedulingPolicy):
                     continue
             allocate(job, n)
             ask = True
+            refused_from = gate.no_kv_from = NEVER
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)
@@ -307,8 +333,8 @@ class _Victims:
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        held = [j for j in self._policy._started_jobs()
-                if j.ready and j.num_computed > 0 and j not in chosen and j not in on_host]
+        held = [j for j in self._policy._started_jobs()  # (on the host first: past capacity most started jobs are)
+                if j not in on_host and j.ready and j.num_computed > 0 and j not in chosen]
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)

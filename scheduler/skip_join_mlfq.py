@@ -286,6 +286,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
+        # A started job the gate says schedule() would pass over is left out (past capacity most started jobs
+        # are parked on the host or wait with their KV dropped, and are): the gate changes only while the walk
+        # is suspended, so it is read anew after each yield.
         entry = self._entry
         for key in self._band_keys:
             band = self._bands[key]
@@ -295,7 +298,12 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 if promoted:
                     fresh = heapq.merge(fresh, promoted, key=entry.__getitem__)
                 if not fresh or not gate.fresh:
-                    yield from started
+                    skip, no_kv = gate.skip, gate.no_kv_from
+                    for job in started:
+                        if job in skip or (not job.num_computed and job.prompt_len + job.num_generated >= no_kv):
+                            continue
+                        yield job
+                        skip, no_kv = gate.skip, gate.no_kv_from
                     continue
                 if not started and not late:
                     for job in fresh:
@@ -310,7 +318,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                         yield f
                         f = next(f_it, None)
                     elif s is not None:
-                        yield s
+                        if s not in gate.skip and (
+                                s.num_computed or s.prompt_len + s.num_generated < gate.no_kv_from):
+                            yield s
                         s = next(s_it, None)
                     else:
                         break
@@ -318,11 +328,11 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
     def _rank(self, job: Job) -> tuple:
         return (self._band_of[job], job.queue, self._entry[job])
 
-    def _started_jobs(self) -> Iterator[Job]:
-        for band in self._bands.values():
-            for started, late in zip(band.started, band.late):
-                yield from started
-                yield from late
+    def _started_jobs(self) -> set[Job]:
+        jobs: set[Job] = set()
+        for band in self._bands.values():  # (set.update walks the queues in C: past capacity they hold thousands)
+            jobs.update(*band.started, *band.late)
+        return jobs
 
     def _on_started(self, jobs: list[Job]) -> None:
         entry = self._entry

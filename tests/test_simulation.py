@@ -190,6 +190,35 @@ def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
     assert run() == gated
 
 
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
+def test_walk_leaving_out_parked_jobs_changes_no_decision(sim_dirs, monkeypatch, policy):
+    """Past capacity the walk leaves out the started jobs schedule() would pass over (Gate: the host-parked
+    jobs once memory/ says none of them fits or a job was refused room, and the jobs with their KV dropped once
+    admission refused one as large): the same run with the walk yielding every job gives the same schedule,
+    and the walk was told to leave jobs out both ways."""
+    from scheduler import priority_policy
+
+    told = set()
+
+    def gate(keep: bool):
+        class Recorded(priority_policy.Gate):
+            __slots__ = ()
+
+            def __setattr__(self, name, value):
+                if (name == "skip" and value) or (name == "no_kv_from" and value != priority_policy.NEVER):
+                    told.add(name)
+                    value = value if keep else {"skip": (), "no_kv_from": priority_policy.NEVER}[name]
+                super().__setattr__(name, value)
+
+        return Recorded
+
+    monkeypatch.setattr(priority_policy, "Gate", gate(keep=True))
+    fast = overloaded_run(sim_dirs, policy)
+    assert told == {"skip", "no_kv_from"}, f"the walk was told to leave jobs out only by {told}: it shows less"
+    monkeypatch.setattr(priority_policy, "Gate", gate(keep=False))
+    assert overloaded_run(sim_dirs, policy) == fast
+
+
 def test_reactive_swapping_finishes_fig15s_first_point(sim_dirs):
     """Fig. 15's first point (300 ShareGPT-length requests at 14.7 req/s, OPT-13B on an A100 40GB's KV) with
     reactive swapping: jobs that sink and are promoted back pile up on the host, the most urgent of them too
