@@ -64,7 +64,7 @@ from typing import Protocol
 
 from memory.block_allocator import BlockAllocator
 from memory.kv_policy import KVPolicy
-from memory.prefix_cache import CachingBlockAllocator, hash_block
+from memory.prefix_cache import CachingBlockAllocator, extend_chain
 from memory.proactive import plan_transfers
 from memory.residency import JobKV, Residency
 from memory.transfers import CompletedTransfer, Direction, NoCopyBackend, TransferBackend, TransferHandle
@@ -248,7 +248,21 @@ class KVManager:
     def allocate(self, job, num_new_tokens: int) -> None:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
         not ready until it lands (job.ready False): the policy leaves it out of this tick's batch."""
-        kv = self._entry(job)
+        kv = self._jobs.get(job.job_id)
+        if kv is not None and kv.residency is Residency.DEVICE and kv.transfer is None:
+            # A job on the device with no copy in flight (every job of the batch but new ones, every tick): what
+            # the general path below does for it, without the checks that cannot apply.
+            if self._waiting:
+                self._waiting.pop(job.job_id, None)
+            computed = job.num_computed
+            if computed >= kv.name_at:  # (else no block has filled since it last ran: nothing to name)
+                self._register_full(kv)
+            extra = -(-(computed + num_new_tokens) // self.block_size) - len(kv.device)
+            if extra > 0:
+                kv.device.extend(self.device.allocate(job.job_id, extra))
+            return
+        if kv is None:
+            kv = self._entry(job)
         if self._waiting:
             self._waiting.pop(job.job_id, None)
         end = job.num_computed + num_new_tokens  # the position this step's work ends at
@@ -545,15 +559,21 @@ class KVManager:
         return n + self.host.evict_all() if self._host_cache else n
 
     # -- two tiers for cached blocks (enable_prefix_caching) ------------------------------------------
-    def _on_device_evict(self, block: int, block_hash) -> None:
-        """The device cache handed out (or forgot) a block no job held."""
-        backup = self._backup_of.pop(block, None)
-        if backup is not None:
-            backup.void.add(block)  # its copy read a block being reused: never name it
-        if backup is None and self.host.block_of(block_hash) is not None:
-            self.stats.cache_evicted_to_host += 1
+    def _on_device_evict(self, blocks: list[int], names: list) -> None:
+        """The device cache handed out (or forgot) blocks no job held, named `names`."""
+        backup_of, on_host = self._backup_of, self.host.blocks_named(names)
+        if not backup_of:
+            to_host = len(on_host) - on_host.count(None)
         else:
-            self.stats.cache_evicted_dropped += 1
+            to_host = 0
+            for b, found in zip(blocks, on_host):
+                backup = backup_of.pop(b, None)
+                if backup is not None:
+                    backup.void.add(b)  # its copy read a block being reused: never name it
+                elif found is not None:
+                    to_host += 1
+        self.stats.cache_evicted_to_host += to_host
+        self.stats.cache_evicted_dropped += len(blocks) - to_host
         self._recheck_waiting = True
 
     def _start_backups(self) -> None:
@@ -566,15 +586,10 @@ class KVManager:
             return
         dev.released = []
         self._grow_host()
-        blocks, names, seen = [], [], set()
-        for b in released:
-            if b in seen or b in self._backup_of or not dev.is_evictable(b):
-                continue
-            seen.add(b)
-            h = dev.hash_of(b)
-            if host.block_of(h) is None:
-                blocks.append(b)
-                names.append(h)
+        backup_of = self._backup_of
+        unheld = dev.evictable_names([b for b in released if b not in backup_of] if backup_of else released)
+        blocks = [b for b, on_host in zip(unheld, host.blocks_named(unheld.values())) if on_host is None]
+        names = [unheld[b] for b in blocks]
         n = min(len(blocks), host.num_free)
         if not n:
             return
@@ -592,13 +607,15 @@ class KVManager:
     def _finish_backup(self, backup: _Backup) -> None:
         """A cache copy landed: name its host blocks (those not void, whose name no other host block took
         meanwhile) and release them to the host cache."""
-        host = self.host
-        for d, hb, h in zip(backup.device, backup.host, backup.hashes):
-            if d in backup.void:
-                continue
-            if self._backup_of.get(d) is backup:
-                del self._backup_of[d]
-            host.register(hb, h)
+        host, backup_of, void = self.host, self._backup_of, backup.void
+        for d in backup.device:
+            if d not in void and backup_of.get(d) is backup:
+                del backup_of[d]
+        if void:
+            keep = [i for i, d in enumerate(backup.device) if d not in void]
+            host.register_many([backup.host[i] for i in keep], [backup.hashes[i] for i in keep])
+        else:
+            host.register_many(backup.host, backup.hashes)
         host.free(CACHE_OWNER, backup.host)
         self._backup_host_blocks -= len(backup.host)
         del self._backups[backup]
@@ -713,6 +730,7 @@ class KVManager:
         count); job.num_computed becomes the cached length. Returns where this step's work ends."""
         bs, ctx, dev = self.block_size, job.context_len, self.device
         src = self._prefix
+        kv.name_at = 0  # (its table is new: the next allocate names what has filled, unless a hit sets it below)
         if not src.may_reuse(job):
             if kv.cached_tokens is None:
                 kv.cached_tokens = 0
@@ -732,6 +750,7 @@ class KVManager:
         dev.share(job.job_id, hit)
         kv.device.extend(hit)
         kv.registered_table, kv.num_registered = kv.device, len(hit)
+        kv.name_at = (len(hit) + 1) * bs
         job.num_computed = h
         return min(ctx, h + n)
 
@@ -742,25 +761,25 @@ class KVManager:
         if num_blocks <= start:
             return
         tokens = self._prefix.token_ids(job, start * bs, num_blocks * bs)
-        parent = hashes[-1] if hashes else None
-        salt = self._prefix.cache_salt(job) if parent is None else None
-        for i in range(num_blocks - start):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt)
-            hashes.append(parent)
+        extend_chain(hashes, tokens, bs, self._prefix.cache_salt(job) if not hashes else None)
 
     def _register_full(self, kv: JobKV) -> None:
         """Name the job's device blocks that are full of computed KV and not named yet (a block whose name is
         taken stays its private copy)."""
-        if kv.registered_table is not kv.device:  # a new table (dropped, offloaded, uploaded): start over
-            kv.registered_table, kv.num_registered = kv.device, 0
-        full = min(kv.job.num_computed // self.block_size, len(kv.device))
-        if full <= kv.num_registered:
-            return
-        self._extend_hashes(kv, kv.job, full)
-        register, device, hashes = self.device.register, kv.device, kv.hashes
-        for i in range(kv.num_registered, full):
-            register(device[i], hashes[i])
-        kv.num_registered = full
+        device, bs = kv.device, self.block_size
+        if kv.registered_table is not device:  # a new table (dropped, offloaded, uploaded): start over
+            kv.registered_table, kv.num_registered = device, 0
+        start, full = kv.num_registered, min(kv.job.num_computed // bs, len(device))
+        if full > start:
+            hashes = kv.hashes
+            if len(hashes) < full:
+                self._extend_hashes(kv, kv.job, full)
+            if full == start + 1:  # (one block filled since: a decoding job's, the usual case)
+                self.device.register(device[start], hashes[start])
+            else:
+                self.device.register_many(device[start:full], hashes[start:full])
+            kv.num_registered = full
+        kv.name_at = (kv.num_registered + 1) * bs  # the next block to fill
 
     # -- capacity ---------------------------------------------------------------------------------
     def num_swapped(self) -> int:
@@ -782,6 +801,10 @@ class KVManager:
         missing = [kv.job.job_id for kv in self._jobs.values()
                    if kv.residency is Residency.DEVICE and kv not in self._device_resident]
         assert not missing, f"device-resident entries the planner's index lacks: {missing}"
+        if self._prefix is not None:  # allocate's fast path names blocks no later than _register_full would
+            late = [kv.job.job_id for kv in self._jobs.values() if kv.residency is Residency.DEVICE and kv.name_at > (
+                0 if kv.registered_table is not kv.device else (kv.num_registered + 1) * self.block_size)]
+            assert not late, f"entries whose filled blocks allocate would not name: {late}"
         dev = sum(len(kv.device) for kv in entries)
         host = sum(len(kv.host) for kv in entries) + self._backup_host_blocks
         # (With prefix caching, blocks are shared: the tables add up to the references held.)
@@ -809,6 +832,8 @@ class KVManager:
         if kv is None:
             self._made += 1
             kv = self._jobs[job.job_id] = JobKV(job, order=self._made)
+            if self._prefix is not None:
+                kv.name_at = 0
         return kv
 
     def _extra_device_blocks(self, job, num_new_tokens: int) -> int:
@@ -877,21 +902,16 @@ class KVManager:
         """The job's table on `other` for a copy of `table` (on `tier`): each block whose name `other` caches is
         shared (not copied), the rest allocated. Returns (the new table, the (source, destination) pairs to copy),
         or None, with nothing changed, when `other` has no room."""
-        shared: dict[int, int] = {}
-        for i, b in enumerate(table):
-            name = tier.hash_of(b)
-            if name is not None:
-                found = other.block_of(name)
-                if found is not None:
-                    shared[i] = found
-        unheld = sum(1 for b in shared.values() if not other.ref_count(b))
-        if len(table) - len(shared) + unheld > other.num_free:
+        found = other.blocks_named(tier.names_of(table))  # per block: its copy cached on `other`, or None
+        shared = [b for b in found if b is not None]
+        fresh_needed = len(table) - len(shared)
+        if fresh_needed + other.num_unheld(shared) > other.num_free:
             return None
-        other.share(jid, list(shared.values()))
-        fresh = iter(other.allocate(jid, len(table) - len(shared)))
-        mirror = [shared[i] if i in shared else next(fresh) for i in range(len(table))]
+        other.share(jid, shared)
+        fresh = iter(other.allocate(jid, fresh_needed))
+        mirror = [b if b is not None else next(fresh) for b in found]
         self.stats.blocks_not_copied += len(shared)
-        return mirror, [(b, m) for i, (b, m) in enumerate(zip(table, mirror)) if i not in shared]
+        return mirror, [(b, m) for b, m, f in zip(table, mirror, found) if f is None]
 
     def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool:
         n = len(kv.host)
@@ -923,13 +943,10 @@ class KVManager:
     def _upload_unfit(self, kv: JobKV) -> bool:
         """Two tiers: whether the device lacks the room an upload of this job's host blocks takes (one block per
         block the device does not cache, plus the unheld cached ones, which leave the free count)."""
-        dev, host = self.device, self.host
-        need = 0
-        for hb in kv.host:
-            name = host.hash_of(hb)
-            b = dev.block_of(name) if name is not None else None
-            need += b is None or not dev.ref_count(b)
-        return need > dev.num_free
+        dev = self.device
+        found = dev.blocks_named(self.host.names_of(kv.host))
+        shared = [b for b in found if b is not None]
+        return len(found) - len(shared) + dev.num_unheld(shared) > dev.num_free
 
     def _begin(self, kv: JobKV, handle: TransferHandle) -> None:
         kv.transfer = handle
@@ -952,11 +969,8 @@ class KVManager:
         self._release_pending(kv)
         if kv.residency is Residency.OFFLOADING:
             if self._host_cache:  # its named blocks are named on the host too: cached there after it comes back
-                dev, host = self.device, self.host
-                for b, hb in zip(kv.device, kv.host):
-                    name = dev.hash_of(b)
-                    if name is not None and host.hash_of(hb) is None:
-                        host.register(hb, name)
+                named = [(hb, name) for hb, name in zip(kv.host, self.device.names_of(kv.device)) if name is not None]
+                self.host.register_many([hb for hb, _ in named], [name for _, name in named])
                 self._recheck_waiting = True
             self.device.free(jid, kv.device)
             kv.device = []
@@ -975,6 +989,8 @@ class KVManager:
             self.host.free(jid, kv.host)
             kv.host = []
             kv.residency = Residency.DEVICE
+            if self._prefix is not None:
+                kv.name_at = 0  # a new device table: named at its next allocate
             self._device_resident[kv] = None
             kv.job.ready = True
         kv.transfer = None

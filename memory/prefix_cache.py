@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import filterfalse, islice, repeat
 
 from memory.block_allocator import BlockAllocator, OutOfBlocks
 
@@ -57,11 +58,41 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
     """The names of every full block of token_ids, extending `known` (the names of its first blocks, already
     computed) in place when it is given."""
     out = known if known is not None else []
-    parent = out[-1] if out else None
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], salt)
-        out.append(parent)
+    start = len(out)
+    extend_chain(out, token_ids[start * block_size:], block_size, salt)
     return out
+
+
+def extend_chain(chain: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: str | None = None) -> None:
+    """Append to `chain` the names of the full blocks of token_ids, the tokens that follow the chain's last block
+    (the salt starts an empty chain). The same names as hash_block block by block (the slow reference; the tests
+    hold the two to each other), with the tokens packed once for all the blocks."""
+    if chain and len(token_ids) == block_size:  # one block after others (a decoding job's block just filled)
+        chain.append(hashlib.sha256(chain[-1] + array("q", token_ids).tobytes()).digest())
+        return
+    n = len(token_ids) // block_size
+    if n <= 0:
+        return
+    if len(token_ids) != n * block_size:
+        token_ids = token_ids[:n * block_size]
+    data = array("q", token_ids).tobytes()  # int64 ("q"), as hash_block packs them
+    width, end = block_size * 8, n * block_size * 8
+    sha256, off = hashlib.sha256, 0
+    if chain:
+        parent = chain[-1]
+    else:  # the chain's first block: the salt in place of a parent
+        parent = sha256((b"salt:" + salt.encode() if salt else b"") + data[:width]).digest()
+        chain.append(parent)
+        off = width
+    while off < end:  # (one buffer per digest: faster than a hash object fed twice)
+        parent = sha256(parent + data[off:off + width]).digest()
+        chain.append(parent)
+        off += width
+
+
+def _consume(iterator: Iterator) -> None:
+    """Run an iterator to its end (itertools' recipe: the loop runs in C, not in the interpreter)."""
+    deque(iterator, maxlen=0)
 
 
 class CachingBlockAllocator(BlockAllocator):
@@ -71,6 +102,10 @@ class CachingBlockAllocator(BlockAllocator):
     Counting: num_free = free list + evictable; num_used = blocks held by at least one owner; num_refs =
     references held (a block held by three jobs counts three times: what memory/'s block tables add up to)."""
 
+    # Free list + evictable blocks: a plain attribute that every verb keeps current (not the base class's
+    # property: the scheduler reads it for every job it walks, every tick). Read-only outside this class.
+    num_free: int = 0
+
     def __init__(self, num_blocks: int, tier: str = "device") -> None:
         super().__init__(num_blocks, tier)
         self._owners: dict[int, set[str]] = {}  # referenced blocks -> their owners (the base class's _owner unused)
@@ -78,9 +113,10 @@ class CachingBlockAllocator(BlockAllocator):
         self._hash_of: dict[int, BlockHash] = {}  # registered block -> its name
         self._block_of: dict[BlockHash, int] = {}  # name -> the one block registered under it
         self._num_refs = 0
-        # Called with (block, name) as an allocation or evict_all takes a cached block out of the cache (the
-        # KV manager's hook: a host copy of it in flight is then void; memory/kv_manager.py, two tiers).
-        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self.num_free = num_blocks
+        # Called with (blocks, their names) after an allocation or evict_all took cached blocks out of the cache
+        # (the KV manager's hook: a host copy of one in flight is then void; memory/kv_manager.py, two tiers).
+        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
         # Blocks that became evictable since the KV manager last drained this list (its host-tier backups).
         self.released: list[int] = []
         self.track_released = False
@@ -90,10 +126,6 @@ class CachingBlockAllocator(BlockAllocator):
         self.num_evictions = 0
 
     # -- counts -------------------------------------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
-
     @property
     def num_used(self) -> int:
         return len(self._owners)
@@ -136,6 +168,24 @@ class CachingBlockAllocator(BlockAllocator):
         """The block cached under this name (None: none)."""
         return self._block_of.get(block_hash)
 
+    # (The bulk verbs below map a dict's methods over their arguments: no interpreted loop per block.)
+    def names_of(self, blocks: Iterable[int]) -> list[BlockHash | None]:
+        """hash_of of each block, in order."""
+        return list(map(self._hash_of.get, blocks))
+
+    def blocks_named(self, names: Iterable[BlockHash | None]) -> list[int | None]:
+        """block_of of each name, in order (None for a name that is None)."""
+        return list(map(self._block_of.get, names))
+
+    def evictable_names(self, blocks: Iterable[int]) -> dict[int, BlockHash]:
+        """The evictable blocks among these, each once in the order first met, and their names."""
+        found = list(dict.fromkeys(filter(self._evictable.__contains__, blocks)))
+        return dict(zip(found, map(self._hash_of.__getitem__, found)))
+
+    def num_unheld(self, blocks: Sequence[int]) -> int:
+        """How many of these blocks no job holds (ref_count 0)."""
+        return len(blocks) - sum(map(self._owners.__contains__, blocks))
+
     def is_evictable(self, block: int) -> bool:
         return block in self._evictable
 
@@ -149,42 +199,61 @@ class CachingBlockAllocator(BlockAllocator):
         (each leaves the cache)."""
         if n > self.num_free:
             raise OutOfBlocks(f"{self.tier} tier: asked for {n} blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._evictable.popitem(last=False)
-                h = self._hash_of.pop(b)
-                del self._block_of[h]
-                self.num_evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(b, h)
-            self._owners[b] = {owner}
-            blocks.append(b)
+        free = self._free
+        if n >= len(free):
+            blocks = list(free)
+            free.clear()
+            if n > len(blocks):
+                blocks += self._evict(n - len(blocks))
+        else:
+            blocks = [free.popleft() for _ in range(n)]
+        self._owners.update(zip(blocks, map(set, repeat((owner,), n))))  # each its own set {owner}
         self._num_refs += n
+        self.num_free -= n
+        return blocks
+
+    def _evict(self, n: int) -> list[int]:
+        """Take the n least recently released evictable blocks out of the cache (for an allocation)."""
+        evictable = self._evictable
+        blocks = list(islice(evictable, n))  # (the least recent first)
+        _consume(map(evictable.__delitem__, blocks))
+        names = list(map(self._hash_of.pop, blocks))
+        _consume(map(self._block_of.__delitem__, names))
+        self.num_evictions += n
+        if self.on_evict is not None:
+            self.on_evict(blocks, names)
         return blocks
 
     def free(self, owner: str, blocks: list[int]) -> None:
         """Release owner's reference on each block, last block first (the module docstring: tails are evicted
         before heads). A block no one holds goes to the evictable end of the cache if registered, else to the
         free list. Raises if owner does not hold one (nothing is changed then)."""
-        for b in blocks:
-            if owner not in self._owners.get(b, ()):
-                raise AssertionError(f"{self.tier} block {b} is held by {sorted(self._owners.get(b, ()))!r}, "
-                                     f"not {owner!r}")
-        for b in reversed(blocks):
-            owners = self._owners[b]
-            owners.discard(owner)
-            self._num_refs -= 1
-            if not owners:
-                del self._owners[b]
-                if b in self._hash_of:
-                    self._evictable[b] = None
-                    if self.track_released:
-                        self.released.append(b)
-                else:
-                    self._free.append(b)
+        owners_of = self._owners
+        if list(map(owners_of.get, blocks)).count({owner}) == len(blocks):  # owner alone holds each (the usual)
+            _consume(map(owners_of.__delitem__, blocks))
+            unheld = blocks[::-1]
+        else:
+            get = owners_of.get
+            for b in blocks:
+                if owner not in get(b, ()):
+                    raise AssertionError(f"{self.tier} block {b} is held by {sorted(get(b, ()))!r}, not {owner!r}")
+            unheld = []
+            for b in reversed(blocks):
+                owners = owners_of[b]
+                owners.discard(owner)
+                if not owners:
+                    del owners_of[b]
+                    unheld.append(b)
+        # The blocks no one holds now, last first: named ones to the evictable end, the rest to the free list.
+        named = list(filter(self._hash_of.__contains__, unheld))
+        if len(named) < len(unheld):
+            self._free.extend(filterfalse(self._hash_of.__contains__, unheld))
+        if named:
+            self._evictable.update(zip(named, repeat(None)))
+            if self.track_released:
+                self.released += named
+        self._num_refs -= len(blocks)
+        self.num_free += len(unheld)
 
     # -- the cache's verbs --------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[BlockHash], max_blocks: int | None = None) -> list[int]:
@@ -208,6 +277,7 @@ class CachingBlockAllocator(BlockAllocator):
             if owners is None:
                 self._evictable.pop(b)
                 self._owners[b] = {owner}
+                self.num_free -= 1
             elif owner in owners:
                 raise AssertionError(f"{self.tier} block {b} is already held by {owner!r}")
             else:
@@ -225,6 +295,21 @@ class CachingBlockAllocator(BlockAllocator):
         self._hash_of[block] = block_hash
         return True
 
+    def register_many(self, blocks: Sequence[int], names: Sequence[BlockHash]) -> None:
+        """register() each block under its name, in order (False answers ignored); the blocks are distinct, and so
+        are the names (one job's table, or one copy's)."""
+        owners, hash_of, block_of = self._owners, self._hash_of, self._block_of
+        for b in filterfalse(owners.__contains__, blocks):
+            raise AssertionError(f"{self.tier} block {b} is not held: only a job's own blocks are registered")
+        if any(map(block_of.__contains__, names)) or any(map(hash_of.__contains__, blocks)):
+            for b, h in zip(blocks, names):
+                if h not in block_of and b not in hash_of:
+                    block_of[h] = b
+                    hash_of[b] = h
+        else:  # (none named, no name taken: all at once)
+            block_of.update(zip(names, blocks))
+            hash_of.update(zip(blocks, names))
+
     def count_query(self, queried_tokens: int, hit_tokens: int) -> None:
         self.num_queries += queried_tokens
         self.num_hits += hit_tokens
@@ -232,15 +317,20 @@ class CachingBlockAllocator(BlockAllocator):
     def evict_all(self) -> int:
         """Empty the cache of unreferenced blocks (they go to the free list); returns how many. Referenced
         blocks keep their names (their owners still read them)."""
-        n = len(self._evictable)
-        for b in self._evictable:
-            h = self._hash_of.pop(b)
+        blocks = list(self._evictable)
+        names = [self._hash_of.pop(b) for b in blocks]
+        for h in names:
             del self._block_of[h]
-            self._free.append(b)
-            if self.on_evict is not None:
-                self.on_evict(b, h)
-        self._evictable.clear()
-        return n
+        self._free.extend(blocks)
+        self._evictable.clear()  # (num_free unchanged: evictable blocks are free ones)
+        if self.on_evict is not None and blocks:
+            self.on_evict(blocks, names)
+        return len(blocks)
+
+    def grow(self, num_blocks: int) -> None:
+        before = self.num_blocks
+        super().grow(num_blocks)
+        self.num_free += self.num_blocks - before
 
     def check_invariants(self) -> None:
         free = set(self._free)
@@ -250,6 +340,7 @@ class CachingBlockAllocator(BlockAllocator):
         assert not (free & evictable) and not (free & held) and not (evictable & held), \
             f"{self.tier}: a block is in two states"
         assert len(free) + len(evictable) + len(held) == self.num_blocks, f"{self.tier}: blocks lost"
+        assert self.num_free == len(free) + len(evictable), f"{self.tier}: free count drift"
         assert all(self._owners.values()), f"{self.tier}: a held block with no owner"
         assert self._num_refs == sum(len(o) for o in self._owners.values()), f"{self.tier}: reference count drift"
         assert evictable <= self._hash_of.keys(), f"{self.tier}: an evictable block has no name"

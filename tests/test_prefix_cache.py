@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memory.block_allocator import OutOfBlocks
-from memory.prefix_cache import CachingBlockAllocator, block_hashes, hash_block
+from memory.prefix_cache import CachingBlockAllocator, block_hashes, extend_chain, hash_block
 
 BS = 4
 
@@ -28,6 +28,42 @@ def test_hash_chain_names_a_block_by_everything_before_it():
     known = block_hashes([1, 2, 3, 4], BS)
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], BS, known=known) == a and known == a
     assert hash_block(None, [1, 2, 3, 4]) == a[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**40), max_size=40), cut=st.integers(0, 10),
+       salt=st.sampled_from([None, "", "t"]), bs=st.integers(1, 5))
+def test_extend_chain_names_as_hash_block_does(tokens, cut, salt, bs):
+    """The packed, one-buffer-per-digest chain (what the KV manager names blocks with) against the slow reference,
+    hash_block block by block, from an empty chain and from one already started (`cut` blocks)."""
+    reference, parent = [], None
+    for i in range(len(tokens) // bs):
+        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt)
+        reference.append(parent)
+    cut = min(cut, len(reference))
+    chain = reference[:cut]
+    extend_chain(chain, tokens[cut * bs:], bs, salt if not chain else None)
+    assert chain == reference
+    for i in range(cut, len(reference)):  # one block at a time, as a decoding job's blocks fill
+        chain = reference[:i]
+        extend_chain(chain, tokens[i * bs:(i + 1) * bs], bs, salt if not chain else None)
+        assert chain == reference[:i + 1]
+
+
+def test_bulk_verbs_agree_with_the_single_ones():
+    pool = CachingBlockAllocator(6)
+    blocks = pool.allocate("a", 5)
+    names = block_hashes(list(range(5 * BS)), BS)
+    pool.register(blocks[1], names[1])  # one already named: the bulk call skips it as register() would
+    pool.register_many(blocks, names)
+    assert pool.names_of(blocks) == names and pool.blocks_named(names + [None]) == blocks + [None]
+    assert pool.num_unheld(blocks) == 0 and pool.num_free == 1
+    pool.free("a", blocks[3:])
+    assert pool.num_unheld(blocks) == 2 and pool.num_free == 3
+    assert pool.evictable_names(blocks[::-1] + blocks) == {blocks[4]: names[4], blocks[3]: names[3]}
+    with pytest.raises(AssertionError):
+        pool.register_many(blocks[3:], names[3:])  # not held any more
+    pool.check_invariants()
 
 
 def test_share_release_evict_lru():
