@@ -42,7 +42,7 @@ from engine.errors import ValidationError
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{{ m['role'] | capitalize }}{% if m['name'] %} ({{ m['name'] }}){% endif %}:"
-    "{% if m['content'][:1] not in [' ', '\n', '\t', '\r'] %} {% endif %}{{ m['content'] }}\n"
+    "{% if not m['content'][:1].isspace() %} {% endif %}{{ m['content'] }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )

@@ -200,7 +200,7 @@ def test_chat_template_generation_prompt_is_a_prefix_of_the_next_turn(answer, us
     prompt = template.render(history)
     after = template.render([*history, {"role": "assistant", "content": answer},
                              {"role": "user", "content": user}])
-    joiner = "" if answer[:1] in (" ", "\n", "\t", "\r") else " "
+    joiner = "" if answer[:1].isspace() else " "
     assert after.startswith(prompt + joiner + answer + "\n")
 
 
