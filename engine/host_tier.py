@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,6 +51,12 @@ def _cuda_register(ptr: int, size: int) -> None:
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))  # 1 = cudaHostRegisterPortable
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed with cudaError {err}")
+
+
+def _unlock_all(registered: list[int], unregister: Callable[[int], None]) -> None:
+    """Unlock every locked chunk (latest first), emptying `registered`."""
+    while registered:
+        unregister(registered.pop())
 
 
 def _cuda_unregister(ptr: int) -> None:
@@ -111,6 +118,9 @@ class HostTier:
         self._ready = 0 if pin else num_blocks
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Unlock whatever is locked when the tier is collected without close() (an engine dropped without
+        # LLM.close: its swapper keeps the tier open across shutdown, for the engine may run again).
+        self._unlock_at_collection = weakref.finalize(self, _unlock_all, self._registered, self._unregister)
         if pin and num_blocks:
             device = torch.cuda.current_device() if register is None else None
             self._thread = threading.Thread(target=self._pin_all, args=(device,), name="fastserve-pin-host",
@@ -169,6 +179,5 @@ class HostTier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        while self._registered:
-            self._unregister(self._registered.pop())
+        _unlock_all(self._registered, self._unregister)
         self._ready = 0

@@ -161,7 +161,7 @@ class ModelRunner:
         far) and the Swapper that moves this rank's block slices to and from it. test_lock (tests only): lock
         through this fake instead, on any device, so the tier grows as a pinned one does."""
         if self.swapper is not None:  # a new engine over the same workers: a fresh host tier
-            self.swapper.shutdown()
+            self.swapper.close()
         shape = kv_block_shape(self.model.cfg, self.layout, self.block_size)
         if test_lock is None:
             tier = HostTier(num_host_blocks, shape, self.dtype, pin=self.device.type == "cuda")

@@ -130,20 +130,28 @@ class Swapper:
             dst[d : d + n].copy_(src[s : s + n])
 
     def shutdown(self) -> None:
-        """Wait for the copies in flight, then release the host tier (unlocking its pages on CUDA)."""
+        """Wait for the copies in flight and stop the copy threads (new ones start with the next copy). The host
+        tier stays open, its blocks usable: an engine that is shut down may run again (LocalExecutor.shutdown; a
+        server's AsyncEngine shutting down, an LLM collected while its engine is kept), and the KV manager still
+        counts on every block it was given. close() or release() end the tier."""
         if self._cuda:
             for stream in self._streams.values():
                 stream.synchronize()
         else:
-            for thread in self._threads.values():
+            for d, thread in self._threads.items():
                 thread.shutdown(wait=True)
+                self._threads[d] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastserve-{d.value}")
+
+    def close(self) -> None:
+        """shutdown(), then close the host tier (unlocking its pages on CUDA): no copy may use it afterwards."""
+        self.shutdown()
         if self.tier is not None:
             self.tier.close()
 
     def release(self) -> None:
-        """shutdown(), then free the host tier's memory now and drop the copy streams and the device cache (whose
+        """close(), then free the host tier's memory now and drop the copy streams and the device cache (whose
         owner, the ModelRunner, frees it): an engine closing. The swapper cannot copy afterwards."""
-        self.shutdown()
+        self.close()
         free_storage(self.host_cache)
         self.device_cache = self.host_cache = self.tier = None
         self._streams = self._threads = {}

@@ -11,6 +11,7 @@ empty_cache) are checked with stand-ins for the graphs and torch.cuda's calls.""
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import pytest
@@ -120,12 +121,15 @@ def test_release_resets_the_graphs_and_returns_cached_blocks_to_the_device(tiny_
     assert calls.count("synchronize") == 1
 
 
-def test_an_engine_kept_after_its_llm_is_collected_still_serves(tiny_model_dir):
+@pytest.mark.parametrize("caching", [False, True])
+def test_an_engine_kept_after_its_llm_is_collected_still_serves(tiny_model_dir, caching):
     """Only close() (or leaving a `with` block) frees the model and cache: code that keeps llm.engine and drops the
-    LLM (as tests and benchmarks do) keeps a working engine; close() then stops it."""
+    LLM (as tests and benchmarks do) keeps a working engine; close() then stops it. With prefix caching every
+    finished request starts a copy of its cached blocks to the host tier, which must still be open."""
     import gc
 
-    llm = LLM(str(tiny_model_dir), device="cpu", block_size=4, num_gpu_blocks_override=32, profile="analytic")
+    llm = LLM(str(tiny_model_dir), device="cpu", block_size=4, num_gpu_blocks_override=32, profile="analytic",
+              enable_prefix_caching=caching, num_host_blocks_override=64)
     engine = llm.engine
     del llm
     gc.collect()
@@ -134,6 +138,13 @@ def test_an_engine_kept_after_its_llm_is_collected_still_serves(tiny_model_dir):
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
     assert len(outs[0].outputs[0].token_ids) == 3
+    if caching:  # the finished request's full blocks were copied to the host tier's cache
+        assert engine.kv.stats.cache_blocks_backed_up > 0
+        deadline = time.monotonic() + 30
+        while engine.kv.host.num_cached == 0 and time.monotonic() < deadline:
+            engine.kv.poll()  # the copy landed: the blocks are named on the host
+            time.sleep(0.01)
+        assert engine.kv.host.num_cached > 0
     engine.close()
     engine.add_request("s", [2, 10], SamplingParams(temperature=0, max_tokens=1))
     with pytest.raises(RuntimeError, match="closed"):

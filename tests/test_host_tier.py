@@ -5,6 +5,7 @@ block not locked yet."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -116,7 +117,38 @@ def test_swapper_copies_through_a_chunked_tier_move_the_same_bytes():
         assert torch.equal(tier.blocks[1:10], device[0:9])
         assert swapper.host_blocks_ready() == 12
     finally:
-        swapper.shutdown()
+        swapper.close()
+
+
+def test_a_swapper_copies_again_after_shutdown_and_only_close_ends_its_tier():
+    """shutdown() (an engine's, which may run again) waits for the copies and stops the threads but keeps the
+    tier's blocks: the KV manager was given them. close() unlocks the tier; collecting a tier unlocks it too."""
+    locker = FakeLocker()
+    device = torch.randn(8, *BLOCK)
+    swapper = Swapper(device, tier_with(locker))  # 10 host blocks in chunks of 4
+    for _ in range(3):
+        locker.gate.release()
+    wait_for(lambda: swapper.host_blocks_ready() == 10)
+    wait_for(swapper.copy(Direction.OFFLOAD, [(0, 1)]).done)
+    swapper.shutdown()
+    assert swapper.host_blocks_ready() == 10 and locker.unregistered == []
+    handle = swapper.copy(Direction.OFFLOAD, [(1, 9), (2, 2)])  # a new copy thread
+    wait_for(handle.done)
+    assert torch.equal(swapper.host_cache[[1, 9, 2]], device[[0, 1, 2]])
+    swapper.close()
+    assert swapper.host_blocks_ready() == 0 and len(locker.unregistered) == 3
+    with pytest.raises(ValueError, match="only host blocks 0..-1 are ready"):
+        swapper.copy(Direction.OFFLOAD, [(0, 0)])
+
+    other = FakeLocker()
+    held = [tier_with(other)]
+    for _ in range(3):
+        other.gate.release()
+    wait_for(lambda: held[0].blocks_ready == 10)
+    held[0]._thread.join()  # the locking thread holds the tier until it ends
+    held.clear()  # the last reference
+    gc.collect()
+    assert sorted(other.unregistered) == sorted(p for p, _ in other.registered)
 
 
 def test_swapper_refuses_a_copy_through_a_host_block_not_yet_locked():
@@ -137,5 +169,5 @@ def test_swapper_refuses_a_copy_through_a_host_block_not_yet_locked():
         assert torch.equal(swapper.host_cache[2:4], device[0:2])
     finally:
         for _ in range(2):
-            locker.gate.release()  # let the locking end, so shutdown's close() does not wait on the gate
-        swapper.shutdown()
+            locker.gate.release()  # let the locking end, so close() does not wait on the gate
+        swapper.close()
