@@ -217,12 +217,16 @@ class CachingBlockAllocator(BlockAllocator):
         evictable = self._evictable
         blocks = list(islice(evictable, n))  # (the least recent first)
         _consume(map(evictable.__delitem__, blocks))
+        self.num_evictions += n
+        self._forget(blocks)
+        return blocks
+
+    def _forget(self, blocks: list[int]) -> None:
+        """Drop the names of these blocks, just taken off the evictable list, and tell the on_evict hook."""
         names = list(map(self._hash_of.pop, blocks))
         _consume(map(self._block_of.__delitem__, names))
-        self.num_evictions += n
-        if self.on_evict is not None:
+        if self.on_evict is not None and blocks:
             self.on_evict(blocks, names)
-        return blocks
 
     def free(self, owner: str, blocks: list[int]) -> None:
         """Release owner's reference on each block, last block first (the module docstring: tails are evicted
@@ -318,13 +322,9 @@ class CachingBlockAllocator(BlockAllocator):
         """Empty the cache of unreferenced blocks (they go to the free list); returns how many. Referenced
         blocks keep their names (their owners still read them)."""
         blocks = list(self._evictable)
-        names = [self._hash_of.pop(b) for b in blocks]
-        for h in names:
-            del self._block_of[h]
-        self._free.extend(blocks)
         self._evictable.clear()  # (num_free unchanged: evictable blocks are free ones)
-        if self.on_evict is not None and blocks:
-            self.on_evict(blocks, names)
+        self._forget(blocks)
+        self._free.extend(blocks)
         return len(blocks)
 
     def grow(self, num_blocks: int) -> None:
