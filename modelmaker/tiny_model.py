@@ -20,6 +20,7 @@ from modelmaker.tiny_tokenizer import train_tiny_tokenizer, train_word_tokenizer
 TINY_SEED = 0
 TOKENIZERS = {"bpe": train_tiny_tokenizer, "word": train_word_tokenizer}  # "bpe": the built-in model's
 WORD_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "tiny-opt-word"  # where the word-level twin goes by default
+MODEL_DIRS = {"bpe": DEFAULT_MODEL_DIR, "word": WORD_MODEL_DIR}  # each tokenizer's model's default directory
 
 
 def build_tiny_model(out_dir: str | Path, tokenizer: str = "bpe") -> Path:
@@ -44,7 +45,7 @@ def build_tiny_model(out_dir: str | Path, tokenizer: str = "bpe") -> Path:
 def ensure_tiny_model(out_dir: str | Path | None = None, tokenizer: str = "bpe") -> Path:
     """out_dir (default: where the engine looks for the built-in model, or WORD_MODEL_DIR for the word-level
     twin), built first if it has no config.json."""
-    out = Path(out_dir) if out_dir is not None else {"bpe": DEFAULT_MODEL_DIR, "word": WORD_MODEL_DIR}[tokenizer]
+    out = Path(out_dir) if out_dir is not None else MODEL_DIRS[tokenizer]
     if not (out / "config.json").is_file():
         build_tiny_model(out, tokenizer)
     return out

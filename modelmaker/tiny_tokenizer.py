@@ -56,10 +56,7 @@ def train_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 4096) -> 
     min_size = BYTE_ALPHABET_SIZE + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
         raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs {min_size} or more")
-    if not CORPUS.is_file():
-        raise TokenizerError(f"tiny tokenizer corpus {CORPUS} is missing")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _corpus_and_out_dir(out_dir)
 
     # The same pipeline transformers' GPT2Tokenizer builds for OPT (see engine/tokenizer.py).
     backend = tokenizers.Tokenizer(models.BPE(fuse_unk=False))
@@ -74,12 +71,26 @@ def train_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 4096) -> 
     # Rust's trainer breaks ties in pair counts by pair ids, not by hash order, so the result does not
     # depend on thread count or hash seeds; tests/test_tokenizer.py checks this byte for byte.
     backend.train([str(CORPUS)], trainer)
+    backend.model.save(str(out))  # vocab.json + merges.txt
+    return _save_opt_layout(backend, out, _TOKENIZER_CONFIG)
+
+
+def _corpus_and_out_dir(out_dir: str | os.PathLike) -> Path:
+    """The output directory (made if missing), once the training corpus is known to be there."""
+    if not CORPUS.is_file():
+        raise TokenizerError(f"tiny tokenizer corpus {CORPUS} is missing")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _save_opt_layout(backend: tokenizers.Tokenizer, out: Path, config: dict) -> Tokenizer:
+    """OPT's BOS ("</s>" first) as the post-processor, then tokenizer.json, tokenizer_config.json and
+    special_tokens_map.json into `out`; the tokenizer loaded back as the engine loads it."""
     bos = ("</s>", backend.token_to_id("</s>"))
     backend.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[bos])
-
     backend.save(str(out / "tokenizer.json"), pretty=True)
-    backend.model.save(str(out))  # vocab.json + merges.txt
-    _write_json(out / "tokenizer_config.json", _TOKENIZER_CONFIG)
+    _write_json(out / "tokenizer_config.json", config)
     _write_json(out / "special_tokens_map.json", _SPECIAL_TOKENS_MAP)
     return Tokenizer.from_pretrained(out)
 
@@ -92,19 +103,11 @@ def train_word_tokenizer(out_dir: str | os.PathLike) -> Tokenizer:
     """A word-level tokenizer (split on white space; no decoder, so decoding joins words with one space) over the
     corpus's words and the chat template's, written as tokenizer.json + the OPT configs; return it loaded.
     Decoding then encoding any ids that are not special gives the same ids back."""
-    if not CORPUS.is_file():
-        raise TokenizerError(f"tiny tokenizer corpus {CORPUS} is missing")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _corpus_and_out_dir(out_dir)
     backend = tokenizers.Tokenizer(models.WordLevel(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     trainer = trainers.WordLevelTrainer(
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], show_progress=False)
     lines = CORPUS.read_text(encoding="utf-8").splitlines()
     backend.train_from_iterator([*lines, CHAT_TEMPLATE_WORDS], trainer)  # ties broken by word: deterministic
-    bos = ("</s>", backend.token_to_id("</s>"))
-    backend.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[bos])
-    backend.save(str(out / "tokenizer.json"), pretty=True)
-    _write_json(out / "tokenizer_config.json", {**_TOKENIZER_CONFIG, "tokenizer_class": "PreTrainedTokenizerFast"})
-    _write_json(out / "special_tokens_map.json", _SPECIAL_TOKENS_MAP)
-    return Tokenizer.from_pretrained(out)
+    return _save_opt_layout(backend, out, {**_TOKENIZER_CONFIG, "tokenizer_class": "PreTrainedTokenizerFast"})

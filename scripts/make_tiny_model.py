@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.config import DEFAULT_MODEL_DIR  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
-from modelmaker.tiny_model import WORD_MODEL_DIR, build_tiny_model, ensure_tiny_model  # noqa: E402
+from modelmaker.tiny_model import MODEL_DIRS, build_tiny_model, ensure_tiny_model  # noqa: E402
 
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
@@ -72,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tokenizer != "bpe" and args.shape != "tiny":
         ap.error("--tokenizer applies to --shape tiny only (other shapes carry the built-in model's tokenizer)")
-    default_out = {"bpe": DEFAULT_MODEL_DIR, "word": WORD_MODEL_DIR}[args.tokenizer]
-    out = args.out or (default_out if args.shape == "tiny" else Path("models") / f"{args.shape}-random")
+    out = args.out or (MODEL_DIRS[args.tokenizer] if args.shape == "tiny" else Path("models") / f"{args.shape}-random")
     if (out / "config.json").exists():
         if not args.force:
             print(f"{out} already exists (use --force to rewrite it)")
