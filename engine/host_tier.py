@@ -179,5 +179,5 @@ class HostTier:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        _unlock_all(self._registered, self._unregister)
+        self._unlock_at_collection()  # unlock now (the finalizer runs once: nothing is left for collection)
         self._ready = 0
