@@ -187,6 +187,9 @@ class KVManager:
         self._waiting: dict[str, JobKV] = {}  # looked up at admission, no KV yet: may find its prefix on the host
         self._recheck_waiting = False  # the tiers' contents changed since _park_waiting last looked
         self._prefix_parked: dict[object, JobKV] = {}  # jobs not started whose cached prefix waits on the host
+        # Entries whose last allocation stopped short of their context (a chunk of a prefill, chunked prefill) and
+        # that still hold KV: admission counts the blocks the rest of their prefill will take (started_blocks).
+        self._prefilling: dict[JobKV, None] = {}
 
     # -- the scheduler's verbs ------------------------------------------------------------------
     def can_fit(self, job, num_new_tokens: int) -> bool:
@@ -212,8 +215,17 @@ class KVManager:
         return self.started_blocks() + blocks_needed(job.num_computed + num_new_tokens, self.block_size) <= limit
 
     def started_blocks(self) -> int:
-        """KV blocks held by jobs on either tier, a block being copied counted once."""
-        return self.device.num_used + self.host.num_used - self._copied - self._backup_host_blocks
+        """KV blocks held by jobs on either tier, a block being copied counted once, plus the blocks a partly
+        prefilled job (chunked prefill) still has to take for the rest of its context: a prompt that prefills in
+        chunks is counted whole from its first chunk, as one that prefills in one iteration is (without it,
+        admission let in a long prompt per chunk's room, and past capacity both tiers overflowed into drops:
+        docs/benchmarks.md, "Chunked prefill, session 14")."""
+        held = self.device.num_used + self.host.num_used - self._copied - self._backup_host_blocks
+        if self._prefilling:
+            bs = self.block_size
+            for kv in self._prefilling:
+                held += max(0, -(-kv.job.context_len // bs) - max(len(kv.device), len(kv.host)))
+        return held
 
     def parked_unfit(self) -> Container:
         """Jobs the policy's walk may pass over now without asking: their KV is on the host alone, and
@@ -257,9 +269,14 @@ class KVManager:
             computed = job.num_computed
             if computed >= kv.name_at:  # (else no block has filled since it last ran: nothing to name)
                 self._register_full(kv)
-            extra = -(-(computed + num_new_tokens) // self.block_size) - len(kv.device)
+            end = computed + num_new_tokens
+            extra = -(-end // self.block_size) - len(kv.device)
             if extra > 0:
                 kv.device.extend(self.device.allocate(job.job_id, extra))
+            if end < job.prompt_len + job.num_generated:  # a chunk: more of its context to come
+                self._prefilling[kv] = None
+            elif self._prefilling:
+                self._prefilling.pop(kv, None)
             return
         if kv is None:
             kv = self._entry(job)
@@ -291,6 +308,10 @@ class KVManager:
         if kv.residency is Residency.NONE:
             kv.residency = Residency.DEVICE
             self._device_resident[kv] = None
+        if end < job.context_len:  # a chunk: more of its context to come (counted by started_blocks)
+            self._prefilling[kv] = None
+        elif self._prefilling:
+            self._prefilling.pop(kv, None)
 
     @property
     def victims_by_priority(self) -> bool:
@@ -388,6 +409,7 @@ class KVManager:
             self._waiting.pop(job_id, None)
         if kv is None:
             return
+        self._prefilling.pop(kv, None)
         if kv.transfer is not None and not kv.transfer.done():  # (not on the host alone: its copy is in flight)
             kv.freed = True
             self._hold_pending(kv, len(kv.device))  # every device block of an orphan frees when it lands
@@ -801,6 +823,9 @@ class KVManager:
         missing = [kv.job.job_id for kv in self._jobs.values()
                    if kv.residency is Residency.DEVICE and kv not in self._device_resident]
         assert not missing, f"device-resident entries the planner's index lacks: {missing}"
+        stale = [kv.job.job_id for kv in self._prefilling if self._jobs.get(kv.job.job_id) is not kv
+                 or not (kv.device or kv.host)]
+        assert not stale, f"partly prefilled entries freed or holding no KV: {stale}"
         if self._prefix is not None:  # allocate's fast path names blocks no later than _register_full would
             late = [kv.job.job_id for kv in self._jobs.values() if kv.residency is Residency.DEVICE and kv.name_at > (
                 0 if kv.registered_table is not kv.device else (kv.num_registered + 1) * self.block_size)]
@@ -999,6 +1024,7 @@ class KVManager:
         assert kv.transfer is None, "a job with a copy in flight cannot be dropped"
         jid = kv.job.job_id
         self._unpark(kv)
+        self._prefilling.pop(kv, None)  # (it holds no KV now: admission counts it whole if it starts again)
         self.device.free(jid, kv.device)
         kv.device = []
         if kv.host:

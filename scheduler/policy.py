@@ -86,10 +86,12 @@ class KVAdmission(Protocol):
         ...
 
     def may_start(self, job: Job, num_new_tokens: int) -> bool:
-        """Overload admission, for a job with no KV (new, or dropped): whether it may start now. For such a job
-        the answer depends only on num_computed + num_new_tokens and does not rise with it, and it changes only
-        through allocate and evict: the walk reuses a refusal until one of them. A job with nothing computed
-        that is not in flight holds no KV."""
+        """Overload admission, for a job with no KV (new, or dropped): whether it may start now. The policy asks
+        it with num_new_tokens = the job's whole context, even when only a chunk of it runs this iteration
+        (chunked prefill: the rest follows within a few iterations). For such a job the answer depends only on
+        num_computed + num_new_tokens and does not rise with it, and it changes only through allocate and evict:
+        the walk reuses a refusal until one of them. A job with nothing computed that is not in flight holds no
+        KV."""
         ...
 
     def parked(self) -> Container[Job]:

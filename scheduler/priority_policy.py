@@ -25,7 +25,11 @@ output token:
   (no copy);
 - a job with no KV (new, or dropped) starts only if `kv.may_start` admits it
   (overload admission: the started jobs' KV must fit within what memory/
-  allows);
+  allows), asked for its whole context even when only a chunk of it runs now
+  (chunked prefill): the chunks that follow hold the rest within a few
+  iterations, and a prompt admitted by its first chunk's room overfilled
+  both tiers past capacity (drops: docs/benchmarks.md, "Chunked prefill,
+  session 14");
 - fresh jobs (never run yet) are looked at only while it can matter: once
   admission refuses one, no other fresh job starts this tick; once nothing is
   left to evict, none starts either if the smallest fresh prompt does not
@@ -220,14 +224,14 @@ class PriorityPolicy(SchedulingPolicy):
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0 and (n >= refused_from or not kv.may_start(job, n)):
-                if n < refused_from:
-                    refused_from = n
-                    if not chunked:  # (a chunk's n is not the job's context: the walk cannot tell it)
-                        gate.no_kv_from = n
-                if fresh:
-                    gate.fresh = False
-                continue
+            if job.num_computed == 0:  # no KV: admission counts its whole context, whatever the chunk (n) now
+                need = job.prompt_len + job.num_generated
+                if need >= refused_from or not kv.may_start(job, need):
+                    if need < refused_from:
+                        refused_from = gate.no_kv_from = need
+                    if fresh:
+                        gate.fresh = False
+                    continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
                 continue
             if exhausted and not kv.room_for(job.num_computed + n):

@@ -56,6 +56,76 @@ def test_admission_holds_new_jobs_until_started_ones_finish():
     assert step(policy, kv, t)[0] == ["d", "e"]
 
 
+def test_admission_counts_a_partly_prefilled_prompt_whole():
+    """Chunked prefill: a (40 tokens: 10 blocks of 4) has run one 8-token chunk and holds 2 blocks, but admission
+    counts all 10 of its prompt until its prefill is done, on either tier: with at most 12 started blocks a job of
+    2 blocks may start (12), one of 3 may not (13). Once its prompt is computed it counts what it holds; dropped,
+    nothing."""
+    kv = KVManager(16, 4, num_host_blocks=16, policy="proactive", max_started_blocks=12)
+    a = job("a", 40)
+    kv.allocate(a, 8)
+    a.num_computed = 8
+    assert len(kv.block_table("a")) == 2 and kv.started_blocks() == 10
+    assert kv.may_start(job("c", 8), 8) and not kv.may_start(job("d", 12), 12)
+    kv.evict(a)  # no copy backend: the offload completes at once
+    assert kv.residency("a") is Residency.HOST and kv.started_blocks() == 10
+    assert not kv.may_start(job("d", 12), 12)
+    kv.allocate(a, 32)  # back up (at once) and the rest of the prompt: the same 10 blocks, held now
+    a.num_computed = 40
+    assert kv.residency("a") is Residency.DEVICE and kv.started_blocks() == 10
+    kv.allocate(a, 1)  # its first decode: a new block, counted as held
+    assert kv.started_blocks() == 11
+    kv.check_invariants()
+    drop = KVManager(16, 4, policy="recompute", max_started_blocks=12)
+    b = job("b", 40)
+    drop.allocate(b, 8)
+    b.num_computed = 8
+    assert drop.started_blocks() == 10
+    drop.evict(b)  # dropped: it holds nothing, and is counted whole again when it asks to start
+    assert b.num_computed == 0 and drop.started_blocks() == 0
+    drop.check_invariants()
+
+
+def test_chunked_prefill_asks_admission_for_the_whole_prompt():
+    """Budget 24 tokens, 4-token blocks, at most 14 started blocks (device room for all). a and b have 40-token
+    prompts (10 blocks each). Tick 0: a's first chunk (24). Tick 1: the rest of a's (16), and 8 tokens of the
+    budget left for b's first chunk, whose 2 blocks would fit beside a's 10; but admission is asked for b's whole
+    prompt (10 + 10 > 14), so b waits until a is done. Each asks as a whole prompt, never as its chunk."""
+    policy = mlfq(max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=24)
+    kv = KVManager(40, 4, policy="recompute", max_started_blocks=14)
+    asked: list[tuple[str, int]] = []
+    may_start = kv.may_start
+
+    def spy(j, n):
+        asked.append((j.job_id, n))
+        return may_start(j, n)
+
+    kv.may_start = spy
+    a, b = job("a", 40, output=2), job("b", 40, output=2)
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    batches, now = [], 0.0
+    while policy.has_work() and len(batches) < 10:
+        decision = policy.schedule(now, kv)
+        batches.append([(j.job_id, j.num_scheduled) for j in decision.batch])
+        now += 1.0
+        for j in decision.batch:
+            if j.num_computed + j.num_scheduled < j.context_len:
+                j.num_computed += j.num_scheduled
+            else:
+                j.num_computed, j.num_generated = j.context_len, j.num_generated + 1
+            j.num_scheduled = 0
+        policy.on_step_done(decision.batch, now, 1.0)
+        for j in decision.batch:
+            if j.num_generated >= j.true_output_len:
+                policy.remove(j)
+                kv.free(j.job_id)
+        kv.check_invariants()
+    assert batches[:3] == [[("a", 24)], [("a", 16)], [("a", 1)]]
+    assert ("b", 24) in batches[3] and not any(x == "b" for batch in batches[:3] for x, _ in batch)
+    assert {n for _, n in asked} == {40}
+
+
 def test_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
     """One slot, alpha 1 s. x (8-token prompt, long output) runs from t=0; y (64 tokens: Q4) waits.
     Paper's rule: y has waited > alpha at t=2 and is promoted to Q1 ahead of x (now in Q2): it runs at
