@@ -1,9 +1,14 @@
 """Proactive KV-cache management: the rule (paper section 4.2, Fig. 9).
 
 After the scheduler has picked the batch, every tick:
-1. Watermark. Keep free device blocks >= len(batch) + reserved_blocks (room
-   for the batch's next-iteration growth, one block per job at most, plus the
-   burst slots kept for arriving jobs). Counting blocks already being offloaded
+1. Watermark. Keep free device blocks >= growth(batch) + reserved_blocks: the
+   blocks the batch's next iteration adds (batch_growth: one for each job whose
+   next token starts a new block, one for a job in the middle of a chunked
+   prefill), plus the burst slots kept for arriving jobs. (It was len(batch),
+   a block for every job, ~16x what a decode batch adds with 16-token blocks:
+   at capacity it pushed out idle jobs to keep room nobody used, and each came
+   back as an upload; docs/benchmarks.md, "Proactive prefetch, session 14".)
+   Counting blocks already being offloaded
    as free-to-be, while below it: offload the idle device-resident job with
    the LARGEST estimated_wait (ENST), never one in the batch and never one
    whose upload started this tick (no ping-pong). Host full: stop; a started
@@ -34,6 +39,7 @@ class KVView(Protocol):
     planner knows nothing else of it, so memory/kv_manager.py imports this module and not the other way)."""
 
     reserved_blocks: int  # device blocks kept free for bursts of new jobs
+    block_size: int  # tokens per block
 
     @property
     def num_free_device_blocks(self) -> int: ...
@@ -61,14 +67,30 @@ class KVView(Protocol):
     def start_upload(self, kv: JobKV, predicted_wait: float | None = None, now: float = 0.0) -> bool: ...
 
 
+def batch_growth(batch, block_size: int) -> int:
+    """Device blocks the batch's next iteration adds: a job that decodes next (its KV now covers its context
+    once this step has run) needs a new block when its context fills its blocks, context_len % block_size == 0
+    (the token this step samples goes at position context_len); a job in the middle of a chunked prefill is
+    counted one block, as before (its next chunk is sized by the room the scheduler finds)."""
+    n = 0
+    for job in batch:
+        ctx = job.context_len
+        n += not ctx % block_size or 0 < job.num_scheduled < ctx - job.num_computed
+    return n
+
+
 def plan_transfers(kv: KVView, batch, estimated_wait, now: float) -> None:
-    """Cost: O(1) when the watermark holds and nothing is on the host (most ticks below capacity);
-    otherwise one look at the device-resident jobs and a sort of those it needs, no scan of every job.
-    When not even the smallest host job fits beyond the watermark (past capacity, most ticks) the host
-    jobs are not sorted: rule 3 needs only whether one of them is due before the top idle job."""
-    watermark = len(batch) + kv.reserved_blocks
+    """Cost: O(1) when nothing is on the host and a block a job of the batch is free (most ticks below
+    capacity); otherwise one pass over the batch (batch_growth), one look at the device-resident jobs and a
+    sort of those it needs, no scan of every job. When not even the smallest host job fits beyond the
+    watermark (past capacity, most ticks) the host jobs are not sorted: rule 3 needs only whether one of
+    them is due before the top idle job."""
     host = kv.host_resident()
-    if not host and kv.num_free_device_blocks + kv.pending_free_blocks >= watermark:
+    free_to_be = kv.num_free_device_blocks + kv.pending_free_blocks
+    if not host and free_to_be >= len(batch) + kv.reserved_blocks:  # (the growth is at most a block a job)
+        return
+    watermark = batch_growth(batch, kv.block_size) + kv.reserved_blocks
+    if not host and free_to_be >= watermark:
         return
     enst: dict[str, float] = {}
 
