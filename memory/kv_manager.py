@@ -77,6 +77,16 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def _next_name_at(kv: JobKV, block_size: int) -> float:
+    """Where allocate's fast path next names the job's blocks (JobKV.name_at): when the block after those named
+    fills, while that block lies within the prompt. Blocks of generated tokens are named only when the job
+    leaves the device (evict, free): no other request can hit them before, since a request shares blocks only at
+    its first allocation, and its prompt cannot hold an answer still being generated. Naming them as they fill
+    would hash a block every few decode steps of every job for nothing (issue 28's per-tick cost)."""
+    end = (kv.num_registered + 1) * block_size
+    return end if end <= kv.job.prompt_len else float("inf")
+
+
 @dataclass
 class KVStats:
     num_drops: int = 0  # evictions that dropped KV (recompute)
@@ -583,12 +593,16 @@ class KVManager:
     # -- two tiers for cached blocks (enable_prefix_caching) ------------------------------------------
     def _on_device_evict(self, blocks: list[int], names: list) -> None:
         """The device cache handed out (or forgot) blocks no job held, named `names`."""
-        backup_of, on_host = self._backup_of, self.host.blocks_named(names)
+        backup_of = self._backup_of
         if not backup_of:
-            to_host = len(on_host) - on_host.count(None)
+            if len(names) == 1:  # (an allocation of one block: the usual eviction)
+                to_host = int(self.host.block_of(names[0]) is not None)
+            else:
+                on_host = self.host.blocks_named(names)
+                to_host = len(on_host) - on_host.count(None)
         else:
             to_host = 0
-            for b, found in zip(blocks, on_host):
+            for b, found in zip(blocks, self.host.blocks_named(names)):
                 backup = backup_of.pop(b, None)
                 if backup is not None:
                     backup.void.add(b)  # its copy read a block being reused: never name it
@@ -772,7 +786,7 @@ class KVManager:
         dev.share(job.job_id, hit)
         kv.device.extend(hit)
         kv.registered_table, kv.num_registered = kv.device, len(hit)
-        kv.name_at = (len(hit) + 1) * bs
+        kv.name_at = _next_name_at(kv, bs)
         job.num_computed = h
         return min(ctx, h + n)
 
@@ -801,7 +815,7 @@ class KVManager:
             else:
                 self.device.register_many(device[start:full], hashes[start:full])
             kv.num_registered = full
-        kv.name_at = (kv.num_registered + 1) * bs  # the next block to fill
+        kv.name_at = _next_name_at(kv, bs)
 
     # -- capacity ---------------------------------------------------------------------------------
     def num_swapped(self) -> int:
@@ -828,7 +842,7 @@ class KVManager:
         assert not stale, f"partly prefilled entries freed or holding no KV: {stale}"
         if self._prefix is not None:  # allocate's fast path names blocks no later than _register_full would
             late = [kv.job.job_id for kv in self._jobs.values() if kv.residency is Residency.DEVICE and kv.name_at > (
-                0 if kv.registered_table is not kv.device else (kv.num_registered + 1) * self.block_size)]
+                0 if kv.registered_table is not kv.device else _next_name_at(kv, self.block_size))]
             assert not late, f"entries whose filled blocks allocate would not name: {late}"
         dev = sum(len(kv.device) for kv in entries)
         host = sum(len(kv.host) for kv in entries) + self._backup_host_blocks

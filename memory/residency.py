@@ -41,7 +41,8 @@ class JobKV:
     registered_table: list | None = None
     cached_tokens: int | None = None  # tokens its first lookup found cached (None: never looked up)
     # Computed tokens from which allocate's fast path calls the naming (KVManager._register_full): at most where
-    # a block fills past num_registered, 0 when `device` may be a new table, never (inf) with caching off.
+    # a prompt block fills past num_registered, 0 when `device` may be a new table, never (inf) with caching off
+    # or once the prompt's full blocks are named (generated blocks are named when the job leaves the device).
     name_at: float = float("inf")
     # Two tiers (memory/kv_manager.py): the job has not run yet and its `host` blocks are a cached prefix found on
     # the host tier (references on the host cache's blocks), parked there for an upload ahead of need.

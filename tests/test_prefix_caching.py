@@ -148,6 +148,28 @@ def test_cached_tokens_are_reported_per_request(uncached):
     assert off["a-turn2"].num_cached_tokens is None  # caching off: no figure (the HTTP usage leaves it out)
 
 
+def test_generated_blocks_are_named_when_the_job_leaves_the_device(uncached):
+    """A decoding job's blocks are hashed when it ends (or is evicted), not as each fills: no request can hit them
+    before (issue 28's per-tick cost). The prompt's full blocks are named at once (others may share them while it
+    runs), and after the end a follow-up finds the whole conversation."""
+    model_dir, _ = uncached
+    engine = engine_of(model_dir, enable_prefix_caching=True)
+    prompt = tokens(10, 11)  # two full blocks of BS 4, and a partial one
+    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    named, done = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            done = out if out.finished else done
+        named.append(engine.kv.device.num_cached)
+        engine.kv.check_invariants()
+    # (named at the allocation after the prefill) only the prompt's blocks while it decoded 12 tokens
+    assert named[:-1] == [0] + [2] * (len(named) - 2), named
+    assert named[-1] == (10 + 12 - 1) // BS  # every full block of computed KV once it ended
+    follow = done.prompt_token_ids + done.outputs[0].token_ids + tokens(3, 12)
+    got = run(engine, {0: [("y", follow)]})
+    assert got["y"].num_cached_tokens == (10 + 12 - 1) // BS * BS
+
+
 def test_prompt_logprobs_requests_compute_their_whole_prompt(uncached):
     model_dir, _ = uncached
     params = SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)
