@@ -895,6 +895,8 @@ class KVManager:
         """Begin device -> host; False (nothing started) when the host tier has no room."""
         n = len(kv.device)
         self._grow_host()
+        if self._prefix is not None:
+            self._register_full(kv)  # (its generated blocks too: named when it leaves the device)
         if self._host_cache:
             pairs = self._host_copies(kv)
             if pairs is None:
@@ -920,7 +922,6 @@ class KVManager:
         """Two tiers: the job's host table for an offload, sharing the host cache's copy of each named block it
         has and allocating the rest; returns the (device, host) pairs to copy, or None (nothing changed) when
         the host has no room."""
-        self._register_full(kv)
         made = self._mirror_table(kv.job.job_id, kv.device, self.device, self.host)
         if made is None:
             return None
