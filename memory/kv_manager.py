@@ -183,6 +183,7 @@ class KVManager:
         self._copied = 0  # blocks held on both tiers by the copies in flight (started_blocks counts them once)
         self._pending_free = 0  # device blocks that free when the copies in flight complete
         self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
+        self._short = 0  # the most room a job asked wait_for_room for this tick and did not get
         self._promised = 0  # device blocks promised this tick to jobs that wait for room (free and freeing)
         self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
         self._blocked_at = 0.0  # when the first of them was (the tick's time)
@@ -365,6 +366,7 @@ class KVManager:
         extra = self._extra_device_blocks(job, num_new_tokens)
         free = self.device.num_free
         if extra > free + self._pending_free - self._claimed:
+            self._short = max(self._short, extra)  # (the planner keeps clear of the room it has: owed_free_blocks)
             return False
         self._claimed += max(0, extra - free)
         self._promised += extra
@@ -493,14 +495,16 @@ class KVManager:
             plan_transfers(self, batch, estimated_wait, now)  # (it keeps clear of this tick's promised room)
             if not batch and self._host_cache:
                 self._release_unstarted()
-        self._claimed = self._promised = 0  # promises of room last for the tick that made them
+        self._claimed = self._promised = self._short = 0  # promises of room last for the tick that made them
 
     @property
     def owed_free_blocks(self) -> int:
         """Free device blocks promised this tick to jobs that wait for room, beyond what the copies in flight
         will free: the proactive planner must not upload into them (its upload would take the room, the
-        waiting job would evict again, and so on without end)."""
-        return max(0, self._promised - self._pending_free)
+        waiting job would evict again, and so on without end). A job that asked for more room than there is
+        free or freeing (it evicts more next tick) is owed what it asked for too: with a full host tier its
+        victims are dropped and free their room at once, and uploads into it would start the same circle."""
+        return max(0, max(self._promised, self._short) - self._pending_free)
 
     def note_scheduled(self, job, now: float) -> float:
         """The job runs at `now`: returns the swap wait it just ended (0.0 if none), and for a job that

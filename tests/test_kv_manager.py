@@ -182,6 +182,31 @@ def test_the_planner_does_not_upload_into_room_promised_to_a_waiting_job():
     kv.check_invariants()
 
 
+def test_the_planner_does_not_upload_into_room_a_job_is_short_of():
+    """As above, but the room coming is short of what h needs (it must evict more next tick, when the planner's
+    copies would have landed): no promise, yet the planner keeps clear of the free room all the same, else it
+    uploads p into it and h evicts p again, without end (found by the simulator with prefix caching, whose full
+    host tier made evictions drop: tests/test_simulation.py). Inverted (owed_free_blocks without the short
+    room) the planner uploads p."""
+    be = ManualBackend()
+    kv = KVManager(6, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    p, v, h = job(0, 4), job(1, 8), job(2, 20)
+    grow(kv, p, 4)
+    kv.evict(p)
+    be.complete_all()
+    kv.poll()
+    grow(kv, v, 8)  # (a job of higher priority than h: not evicted for it)
+    assert kv.device.num_free == 4 and kv.residency("j0") is Residency.HOST
+    assert not kv.wait_for_room(h, 20)  # 5 blocks: more than the 4 free, nothing freeing
+    assert kv.owed_free_blocks == 5
+    kv.plan([], lambda j, now: 0.0, now=0.0)
+    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 4
+    assert kv.owed_free_blocks == 0  # lapses with the tick
+    kv.plan([], lambda j, now: 0.0, now=0.0)  # no one is short now: p comes back
+    assert kv.residency("j0") is Residency.UPLOADING
+    kv.check_invariants()
+
+
 def test_evicting_a_job_whose_upload_is_in_flight_keeps_it_on_the_host():
     be = ManualBackend()
     kv = KVManager(4, 4, num_host_blocks=4, policy="proactive", transfers=be)

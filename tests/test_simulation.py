@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.simulation import run_trace, simulated_engine
+from tests.conftest import settle_kv_copies
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -252,7 +253,7 @@ def _memory_bound_runs(draw):
     return (trace, need + draw(st.integers(0, 40)),
             draw(st.sampled_from(["proactive", "reactive", "reactive-blocking", "recompute"])),
             draw(st.sampled_from(["skip-join-mlfq", "mlfq", "srpt", "fixed-priority"])),
-            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])))
+            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])), draw(st.booleans()))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -261,14 +262,21 @@ def _memory_bound_runs(draw):
 @example(([(0.0, p, o) for p, o in ((207, 19), (1, 76), (106, 20), (160, 3), (157, 80), (227, 58), (249, 60),
                                    (226, 21), (113, 32), (285, 18), (162, 12), (303, 8), (125, 62), (209, 48),
                                    (102, 57), (257, 28), (101, 65), (205, 77), (106, 31), (249, 29))]
-          + [(0.0, 1, 1)] * 4, 20, "proactive", "skip-join-mlfq", None, 5e8))  # found by this test: the planner
-# uploaded host jobs into the room a fresh job waited for, which then evicted them again, without end
+          + [(0.0, 1, 1)] * 4, 20, "proactive", "skip-join-mlfq", None, 5e8, False))  # found by this test: the
+# planner uploaded host jobs into the room a fresh job waited for, which then evicted them again, without end
+@example(([(0.0, 172, 62), (0.05, 128, 64), (0.05, 189, 43), (0.05, 115, 4), (0.05, 35, 5), (0.05, 311, 24),
+           (0.1, 255, 10), (1.1, 355, 38), (1.1, 244, 73), (2.1, 103, 69), (2.1, 342, 37), (2.1, 399, 54),
+           (2.1, 163, 80), (2.1, 17, 76)], 39, "proactive", "mlfq", 1.0, 5e8, True))  # found by this test with
+# prefix caching: the host full, an evicted job was dropped and the room it left was short of what a new job
+# needed, so it was promised to no one and the planner uploaded host jobs into it, which the new job then evicted
+# again, without end (KVManager.owed_free_blocks now counts a short job's room)
 def test_every_request_finishes_under_every_kv_policy_with_slow_copies(sim_dirs, tmp_path_factory, run):
     """The real engine, scheduler and KV manager on random memory-bound bursts, each KV policy with copies of
-    a few decode steps (13 MB blocks at 0.5-2 GB/s against 0.1 s steps), with and without the overload rules:
+    a few decode steps (13 MB blocks at 0.5-2 GB/s against 0.1 s steps), with and without the overload rules and
+    prefix caching:
     every request finishes with all its tokens (no stall, no livelock: run_trace stops at max_steps) and memory
     ends empty and consistent."""
-    trace, blocks, kv_policy, policy, factor, bandwidth = run
+    trace, blocks, kv_policy, policy, factor, bandwidth, caching = run
     model, flat = sim_dirs
     profile = tmp_path_factory.mktemp("copies") / "profile.json"
     data = json.loads(flat.read_text())
@@ -276,10 +284,10 @@ def test_every_request_finishes_under_every_kv_policy_with_slow_copies(sim_dirs,
     profile.write_text(json.dumps(data))
     eng = simulated_engine(model, profile, num_device_blocks=blocks, num_host_blocks=4 * blocks,
                            kv_policy=kv_policy, scheduling_policy=policy, max_num_seqs=8,
-                           starvation_threshold=0.3, starvation_factor=factor)
+                           starvation_threshold=0.3, starvation_factor=factor, enable_prefix_caching=caching)
     res = run_trace(eng, trace, max_steps=50_000)
     assert [len(o.outputs[0].token_ids) for o in res.outputs] == [o for _, _, o in sorted(trace, key=lambda r: r[0])]
-    eng.kv.poll()
+    settle_kv_copies(eng)  # (the prefix cache's own copies of finished requests' blocks)
     eng.kv.check_invariants()
     assert eng.kv.device.num_free == eng.kv.device.num_blocks and eng.kv.host.num_used == 0
 
