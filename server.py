@@ -469,6 +469,10 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
                           "to a first run), so promotions do not churn the batch (and a promoted new job goes "
                           "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),
+    "enable_prefix_caching": ("automatic prefix caching (vLLM's): full KV blocks named by a hash of their tokens "
+                              "and everything before them are shared and kept after a request ends, and a request "
+                              "computes only what follows its longest cached prefix (on by default; "
+                              "--no-enable-prefix-caching: every prompt computed whole)", None),
     "prefix_caching_host_tier": ("with --enable-prefix-caching and a host tier (--kv-policy reactive or proactive): "
                                  "cached KV blocks the device evicts live on in the host tier and hits there are "
                                  "uploaded; --no-prefix-caching-host-tier: the device alone caches", None),

@@ -45,7 +45,7 @@ class EngineConfig:
     # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
     # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
     # what follows its longest cached prefix.
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     # With prefix caching and a host tier (kv_policy reactive or proactive): cached blocks the device evicts live on
     # in the host tier, and hits there are uploaded (memory/kv_manager.py, enable_prefix_caching). Off: the device
     # alone caches (an evicted block is lost).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,25 @@ def shared_dataset(relpath: str) -> Path:
     if not path.exists():
         pytest.fail(f"{path} is absent: the `datasets` tests need the project's shared datasets at {SHARED_DATASETS}")
     return path
+
+
+def settle_kv_copies(engine, timeout_s: float = 10.0) -> None:
+    """Let every KV copy still in flight land. With prefix caching the cache's own device -> host copies of a
+    finished request's blocks may outlive every request, holding host blocks until they land; a test that checks
+    that memory ends empty waits for them first. Copy threads (the live engine): poll until they are done; the
+    simulator: its virtual clock moved to each copy's end."""
+    from engine.clock import VirtualClock
+
+    deadline = time.monotonic() + timeout_s
+    while engine.kv.pending_transfers():
+        if isinstance(engine.clock, VirtualClock):
+            done_at = engine.executor.next_copy_completion()
+            assert done_at is not None, "copies pending that the simulated executor does not know"
+            engine.clock.advance(max(done_at - engine.clock.now(), 0.0) or 1e-9)
+        else:
+            assert time.monotonic() < deadline, "KV copies never landed"
+            time.sleep(0.002)
+        engine.kv.poll()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,7 +24,7 @@ from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.sampling_params import SamplingParams
 from kernels.paged_attention import paged_attention
-from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
+from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.paged_batches import make_batch
 from tests.test_model_reference import hf_logprobs, run_staggered
 
@@ -284,6 +284,7 @@ def run_with_preemption(engine, prompts, evict_at=(), urgent=None, seed=0):
             time.sleep(0.002)  # nothing could run: a copy thread is moving KV
         step += 1
         assert step < 5000
+    settle_kv_copies(engine)  # (the prefix cache's own copies of finished requests' blocks)
     assert engine.kv.device.num_free == engine.kv.device.num_blocks and engine.kv.host.num_used == 0
     return done, evicted, preempted
 

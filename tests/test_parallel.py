@@ -29,7 +29,7 @@ from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
-from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
+from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.test_kv_policies_live import PROMPTS, greedy
 from tests.test_model_reference import check_position, hf_logprobs, run_staggered
 
@@ -187,7 +187,7 @@ def test_small_device_tier_offloads_and_recomputes_under_parallelism(tiny_model_
                 assert kv.stats.num_drops > 0 and kv.stats.num_offloads == 0
             else:
                 assert kv.stats.num_offloads > 0 and kv.stats.num_uploads + kv.stats.num_swap_misses > 0, kv_policy
-            kv.poll()
+            settle_kv_copies(engine)  # (the prefix cache's own copies of finished requests' blocks)
             kv.check_invariants()
             assert kv.device.num_free == kv.device.num_blocks and kv.host.num_free == kv.host.num_blocks
     finally:
@@ -479,7 +479,7 @@ def test_workers_lock_the_host_tier_in_the_background_and_only_blocks_locked_eve
         while ex.host_blocks_ready() < 48:  # idle: no steps, and the reports still come
             assert time.monotonic() < deadline, ex.host_blocks_locked_by_rank()
             time.sleep(0.02)
-        kv.poll()
+        settle_kv_copies(engine)  # (the prefix cache's own copies of finished requests' blocks)
         kv.check_invariants()  # (the KV manager takes the new blocks in when it next offloads)
         assert kv.host.num_free == kv.host.num_blocks and kv.device.num_free == kv.device.num_blocks
     finally:

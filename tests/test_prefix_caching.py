@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.conftest import SMALL_PRE_LN
+from tests.conftest import SMALL_PRE_LN, settle_kv_copies
 
 BS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -50,17 +50,8 @@ def run(engine, arrivals, params=PARAMS, check=True):
             time.sleep(0.002)  # a copy thread is moving KV
         step += 1
         assert step < 3000
-    drain(engine)
+    settle_kv_copies(engine)  # (the prefix cache's own device -> host copies may outlive the jobs)
     return done
-
-
-def drain(engine) -> None:
-    """Let the copies still in flight land (the prefix cache's own device -> host copies may outlive the jobs)."""
-    deadline = time.monotonic() + 10
-    while engine.kv.pending_transfers():
-        assert time.monotonic() < deadline, "copies never landed"
-        time.sleep(0.002)
-        engine.kv.poll()
 
 
 def same_outputs(got: dict, want: dict) -> None:
@@ -144,7 +135,7 @@ def test_cached_tokens_are_reported_per_request(uncached):
     a = got["a"]
     assert got["a-turn2"].num_cached_tokens == (len(a.prompt_token_ids) + len(a.outputs[0].token_ids) - 1) // BS * BS
     assert got["a"].num_cached_tokens == 0 and got["c"].num_cached_tokens == 8
-    off = run(engine_of(model_dir), conversation_arrivals())
+    off = run(engine_of(model_dir, enable_prefix_caching=False), conversation_arrivals())
     assert off["a-turn2"].num_cached_tokens is None  # caching off: no figure (the HTTP usage leaves it out)
 
 

@@ -18,9 +18,9 @@ from memory.kv_manager import CACHE_OWNER, KVManager, Residency
 from memory.prefix_cache import block_hashes
 from memory.transfers import Direction
 from scheduler.job import Job
-from tests.conftest import SMALL_PRE_LN
+from tests.conftest import SMALL_PRE_LN, settle_kv_copies
 from tests.test_kv_manager import ManualBackend
-from tests.test_prefix_caching import BS, drain, engine_of, same_outputs, tokens
+from tests.test_prefix_caching import BS, engine_of, same_outputs, tokens
 
 
 class Source:
@@ -254,7 +254,7 @@ def run(engine, arrivals: dict[int, list], params=PARAMS, audit=True) -> dict:
             time.sleep(0.002)
         step += 1
         assert step < 5000
-    drain(engine)
+    settle_kv_copies(engine)
     return done
 
 

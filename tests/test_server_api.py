@@ -104,7 +104,8 @@ def test_n_and_several_prompts_map_to_choices(server):
     assert texts == [single["Apples"]["choices"][0]["text"]] * 2 + [single["Bananas are"]["choices"][0]["text"]] * 2
     prompt_tokens = sum(s["usage"]["prompt_tokens"] for s in single.values())
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 16,
-                             "total_tokens": prompt_tokens + 16}
+                             "total_tokens": prompt_tokens + 16,  # (prompts shorter than a block: nothing cached)
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
     async def stream():  # the same, streamed: every choice index gets its own text and one finish
         async with aiohttp.ClientSession() as s:
