@@ -183,7 +183,7 @@ class KVManager:
         self._copied = 0  # blocks held on both tiers by the copies in flight (started_blocks counts them once)
         self._pending_free = 0  # device blocks that free when the copies in flight complete
         self._claimed = 0  # of those, promised this tick to jobs that wait for room (wait_for_room)
-        self._short = 0  # the most room a job asked wait_for_room for this tick and did not get
+        self._short: dict[str, int] = {}  # jobs that asked wait_for_room this tick and did not get it: the room asked
         self._promised = 0  # device blocks promised this tick to jobs that wait for room (free and freeing)
         self._blocked: dict[str, None] = {}  # job ids picked this tick but kept by a copy
         self._blocked_at = 0.0  # when the first of them was (the tick's time)
@@ -277,6 +277,8 @@ class KVManager:
             # the general path below does for it, without the checks that cannot apply.
             if self._waiting:
                 self._waiting.pop(job.job_id, None)
+            if self._short:
+                self._short.pop(job.job_id, None)
             computed = job.num_computed
             if computed >= kv.name_at:  # (else no block has filled since it last ran: nothing to name)
                 self._register_full(kv)
@@ -291,6 +293,8 @@ class KVManager:
             return
         if kv is None:
             kv = self._entry(job)
+        if self._short:
+            self._short.pop(job.job_id, None)  # (it got its room after all: evictions freed it this tick)
         if self._waiting:
             self._waiting.pop(job.job_id, None)
         end = job.num_computed + num_new_tokens  # the position this step's work ends at
@@ -366,10 +370,12 @@ class KVManager:
         extra = self._extra_device_blocks(job, num_new_tokens)
         free = self.device.num_free
         if extra > free + self._pending_free - self._claimed:
-            self._short = max(self._short, extra)  # (the planner keeps clear of the room it has: owed_free_blocks)
+            self._short[job.job_id] = extra  # (the planner keeps clear of the room there is: owed_free_blocks)
             return False
         self._claimed += max(0, extra - free)
         self._promised += extra
+        if self._short:
+            self._short.pop(job.job_id, None)  # (promised now: counted once)
         self._block(job.job_id)
         return True
 
@@ -495,7 +501,9 @@ class KVManager:
             plan_transfers(self, batch, estimated_wait, now)  # (it keeps clear of this tick's promised room)
             if not batch and self._host_cache:
                 self._release_unstarted()
-        self._claimed = self._promised = self._short = 0  # promises of room last for the tick that made them
+        self._claimed = self._promised = 0  # promises of room last for the tick that made them
+        if self._short:
+            self._short.clear()
 
     @property
     def owed_free_blocks(self) -> int:
@@ -504,7 +512,7 @@ class KVManager:
         waiting job would evict again, and so on without end). A job that asked for more room than there is
         free or freeing (it evicts more next tick) is owed what it asked for too: with a full host tier its
         victims are dropped and free their room at once, and uploads into it would start the same circle."""
-        return max(0, max(self._promised, self._short) - self._pending_free)
+        return max(0, self._promised + sum(self._short.values()) - self._pending_free)
 
     def note_scheduled(self, job, now: float) -> float:
         """The job runs at `now`: returns the swap wait it just ended (0.0 if none), and for a job that
@@ -736,6 +744,7 @@ class KVManager:
             kv.device, kv.residency, kv.host_prefix = [], Residency.NONE, False
             kv.registered_table, kv.num_registered = None, 0
             job.num_computed = 0
+            self._prefilling.pop(kv, None)  # (a first chunk was allocated: it holds no KV now)
             self._waiting[jid] = kv
             self.stats.num_prefix_releases += 1
         self._start_backups()

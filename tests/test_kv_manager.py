@@ -530,3 +530,18 @@ def test_a_job_back_from_the_host_needs_room_for_every_host_block_it_holds():
     kv.poll()
     assert a.ready and kv.residency("j0") is Residency.DEVICE and kv.device.num_used == 3
     kv.check_invariants()
+
+
+def test_a_short_job_that_gets_room_in_the_same_tick_is_owed_nothing_more():
+    """A job short of room at wait_for_room that then gets room in the same tick (evictions freed it, or a smaller
+    chunk fits) is no longer owed it: the planner may use what is left. A promise after a short ask counts once."""
+    kv = KVManager(6, 4, num_host_blocks=8, policy="proactive", transfers=ManualBackend())
+    v, h, g = job(1, 8), job(2, 20), job(3, 24)
+    grow(kv, v, 8)
+    assert not kv.wait_for_room(h, 20) and kv.owed_free_blocks == 5
+    kv.allocate(h, 16)  # a chunk that fits the 4 free blocks
+    assert kv.owed_free_blocks == 0
+    assert not kv.wait_for_room(g, 24) and kv.owed_free_blocks == 6
+    kv.free("j2")
+    assert kv.wait_for_room(g, 16) and kv.owed_free_blocks == 4  # promised 4 now, no longer short 6
+    kv.check_invariants()

@@ -389,3 +389,29 @@ def test_a_prefetched_job_gives_its_room_back_when_nothing_can_run():
     kv.free("w")
     land(kv, be)
     kv.audit()
+
+
+def test_a_chunk_over_an_uploaded_prefix_given_back_unstarted_leaves_admission_counting_nothing():
+    """Chunked prefill and a prefix on the host (proactive): a new job's first chunk is allocated over a prefix the
+    host holds (parked, uploaded), then nothing can run, so it gives the uploaded blocks back (_release_unstarted).
+    It holds no KV then, so admission must not count the rest of its prompt as a started job's (before: it stayed
+    in the partly-prefilled set, check_invariants failed and started_blocks counted its context for nothing)."""
+    kv, be, src = make_kv(device=8, host=16, policy="proactive")
+    prefix = tokens(16, 1)
+    a = new_job(src, "a", prefix + [7])
+    prefill(kv, a)
+    kv.free("a")
+    land(kv, be)
+    b = new_job(src, "b", tokens(28, 2))  # evicts a's cached blocks from the device: the prefix lives on the host
+    prefill(kv, b)
+    kv.free("b")
+    land(kv, be)
+    before = kv.started_blocks()
+    c = new_job(src, "c", prefix + tokens(5, 3))
+    kv.allocate(c, 2)  # a chunk of 2 after the 16 the host holds: parked there, uploaded
+    assert kv.residency("c") is Residency.UPLOADING and c.num_computed == 16
+    land(kv, be)
+    kv.plan([], lambda j, now: 0.0, now=0.0)  # nothing ran: the unstarted job gives its blocks back
+    assert kv.residency("c") is Residency.NONE and c.num_computed == 0
+    kv.check_invariants()
+    assert kv.started_blocks() == before
