@@ -68,6 +68,19 @@ def land(kv: KVManager, be: ManualBackend) -> None:
     kv.check_invariants()
 
 
+def prefix_evicted_to_host(kv: KVManager, be: ManualBackend, src: Source, prefix: list[int]) -> None:
+    """A job over `prefix` (four blocks of an 8-block device) runs and ends, then a 28-token job evicts most of its
+    cached blocks from the device: the prefix is cached on the host, not (all) on the device."""
+    a = new_job(src, "a", prefix + [5])
+    prefill(kv, a)
+    kv.free("a")
+    land(kv, be)
+    z = new_job(src, "z", tokens(28, 2))
+    prefill(kv, z)
+    kv.free("z")
+    land(kv, be)
+
+
 def test_released_blocks_go_to_the_host_and_an_evicted_prefix_comes_back_from_it():
     kv, be, src = make_kv(device=6, host=16)
     prefix = tokens(16, 1)  # four full blocks
@@ -367,14 +380,7 @@ def test_a_prefetched_job_gives_its_room_back_when_nothing_can_run():
     so the jobs ahead of it get the room (the soak's livelock, before this rule)."""
     kv, be, src = make_kv(device=8, host=32, policy="proactive")
     p = tokens(16, 1)
-    a = new_job(src, "a", p + [5])
-    prefill(kv, a)
-    kv.free("a")
-    land(kv, be)
-    z = new_job(src, "z", tokens(28, 2))  # evicts three of a's cached blocks from the device
-    prefill(kv, z)
-    kv.free("z")
-    land(kv, be)
+    prefix_evicted_to_host(kv, be, src, p)
     w = new_job(src, "w", p + tokens(3, 3))
     assert kv.expected_hit(w) == 16
     kv.plan([new_job(src, "x", [1])], lambda j, now: 1.0, 0.0)  # a tick that ran something: w comes up
@@ -398,14 +404,7 @@ def test_a_chunk_over_an_uploaded_prefix_given_back_unstarted_leaves_admission_c
     in the partly-prefilled set, check_invariants failed and started_blocks counted its context for nothing)."""
     kv, be, src = make_kv(device=8, host=16, policy="proactive")
     prefix = tokens(16, 1)
-    a = new_job(src, "a", prefix + [7])
-    prefill(kv, a)
-    kv.free("a")
-    land(kv, be)
-    b = new_job(src, "b", tokens(28, 2))  # evicts a's cached blocks from the device: the prefix lives on the host
-    prefill(kv, b)
-    kv.free("b")
-    land(kv, be)
+    prefix_evicted_to_host(kv, be, src, prefix)
     before = kv.started_blocks()
     c = new_job(src, "c", prefix + tokens(5, 3))
     kv.allocate(c, 2)  # a chunk of 2 after the 16 the host holds: parked there, uploaded
