@@ -605,16 +605,12 @@ class KVManager:
     # -- two tiers for cached blocks (enable_prefix_caching) ------------------------------------------
     def _on_device_evict(self, blocks: list[int], names: list) -> None:
         """The device cache handed out (or forgot) blocks no job held, named `names`."""
-        backup_of = self._backup_of
+        backup_of, on_host = self._backup_of, self.host.blocks_named(names)
         if not backup_of:
-            if len(names) == 1:  # (an allocation of one block: the usual eviction)
-                to_host = int(self.host.block_of(names[0]) is not None)
-            else:
-                on_host = self.host.blocks_named(names)
-                to_host = len(on_host) - on_host.count(None)
+            to_host = len(on_host) - on_host.count(None)
         else:
             to_host = 0
-            for b, found in zip(blocks, self.host.blocks_named(names)):
+            for b, found in zip(blocks, on_host):
                 backup = backup_of.pop(b, None)
                 if backup is not None:
                     backup.void.add(b)  # its copy read a block being reused: never name it

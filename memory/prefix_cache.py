@@ -200,20 +200,6 @@ class CachingBlockAllocator(BlockAllocator):
         if n > self.num_free:
             raise OutOfBlocks(f"{self.tier} tier: asked for {n} blocks, {self.num_free} free")
         free = self._free
-        if n == 1:  # (the usual: a decoding job's next block; the general path's calls cost more than the work)
-            if free:
-                block = free.popleft()
-            else:  # the least recently released evictable block leaves the cache
-                block = self._evictable.popitem(last=False)[0]
-                name = self._hash_of.pop(block)
-                del self._block_of[name]
-                self.num_evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict([block], [name])
-            self._owners[block] = {owner}
-            self._num_refs += 1
-            self.num_free -= 1
-            return [block]
         if n >= len(free):
             blocks = list(free)
             free.clear()
