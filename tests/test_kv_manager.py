@@ -157,29 +157,42 @@ def test_room_being_freed_by_an_offload_is_waited_for_and_promised_once():
     kv.check_invariants()
 
 
+def proactive_with_a_job_parked_on_the_host(num_device_blocks: int) -> KVManager:
+    """Proactive, blocks of 4 tokens: job j0 (p, one block) offloaded and landed on the host."""
+    be = ManualBackend()
+    kv = KVManager(num_device_blocks, 4, num_host_blocks=8, policy="proactive", transfers=be)
+    p = job(0, 4)
+    grow(kv, p, 4)
+    kv.evict(p)
+    be.complete_all()
+    kv.poll()
+    return kv
+
+
+def the_parked_job_stays_for_the_tick_then_comes_back(kv: KVManager, free: int) -> None:
+    """The planner's turn leaves p (j0) on the host and the free room as it is; the room owed lapses with the
+    tick; at the next turn, with no one waiting or short, p is uploaded."""
+    kv.plan([], lambda j, now: 0.0, now=0.0)
+    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == free
+    assert kv.owed_free_blocks == 0  # the tick's promises lapse with it
+    kv.plan([], lambda j, now: 0.0, now=0.0)  # no one waits now: p comes back
+    assert kv.residency("j0") is Residency.UPLOADING
+    kv.check_invariants()
+
+
 def test_the_planner_does_not_upload_into_room_promised_to_a_waiting_job():
     """Proactive, 4 blocks of 4 tokens. p is parked on the host (1 block); v's 2 blocks are being offloaded;
     2 are free. h needs 4: it waits for the 2 free and the 2 freeing. The planner would upload p into a free
     block (watermark 0 with an empty batch), leaving h short; h would then evict p again, and so on without
     end. It leaves p on the host this tick, and brings it back once no promise stands."""
-    be = ManualBackend()
-    kv = KVManager(4, 4, num_host_blocks=8, policy="proactive", transfers=be)
-    p, v, h = job(0, 4), job(1, 8), job(2, 16)
-    grow(kv, p, 4)
-    kv.evict(p)
-    be.complete_all()
-    kv.poll()
+    kv = proactive_with_a_job_parked_on_the_host(4)
+    v, h = job(1, 8), job(2, 16)
     grow(kv, v, 8)
     kv.evict(v)  # in flight
     assert (kv.device.num_free, kv.pending_free_blocks) == (2, 2)
     assert kv.wait_for_room(h, 16)
     assert kv.owed_free_blocks == 2
-    kv.plan([], lambda j, now: 0.0, now=0.0)
-    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 2
-    assert kv.owed_free_blocks == 0  # the tick's promises lapse with it
-    kv.plan([], lambda j, now: 0.0, now=0.0)  # no one waits now: p comes back
-    assert kv.residency("j0") is Residency.UPLOADING
-    kv.check_invariants()
+    the_parked_job_stays_for_the_tick_then_comes_back(kv, free=2)
 
 
 def test_the_planner_does_not_upload_into_room_a_job_is_short_of():
@@ -188,23 +201,13 @@ def test_the_planner_does_not_upload_into_room_a_job_is_short_of():
     uploads p into it and h evicts p again, without end (found by the simulator with prefix caching, whose full
     host tier made evictions drop: tests/test_simulation.py). Inverted (owed_free_blocks without the short
     room) the planner uploads p."""
-    be = ManualBackend()
-    kv = KVManager(6, 4, num_host_blocks=8, policy="proactive", transfers=be)
-    p, v, h = job(0, 4), job(1, 8), job(2, 20)
-    grow(kv, p, 4)
-    kv.evict(p)
-    be.complete_all()
-    kv.poll()
+    kv = proactive_with_a_job_parked_on_the_host(6)
+    v, h = job(1, 8), job(2, 20)
     grow(kv, v, 8)  # (a job of higher priority than h: not evicted for it)
     assert kv.device.num_free == 4 and kv.residency("j0") is Residency.HOST
     assert not kv.wait_for_room(h, 20)  # 5 blocks: more than the 4 free, nothing freeing
     assert kv.owed_free_blocks == 5
-    kv.plan([], lambda j, now: 0.0, now=0.0)
-    assert kv.residency("j0") is Residency.HOST and kv.device.num_free == 4
-    assert kv.owed_free_blocks == 0  # lapses with the tick
-    kv.plan([], lambda j, now: 0.0, now=0.0)  # no one is short now: p comes back
-    assert kv.residency("j0") is Residency.UPLOADING
-    kv.check_invariants()
+    the_parked_job_stays_for_the_tick_then_comes_back(kv, free=4)
 
 
 def test_evicting_a_job_whose_upload_is_in_flight_keeps_it_on_the_host():
