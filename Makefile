@@ -13,7 +13,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -m kernels.cpu_decode_extension  # builds the CPU decode kernels (g++, 20-45 s); says so when it cannot
+	$(PY) -m fastserve_kernels.cpu_decode_extension  # builds the CPU decode kernels (g++, 20-45 s); says so when it cannot
 	touch $(STAMP)
 
 install: $(STAMP)

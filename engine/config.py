@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kernels.attention_backend import ATTENTION_BACKENDS
+from fastserve_kernels.attention_backend import ATTENTION_BACKENDS
 from scheduler.policy import MLFQ_LADDERS, PolicyName
 
 # Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).

@@ -39,7 +39,7 @@ from engine.batch import ModelBatch
 from engine.decode_inputs import DecodeInputs
 from engine.device_memory import free_storage
 from engine.model.opt import OPTStage
-from kernels.paged_attention import AttentionMetadata, Workspace
+from fastserve_kernels.paged_attention import AttentionMetadata, Workspace
 
 log = logging.getLogger("fastserve.cuda_graphs")
 

@@ -38,7 +38,7 @@ from bisect import bisect_left
 import torch
 
 from engine.batch import ModelBatch
-from kernels.paged_attention import AttentionMetadata, Workspace
+from fastserve_kernels.paged_attention import AttentionMetadata, Workspace
 
 _IDS, _POSITIONS, _SLOT_BLOCKS, _SLOT_OFFSETS, _CONTEXT_LENS = range(5)  # rows of the [5, B] integer inputs
 

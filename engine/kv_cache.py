@@ -1,6 +1,6 @@
 """The KV cache tensors of one stage, and how many blocks fit.
 
-Layout (kernels/paged_attention.py): [num_blocks, layers, 2, local_heads,
+Layout (fastserve_kernels/paged_attention.py): [num_blocks, layers, 2, local_heads,
 block_size, head_dim], block-major, head-major inside a block. memory/ hands out the block ids.
 """
 
@@ -39,8 +39,9 @@ NCCL_DEFAULT_BUFFSIZE = 4 << 20  # NCCL_BUFFSIZE's default: one channel's buffer
 NCCL_P2P_CHANNELS = 8  # channels NCCL may open to one peer for send/recv (an upper estimate; NCCL picks 1-32)
 SAMPLER_LOGIT_COPIES = 4  # [S, V] float32 in the sampler: the logits, the penalties/bias output, probs, log_softmax
 PROMPT_LOGIT_COPIES = 3  # [R, V] for prompt logprobs: the lm head's output, its float32 copy, log_softmax
-GATHER_GROWTH = 1.25  # kernels.paged_attention.Workspace grows its buffers by at least this factor
-DECODE_SPLIT_TOKENS = 512  # kernels/triton_attention.py DEFAULT_TOKENS_PER_SPLIT (not imported: no triton here)
+GATHER_GROWTH = 1.25  # fastserve_kernels.paged_attention.Workspace grows its buffers by at least this factor
+# fastserve_kernels/triton_attention.py DEFAULT_TOKENS_PER_SPLIT (not imported: no triton here)
+DECODE_SPLIT_TOKENS = 512
 
 
 @dataclass(frozen=True)

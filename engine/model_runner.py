@@ -37,10 +37,10 @@ from engine.model.opt import OPTStage
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.swapper import Swapper
-from kernels import cpu_decode_extension
-from kernels.attention_backend import attention_function, resolve_attention_backend
-from kernels.cpu_decode_attention import supports_in_place_decode
-from kernels.paged_attention import AttentionMetadata, Workspace
+from fastserve_kernels import cpu_decode_extension
+from fastserve_kernels.attention_backend import attention_function, resolve_attention_backend
+from fastserve_kernels.cpu_decode_attention import supports_in_place_decode
+from fastserve_kernels.paged_attention import AttentionMetadata, Workspace
 
 log = logging.getLogger("fastserve.model_runner")
 
@@ -199,7 +199,7 @@ class ModelRunner:
         self.workspace.release()
         self.sampler.release()
         if self.attention_backend == "triton":
-            from kernels import triton_attention
+            from fastserve_kernels import triton_attention
 
             triton_attention.forget_last_step()
         self.model.release_weights()

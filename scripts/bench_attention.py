@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import paged_attention as ref  # noqa: E402
+from fastserve_kernels import paged_attention as ref  # noqa: E402
 
 SHAPES = {"opt-125m": (12, 64), "opt-1.3b": (32, 64), "opt-2.7b": (32, 80), "opt-13b": (40, 128)}
 # Largest |triton - torch| allowed per dtype: both round their float16 outputs (an output near 1 is off by up to
@@ -92,7 +92,7 @@ def main() -> int:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention.py needs a CUDA device (on CPU the Triton kernels only run interpreted)")
-    from kernels.attention_backend import attention_function
+    from fastserve_kernels.attention_backend import attention_function
 
     device = torch.device("cuda")
     triton_attention = attention_function("triton", device)

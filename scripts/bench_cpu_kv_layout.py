@@ -4,7 +4,7 @@ memory.
 
     python scripts/bench_cpu_kv_layout.py [--threads 1] [--repeats 3]
 
-What it measures: kernels/cpu_decode_attention.py's scores (torch.sparse.sampled_addmm) and weighted V sum
+What it measures: fastserve_kernels/cpu_decode_attention.py's scores (torch.sparse.sampled_addmm) and weighted V sum
 (F.embedding_bag) for one layer of an opt-125m-shaped cache (H 12, D 64, 12 layers, blocks of 16), batch 32,
 context 130, scattered block tables; CPU ms per call (median of 9 timings of a call on each of the 12 layers), the
 two layouts alternating, and their ratio. Token-major, one head's rows of consecutive positions lie H * D * 4 bytes

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_engine: {args.model.name}, {dev}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.repeats} interleaved repeats")
     if dev.type == "cpu":
-        from kernels import cpu_decode_extension
+        from fastserve_kernels import cpu_decode_extension
 
         results["cpu_decode_attention"] = cpu_decode_extension.describe()
         print(f"# CPU decode attention: {results['cpu_decode_attention']} ({cpu_decode_extension.ENV_SWITCH}=0: "

@@ -14,7 +14,7 @@ the same run on the same device:
 2. decode step (prepare + forward + greedy sampling, context 512) at batch
    1, 32 and 256 / the floor = (weight bytes + the KV bytes the step reads)
    / copy bandwidth; goal within 1.3x at batch 1. For each attention backend
-   (torch; triton when kernels/attention_backend.py is in the tree and Triton
+   (torch; triton when fastserve_kernels/attention_backend.py is in the tree and Triton
    runs) with CUDA graphs and eagerly, on the same batches; graphs/eager is
    printed as a ratio too;
 3. prefill of 8 x 1024 tokens / bare GEMMs of the same FLOPs (matmul
@@ -58,7 +58,7 @@ from engine.model.config import OPTConfig  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.parallel import ParallelLayout, TensorParallelGroup  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
+from fastserve_kernels.paged_attention import paged_attention  # noqa: E402
 from memory.transfers import Direction  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
 
@@ -122,9 +122,9 @@ def attention_backends(device: torch.device) -> tuple[dict, str | None]:
     """{name: paged_attention function} available here, and why triton is missing (None when it is there)."""
     fns = {"torch": paged_attention}
     try:
-        from kernels.attention_backend import AttentionBackendError, attention_function
+        from fastserve_kernels.attention_backend import AttentionBackendError, attention_function
     except ImportError:
-        return fns, "kernels/attention_backend.py is not in this tree"
+        return fns, "fastserve_kernels/attention_backend.py is not in this tree"
     try:
         fns["triton"] = attention_function("triton", device)
     except AttentionBackendError as e:

@@ -8,10 +8,10 @@ kernels built, the files in the page cache), and what two clones of the reposito
 
 Starts: each is a fresh process, timed from its spawn to the first 200 from /health (polled every 50 ms); the
 log's own timestamps split it into the time to the kernel's load, to the model's load, and to serving.
---clones: kernels/ copied into two folders (two clones), then loaded in fresh processes in turn, A B A B, with an
-empty TORCH_EXTENSIONS_DIR of their own (so the first load builds, ~20-70 s here); each later load either reuses
-that build (well under a second) or rebuilds it. --kernel-rev REV takes kernels/cpu_decode_extension.py as it was
-at REV (git), to measure the old folder naming. Prints a table; --json FILE writes the numbers.
+--clones: fastserve_kernels/ copied into two folders (two clones), then loaded in fresh processes in turn, A B A B,
+with an empty TORCH_EXTENSIONS_DIR of their own (so the first load builds, ~20-70 s here); each later load either reuses
+that build (well under a second) or rebuilds it. --kernel-rev REV takes fastserve_kernels/cpu_decode_extension.py as it
+was at REV (git), to measure the old folder naming. Prints a table; --json FILE writes the numbers.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ FASTSERVE = Path(sys.executable).parent / "fastserve"
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 LOAD = ("import json, time\n"
         "t = time.perf_counter()\n"
-        "from kernels import cpu_decode_extension as e\n"
+        "from fastserve_kernels import cpu_decode_extension as e\n"
         "op = e.decode_attention_op()\n"
         "print(json.dumps({'s': time.perf_counter() - t, 'ok': op is not None, 'reason': e.unavailable_reason()}))\n")
 
@@ -83,16 +83,26 @@ def start_once(server_args: list[str], log_dir: Path) -> dict:
     return {"healthy_s": healthy, **phases}
 
 
+def old_extension_source(rev: str) -> str:
+    """cpu_decode_extension.py as at `rev`: under fastserve_kernels/, or under kernels/ before the package's rename."""
+    for folder in ("fastserve_kernels", "kernels"):
+        shown = subprocess.run(["git", "show", f"{rev}:{folder}/cpu_decode_extension.py"], cwd=REPO,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            return shown.stdout
+    raise SystemExit(f"--kernel-rev {rev}: no cpu_decode_extension.py at that revision")
+
+
 def clone_loads(kernel_rev: str | None, work: Path) -> list[dict]:
-    """kernels/ in two folders, loaded A B A B in fresh processes sharing one empty TORCH_EXTENSIONS_DIR."""
+    """fastserve_kernels/ in two folders, loaded A B A B in fresh processes sharing one empty TORCH_EXTENSIONS_DIR."""
     clones = []
     for name in ("clone-a", "clone-b"):
         root = work / name
-        shutil.copytree(REPO / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "fastserve_kernels", root / "fastserve_kernels",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         if kernel_rev:
-            old = subprocess.run(["git", "show", f"{kernel_rev}:kernels/cpu_decode_extension.py"], cwd=REPO,
-                                 capture_output=True, text=True, check=True).stdout
-            (root / "kernels" / "cpu_decode_extension.py").write_text(old)
+            old = old_extension_source(kernel_rev)
+            (root / "fastserve_kernels" / "cpu_decode_extension.py").write_text(old)
         clones.append(root)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"))
     loads = []
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="server starts (default: %(default)s)")
     ap.add_argument("--clones", action="store_true", help="also time the kernels' loads from two clones in turn")
-    ap.add_argument("--kernel-rev", help="with --clones: kernels/cpu_decode_extension.py as at this git revision")
+    ap.add_argument("--kernel-rev",
+                    help="with --clones: fastserve_kernels/cpu_decode_extension.py as at this git revision")
     ap.add_argument("--json", type=Path, help="write the numbers here")
     args = ap.parse_args(ours)
     if not FASTSERVE.is_file():

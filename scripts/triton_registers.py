@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of every Triton kernel (kernels/triton_attention.py), compiled for an
+"""Registers, spills and shared memory of every Triton kernel (fastserve_kernels/triton_attention.py), compiled for an
 NVIDIA GPU without one.
 
     .venv/bin/python scripts/triton_registers.py [--arch 90] [--block-size 16]
@@ -45,10 +45,11 @@ class KernelBuild:
 
 
 def attention_module():
-    """kernels.triton_attention, compiled (not interpreted)."""
+    """fastserve_kernels.triton_attention, compiled (not interpreted)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET to compile the kernels")
-    module = sys.modules.get("kernels.triton_attention") or importlib.import_module("kernels.triton_attention")
+    name = "fastserve_kernels.triton_attention"
+    module = sys.modules.get(name) or importlib.import_module(name)
     if module.INTERPRETED:
         module = importlib.reload(module)
     assert not module.INTERPRETED, "unset TRITON_INTERPRET to compile the kernels"
@@ -70,11 +71,11 @@ class _Recorder:
 
 
 def launches(module, dtype: torch.dtype, d: int, bs: int, layers: int = 4):
-    """Every kernel launch of one layer's kernels.triton_attention.paged_attention, as the host code makes it,
+    """Every kernel launch of one layer's fastserve_kernels.triton_attention.paged_attention, as the host code makes it,
     on meta tensors (no memory, no device): a batch of fresh prefills (one longer than a query tile), a chunked
     prefill after a cached prefix and decode rows with contexts up to 2,048 tokens, over a cache of a model
     with this head dim (HEADS) in `dtype`. Returns [(kernel, grid, args, kwargs)]."""
-    from kernels.paged_attention import AttentionMetadata
+    from fastserve_kernels.paged_attention import AttentionMetadata
 
     h = HEADS.get(d, 32)
     seqs = [(0, 300), (0, 7), (700, 90), (1000, 1), (2047, 1), (15, 1), (40, 1)]  # (cached, new)
@@ -183,7 +184,8 @@ def compile_kernels(arch: int, dtype: torch.dtype, d: int, bs: int = 16, module=
 
 
 def load_module(path: str):
-    """A version of kernels/triton_attention.py from a file (e.g. `git show REV:kernels/triton_attention.py`)."""
+    """A version of fastserve_kernels/triton_attention.py from a file
+    (e.g. `git show REV:fastserve_kernels/triton_attention.py`)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"triton_attention_{abs(hash(path))}", path)
@@ -197,8 +199,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90 (default 90)")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--module", help="another version of kernels/triton_attention.py to measure, e.g. "
-                        "git show HEAD~1:kernels/triton_attention.py > /tmp/old.py; --module /tmp/old.py")
+    parser.add_argument("--module", help="another version of fastserve_kernels/triton_attention.py to measure, e.g. "
+                        "git show HEAD~1:fastserve_kernels/triton_attention.py > /tmp/old.py; --module /tmp/old.py")
     parser.add_argument("--unaligned", action="store_true", help="without the launch's divisibility hints")
     args = parser.parse_args()
     module = load_module(args.module) if args.module else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import AttentionMetadata
+from fastserve_kernels.paged_attention import AttentionMetadata
 
 L = 2  # layers in the test caches; the kernels write and read layer 1
 

@@ -16,7 +16,7 @@ from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
-from kernels.paged_attention import paged_attention
+from fastserve_kernels.paged_attention import paged_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_gpu  # noqa: E402

@@ -23,7 +23,7 @@ from engine.engine import Engine
 from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.sampling_params import SamplingParams
-from kernels.paged_attention import paged_attention
+from fastserve_kernels.paged_attention import paged_attention
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.paged_batches import make_batch
 from tests.test_model_reference import hf_logprobs, run_staggered

@@ -1,5 +1,5 @@
-"""The compiled CPU decode kernel (kernels/csrc/cpu_decode_attention.cpp, loaded by
-kernels/cpu_decode_extension.py) against the gathering reference: ragged contexts across block boundaries,
+"""The compiled CPU decode kernel (fastserve_kernels/csrc/cpu_decode_attention.cpp, loaded by
+fastserve_kernels/cpu_decode_extension.py) against the gathering reference: ragged contexts across block boundaries,
 head dims on and off its AVX-512 path, one sequence (heads split across threads) and many, 1 and 2 threads,
 float32 and float64, every layer of the cache, and the cache write it does in a decode-only batch.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_decode_extension
-from kernels.paged_attention import AttentionMetadata, decode_attention_gathered, write_kv
+from fastserve_kernels import cpu_decode_extension
+from fastserve_kernels.paged_attention import AttentionMetadata, decode_attention_gathered, write_kv
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,8 @@ def test_without_a_compiler_it_says_why_and_the_sparse_ops_serve(tmp_path):
 
     code = (
         "import torch\n"
-        "from kernels import cpu_decode_extension as e\n"
-        "from kernels.paged_attention import paged_attention, decode_attention_gathered\n"
+        "from fastserve_kernels import cpu_decode_extension as e\n"
+        "from fastserve_kernels.paged_attention import paged_attention, decode_attention_gathered\n"
         "from tests.test_cpu_decode_kernel import decode_batch\n"
         "assert e.decode_attention_op() is None\n"
         "print(e.describe())\n"

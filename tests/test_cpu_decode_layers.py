@@ -1,4 +1,4 @@
-"""The compiled decode-layers loop (kernels/csrc/cpu_decode_layers.cpp) against the model's Python layer loop
+"""The compiled decode-layers loop (fastserve_kernels/csrc/cpu_decode_layers.cpp) against the model's Python layer loop
 (engine/model/opt.py): the same hidden states and the same KV cache, bit for bit, on checkpoints written to
 disk and loaded through the real loader, for every OPT layer variant (pre- and post-layer-norm, no biases,
 layer norms without affine weights) and ragged contexts across block boundaries; and it runs only where it
@@ -14,8 +14,8 @@ from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.parallel import ParallelLayout, TensorParallelGroup
-from kernels import cpu_decode_extension
-from kernels.paged_attention import AttentionMetadata
+from fastserve_kernels import cpu_decode_extension
+from fastserve_kernels.paged_attention import AttentionMetadata
 from modelmaker.opt_checkpoint import opt_config, write_opt_checkpoint
 
 BS = 4

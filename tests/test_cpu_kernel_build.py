@@ -1,5 +1,5 @@
-"""The CPU decode kernels' build folder (kernels/cpu_decode_extension.py): named after the sources' bytes and the
-build environment, never after the clone's folder, so two clones with the same sources share one build and an
+"""The CPU decode kernels' build folder (fastserve_kernels/cpu_decode_extension.py): named after the sources' bytes
+and the build environment, never after the clone's folder, so two clones with the same sources share one build and an
 unchanged clone never rebuilds; a changed byte or environment gets a build of its own."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_decode_extension as ext
+from fastserve_kernels import cpu_decode_extension as ext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_the_compiler_is_named_by_its_path_and_version(monkeypatch):
 LOAD = (
     "import json, sys, time\n"
     "t = time.perf_counter()\n"
-    "from kernels import cpu_decode_extension as e\n"
+    "from fastserve_kernels import cpu_decode_extension as e\n"
     "op = e.decode_attention_op()\n"
     "print(json.dumps({'file': e.__file__, 'name': e.build_name(), 'ok': op is not None,\n"
     "                  'reason': e.unavailable_reason(), 's': time.perf_counter() - t}))\n"
@@ -92,7 +92,8 @@ def test_two_clones_and_fresh_processes_load_one_build_without_rebuilding(tmp_pa
     clones = []
     for name in ("clone-a", "clone-b"):  # each a copy of the package in a folder of its own
         root = tmp_path / name
-        shutil.copytree(REPO / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "fastserve_kernels", root / "fastserve_kernels",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         clones.append(root)
     runs = []
     for root in [*clones, clones[0], REPO]:  # a, b, a again, then this clone: each a fresh process
@@ -112,7 +113,7 @@ def test_two_clones_and_fresh_processes_load_one_build_without_rebuilding(tmp_pa
 HOLD = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "from kernels import cpu_decode_extension as e\n"
+    "from fastserve_kernels import cpu_decode_extension as e\n"
     "d = Path(sys.argv[1])\n"
     "with e.build_lock(d):\n"
     "    (d / 'lock').touch()  # what cpp_extension's FileBaton leaves when its builder is killed\n"
@@ -122,7 +123,7 @@ HOLD = (
 ENTER = (
     "import sys\n"
     "from pathlib import Path\n"
-    "from kernels import cpu_decode_extension as e\n"
+    "from fastserve_kernels import cpu_decode_extension as e\n"
     "with e.build_lock(Path(sys.argv[1])):\n"
     "    print('entered', flush=True)\n"
 )

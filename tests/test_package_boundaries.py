@@ -13,7 +13,7 @@ from tests.server_fixtures import REPO, ServerProcess
 
 TOOLING = "modelmaker"
 # The packages that serve models (DESIGN.md's layers); scripts/, tests/ and server.py may use the tooling.
-SERVING_STACK = ("engine", "scheduler", "memory", "kernels", "serving")
+SERVING_STACK = ("engine", "scheduler", "memory", "fastserve_kernels", "serving")
 
 
 def imported_modules(path: Path) -> set[str]:

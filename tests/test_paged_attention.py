@@ -1,4 +1,4 @@
-"""kernels/paged_attention against plain dense causal attention, with
+"""fastserve_kernels/paged_attention against plain dense causal attention, with
 scattered (non-contiguous) block tables and contexts across block boundaries;
 the CPU decode path that reads the cache in place against the gathering
 reference."""
@@ -9,10 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.paged_attention as paged
-from kernels import cpu_decode_extension
-from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
-from kernels.paged_attention import AttentionMetadata, Workspace, decode_attention_gathered, gather_kv, paged_attention
+import fastserve_kernels.paged_attention as paged
+from fastserve_kernels import cpu_decode_extension
+from fastserve_kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, supports_in_place_decode
+from fastserve_kernels.paged_attention import (
+    AttentionMetadata,
+    Workspace,
+    decode_attention_gathered,
+    gather_kv,
+    paged_attention,
+)
 
 H, D, BS, NB, L = 3, 8, 4, 40, 2
 
@@ -30,7 +36,7 @@ DECODE_ONLY = [(9, 1), (4, 1), (12, 1), (3, 1)]  # the shortcut that returns dec
 
 
 @pytest.mark.parametrize("seqs", [MIXED, DECODE_ONLY], ids=["mixed", "decode_only"])
-# The CPU decode paths: the compiled kernel (kernels/csrc), the sparse torch ops, the gathering reference.
+# The CPU decode paths: the compiled kernel (fastserve_kernels/csrc), the sparse torch ops, the gathering reference.
 @pytest.mark.parametrize("decode_path", ["compiled", "sparse", "gathered"])
 @pytest.mark.parametrize("use_workspace", [False, True])
 def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_path, seqs,

@@ -23,8 +23,8 @@ import triton  # noqa: F401  (a test requirement: its absence is a failure, not 
 
 from engine import LLM
 from engine.config import EngineConfig
-from kernels import paged_attention as ref
-from kernels.attention_backend import AttentionBackendError, attention_function, resolve_attention_backend
+from fastserve_kernels import paged_attention as ref
+from fastserve_kernels.attention_backend import AttentionBackendError, attention_function, resolve_attention_backend
 from tests.paged_batches import make_batch
 
 CPU = torch.device("cpu")
@@ -155,7 +155,7 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cuda = torch.device("cuda")
     attention_function("triton", cuda)
-    module = importlib.reload(sys.modules["kernels.triton_attention"])  # compiled, whatever was loaded before
+    module = importlib.reload(sys.modules["fastserve_kernels.triton_attention"])  # compiled, whatever was loaded before
     assert not module.INTERPRETED
     bs = 16
     seqs = [(0, 1), (0, 200), (15, 1), (16, 1), (17, 1), (1500, 1), (100, 37), (64, 130), (2047, 1)]

@@ -1,5 +1,5 @@
-"""The Triton kernels (kernels/triton_attention.py) against the plain-torch
-reference (kernels/paged_attention.py) on CPU, under Triton's interpreter: the
+"""The Triton kernels (fastserve_kernels/triton_attention.py) against the plain-torch
+reference (fastserve_kernels/paged_attention.py) on CPU, under Triton's interpreter: the
 cache write, decode attention through shuffled block tables (contexts of 1,
 on and just past block boundaries, ragged, cut into several splits), prefill
 and chunked prefill in mixed batches, float32 and float16; and the whole
@@ -27,8 +27,8 @@ import triton  # noqa: E402, F401  (a test requirement: its absence is a failure
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from kernels import paged_attention as ref  # noqa: E402
-from kernels import triton_attention as tri  # noqa: E402
+from fastserve_kernels import paged_attention as ref  # noqa: E402
+from fastserve_kernels import triton_attention as tri  # noqa: E402
 from tests.conftest import SMALL_PRE_LN  # noqa: E402
 from tests.paged_batches import make_batch, tol  # noqa: E402
 from tests.test_model_reference import hf_logprobs, run_staggered  # noqa: E402

@@ -26,7 +26,7 @@ from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.swapper import Swapper
-from kernels.attention_backend import resolve_attention_backend
+from fastserve_kernels.attention_backend import resolve_attention_backend
 
 
 def resolve_device(device: str) -> torch.device:

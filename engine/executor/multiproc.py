@@ -66,7 +66,7 @@ from engine.executor.device_identity import WorkerDevice
 from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
 from engine.model.config import OPTConfig
-from kernels.attention_backend import resolve_attention_backend
+from fastserve_kernels.attention_backend import resolve_attention_backend
 from memory.transfers import Direction
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ the final layer norm when the config has one, lm_head tied to the embeddings.
 
 A stage owns layers `layout.stage_layers(n)`; the first stage embeds tokens,
 the last computes logits. On the CPU a decode-only batch runs the layers in one
-compiled call with the same ops (kernels/csrc/cpu_decode_layers.cpp), the
+compiled call with the same ops (fastserve_kernels/csrc/cpu_decode_layers.cpp), the
 Python loop everywhere else. Parameter names follow Hugging Face's, without the
 `model.decoder.` prefix, with q/k/v fused into `qkv_proj` (engine/loader.py
 maps checkpoints onto them). Embeddings and lm_head are replicated across
@@ -29,8 +29,8 @@ from engine.device_memory import free_storage
 from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 from engine.parallel import TensorParallelGroup
-from kernels.attention_backend import AttentionFn
-from kernels.paged_attention import AttentionMetadata, cpu_decode_layers_op, paged_attention
+from fastserve_kernels.attention_backend import AttentionFn
+from fastserve_kernels.paged_attention import AttentionMetadata, cpu_decode_layers_op, paged_attention
 
 
 class OPTAttention(nn.Module):
@@ -117,7 +117,7 @@ class OPTStage(nn.Module):
         return sum(free_storage(t) for t in (*self.parameters(), *self.buffers()))
 
     def use_attention(self, attention: AttentionFn) -> None:
-        """Run every layer's attention with `attention` (kernels/attention_backend.py)."""
+        """Run every layer's attention with `attention` (fastserve_kernels/attention_backend.py)."""
         self.attention = attention
         for layer in self.layers:
             layer.self_attn.attention = attention
@@ -148,10 +148,11 @@ class OPTStage(nn.Module):
 
     def _decode_layers_in_one_call(self, h: torch.Tensor, kv_cache: torch.Tensor,
                                    meta: AttentionMetadata) -> torch.Tensor | None:
-        """Every layer of a decode-only batch on the CPU in one compiled call (kernels/csrc/cpu_decode_layers.cpp:
-        the ops of OPTDecoderLayer.forward in the same order, the same output bit for bit), or None where it does
-        not apply and the Python loop runs: tensor parallel, the Triton backend, a batch with a prefill, a cache
-        the compiled decode kernel does not serve (another device or dtype), or the kernels not built."""
+        """Every layer of a decode-only batch on the CPU in one compiled call
+        (fastserve_kernels/csrc/cpu_decode_layers.cpp: the ops of OPTDecoderLayer.forward in the same order, the
+        same output bit for bit), or None where it does not apply and the Python loop runs: tensor parallel, the
+        Triton backend, a batch with a prefill, a cache the compiled decode kernel does not serve (another device or
+        dtype), or the kernels not built."""
         if (self.layout.tp_size != 1 or self.attention is not paged_attention or not len(self.layers)
                 or h.shape[0] == 0 or meta.decode_token_index.numel() != h.shape[0]):
             return None

@@ -1,13 +1,13 @@
 """Attention over a paged KV cache, and the cache write: Triton kernels.
 
-What it is: the fast path of kernels/paged_attention.py (same layout, same
+What it is: the fast path of fastserve_kernels/paged_attention.py (same layout, same
 AttentionMetadata, same results up to float rounding), for CUDA. On CPU the
 same kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before
 triton is first imported: it decides at decoration time, for its own library
 too), which is how tests/triton_interpreter_cases.py checks them against the
-reference. What it is not: the choice of backend (kernels/attention_backend.py).
+reference. What it is not: the choice of backend (fastserve_kernels/attention_backend.py).
 
-Legend (as in kernels/paged_attention.py)
+Legend (as in fastserve_kernels/paged_attention.py)
     T   tokens in the flattened batch
     S   sequences in the batch (S_d: decode rows, S_p: prefill rows)
     H   attention heads on this rank, D head dim (Dp: D rounded up to a power of two, >= 16)
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import AttentionMetadata
+from fastserve_kernels.paged_attention import AttentionMetadata
 
 # True when this module's kernels were built for Triton's interpreter (CPU tensors); fixed at import.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -435,7 +435,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """kernels.paged_attention.paged_attention, on Triton kernels: write this step's K/V into the cache,
+    """fastserve_kernels.paged_attention.paged_attention, on Triton kernels: write this step's K/V into the cache,
     then attend every new token to its sequence's context (causally)."""
     q = _unit_last(q)
     write_kv(kv_cache, layer, k, v, meta.slot_blocks, meta.slot_offsets)

@@ -1,5 +1,5 @@
 """Which attention implementation a model runs: the plain-torch reference
-(kernels/paged_attention.py) or the Triton kernels (kernels/triton_attention.py).
+(fastserve_kernels/paged_attention.py) or the Triton kernels (fastserve_kernels/triton_attention.py).
 
     auto    triton on CUDA when triton imports, else torch
     torch   the reference, on any device
@@ -7,7 +7,7 @@
             (TRITON_INTERPRET=1, how the tests run them); anything else is an error
 
 What it is not: the kernels themselves. Both implementations have the signature
-of kernels.paged_attention.paged_attention.
+of fastserve_kernels.paged_attention.paged_attention.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 def attention_function(backend: str, device: torch.device) -> AttentionFn:
     """The paged_attention function of a resolved backend ("torch" | "triton") for tensors on `device`."""
     if backend == "torch":
-        from kernels.paged_attention import paged_attention
+        from fastserve_kernels.paged_attention import paged_attention
 
         return paged_attention
     try:
-        module = importlib.import_module("kernels.triton_attention")
+        module = importlib.import_module("fastserve_kernels.triton_attention")
     except ImportError as e:
         raise AttentionBackendError(f"attention_backend triton: triton does not import ({e})") from e
     if device.type == "cpu" and not module.INTERPRETED:

@@ -4,9 +4,9 @@ What it is: pure functions on tensors that run on any device (CPU here, CUDA
 where present). What it is not: a fast kernel; fused CUDA paths come later
 and are tested against these. One exception: on the CPU, decode attention
 reads the cache in place instead of gathering it, with the compiled kernel
-(kernels/csrc/cpu_decode_attention.cpp, loaded by cpu_decode_extension.py),
+(fastserve_kernels/csrc/cpu_decode_attention.cpp, loaded by cpu_decode_extension.py),
 which also writes the step's K/V in a decode-only batch, or where that is not
-built with sparse torch ops (kernels/cpu_decode_attention.py);
+built with sparse torch ops (fastserve_kernels/cpu_decode_attention.py);
 `decode_attention_gathered` stays as their reference.
 
 Legend
@@ -21,7 +21,7 @@ KV cache layout, block-major and head-major inside a block:
 kv_cache[NB, L, 2, H, bs, D]. One block holds K (index 0) and V (index 1) of
 every layer of the stage for bs tokens, so an offload or upload of a block is
 one contiguous copy; inside it, one head's bs positions are contiguous (the
-CPU decode path reads them as a run, kernels/cpu_decode_attention.py). Token
+CPU decode path reads them as a run, fastserve_kernels/cpu_decode_attention.py). Token
 t of a job lives at block_table[t // bs], offset t % bs.
 """
 
@@ -32,8 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_extension
-from kernels.cpu_decode_attention import DecodeRows, decode_attention_in_place, row_strides, supports_in_place_decode
+from fastserve_kernels import cpu_decode_extension
+from fastserve_kernels.cpu_decode_attention import (
+    DecodeRows,
+    decode_attention_in_place,
+    row_strides,
+    supports_in_place_decode,
+)
 
 
 @dataclass
@@ -56,7 +61,7 @@ class AttentionMetadata:
     partial: list[tuple[int, int, torch.Tensor, int]]
     workspace: Workspace | None = None  # reused gather buffers (see Workspace)
     # The decode sequences' cache rows, built by the first layer that reads the cache in place and reused by
-    # the others (kernels/cpu_decode_attention.py).
+    # the others (fastserve_kernels/cpu_decode_attention.py).
     decode_rows: DecodeRows | None = None
 
     @classmethod
@@ -109,7 +114,7 @@ def write_kv(
         kv_cache[meta.slot_blocks, layer, 0, :, meta.slot_offsets] = k
         kv_cache[meta.slot_blocks, layer, 1, :, meta.slot_offsets] = v
         return
-    # The cache as rows of one head's D (kernels/cpu_decode_attention.py row_strides): one row copy per
+    # The cache as rows of one head's D (fastserve_kernels/cpu_decode_attention.py row_strides): one row copy per
     # token, head and tensor.
     h, d = kv_cache.shape[3], kv_cache.shape[-1]
     block_stride, layer_stride, v_offset, head_stride, offset_stride = row_strides(kv_cache)
@@ -209,8 +214,8 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
-    """On the CPU the context is read in place: by the compiled kernel (kernels/cpu_decode_extension.py), or
-    where it is not built by the sparse-op one (kernels/cpu_decode_attention.py); elsewhere, the reference."""
+    """On the CPU the context is read in place: by the compiled kernel (fastserve_kernels/cpu_decode_extension.py), or
+    where it is not built by the sparse-op one (fastserve_kernels/cpu_decode_attention.py); elsewhere, the reference."""
     if (op := _cpu_decode_op(kv_cache)) is not None:
         return op(q, q, q, kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens,
                   meta.decode_context_lens, meta.decode_context_lens, scale, False)  # K/V written already
@@ -227,7 +232,7 @@ def _cpu_decode_op(kv_cache: torch.Tensor):
 
 
 def cpu_decode_layers_op(kv_cache: torch.Tensor):
-    """The compiled decode-layers loop (kernels/csrc/cpu_decode_layers.cpp) where the compiled decode kernel
+    """The compiled decode-layers loop (fastserve_kernels/csrc/cpu_decode_layers.cpp) where the compiled decode kernel
     serves this cache (decode_layers_op is None where the kernel is), else None."""
     return cpu_decode_extension.decode_layers_op() if supports_in_place_decode(kv_cache) else None
 

@@ -1,13 +1,14 @@
 """Decode attention that reads the paged KV cache in place, once: the CPU path where the compiled kernel
-(kernels/csrc/cpu_decode_attention.cpp, kernels/cpu_decode_extension.py) is not built or is switched off.
+(fastserve_kernels/csrc/cpu_decode_attention.cpp, fastserve_kernels/cpu_decode_extension.py) is not built or is
+switched off.
 
 What it is: attention of one new token per sequence (decode) over that
 sequence's cached K/V, computed straight from the block-major cache with two
 sparse primitives of plain torch, so no [S, H, MB * bs, D] copy of the context
 is made. What it is not: a kernel for CUDA (a later file), nor for prefill or
-chunked prefill (kernels/paged_attention.py gathers those).
+chunked prefill (fastserve_kernels/paged_attention.py gathers those).
 
-Why: the reference (kernels/paged_attention.py `gather_kv` + SDPA) copies each
+Why: the reference (fastserve_kernels/paged_attention.py `gather_kv` + SDPA) copies each
 sequence's K and V out of their blocks and then reads the copy, so the context
 crosses memory twice (three times counting the copy's writes). On a CPU the
 decode step is memory-bound, and that copy was a quarter of the batch-32 step
@@ -34,7 +35,7 @@ its context's K rows, so
 Both run vectorised and in parallel across (s, h) on the CPU (float32/float64;
 other dtypes and devices use the reference).
 
-Legend as kernels/paged_attention.py: S decode sequences, H heads, D head dim,
+Legend as fastserve_kernels/paged_attention.py: S decode sequences, H heads, D head dim,
 L layers, bs block size, C = the longest context in the batch.
 """
 

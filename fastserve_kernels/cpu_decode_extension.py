@@ -1,17 +1,17 @@
-"""The CPU decode kernels compiled from kernels/csrc/, loaded once per process.
+"""The CPU decode kernels compiled from fastserve_kernels/csrc/, loaded once per process.
 
 What it is: `decode_attention_op()` returns torch.ops.fastserve_cpu.decode_attention (decode attention
 over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp), and
 `decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's decoder layers in one C++ call;
 cpu_decode_layers.cpp), building both with torch's cpp_extension (g++ and ninja) the first time on a machine
 and loading the cached build after that; or None when it cannot be built or is turned off, and the CPU path
-falls back to the sparse-op kernel (kernels/cpu_decode_attention.py) and the model's Python layer loop.
-`make install` builds them (`python -m kernels.cpu_decode_extension`), so the first request does not wait for
+falls back to the sparse-op kernel (fastserve_kernels/cpu_decode_attention.py) and the model's Python layer loop.
+`make install` builds them (`python -m fastserve_kernels.cpu_decode_extension`), so the first request does not wait for
 g++ (~20 s); later processes load the cached build (well under a second). torch's cpp_extension keeps it under
 ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere).
 
 The build folder is named after everything the build depends on (`build_name()`): the sources' bytes (every
-file in kernels/csrc), the compiler ($CXX or c++: its path and version), torch's version and install folder,
+file in fastserve_kernels/csrc), the compiler ($CXX or c++: its path and version), torch's version and install folder,
 Python's headers, the C++ ABI, the flags, and the CPU (-march=native: its model and flags). The sources are
 copied into the folder (src/) and compiled from there, so its build.ninja names no clone's own paths: every
 clone with the same sources and environment shares one build and never rebuilds it (a folder named after the CPU
@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE_SUFFIXES = (".cpp", ".h")  # what a build reads from kernels/csrc (the .cpp files include the headers)
+SOURCE_SUFFIXES = (".cpp", ".h")  # what a build reads from fastserve_kernels/csrc (the .cpp files include the headers)
 # -fopenmp: at::parallel_for's pragma (the symbols resolve to torch's own OpenMP runtime)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENV_SWITCH = "FASTSERVE_CPU_KERNEL"
@@ -170,7 +170,9 @@ def unavailable_reason() -> str | None:
 def describe() -> str:
     """One line for logs and benchmarks: which CPU decode attention serves."""
     op = decode_attention_op()
-    return "compiled kernel (kernels/csrc)" if op is not None else f"sparse torch ops ({unavailable_reason()})"
+    if op is not None:
+        return "compiled kernel (fastserve_kernels/csrc)"
+    return f"sparse torch ops ({unavailable_reason()})"
 
 
 def _load():
@@ -206,7 +208,7 @@ def _load():
 
 
 def main() -> int:
-    """`python -m kernels.cpu_decode_extension`: build (or load) the kernel now; `make install` runs it."""
+    """`python -m fastserve_kernels.cpu_decode_extension`: build (or load) the kernel now; `make install` runs it."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"CPU decode attention: {describe()}")
     return 0

@@ -5,13 +5,13 @@
 // K/V row into the cache, then attend q[s, h] to the sequence's context block by block through its block
 // table, with an online softmax (running max and sum, the output rescaled as the max grows), so each cached
 // K and V row is read once, where it lies, and nothing of the size of the context is written. Built at first
-// use by kernels/cpu_decode_extension.py (torch's cpp_extension, g++, -march=native); when it cannot be
-// built, kernels/cpu_decode_attention.py's sparse-op path serves. Tested against the gathering reference
+// use by fastserve_kernels/cpu_decode_extension.py (torch's cpp_extension, g++, -march=native); when it cannot be
+// built, fastserve_kernels/cpu_decode_attention.py's sparse-op path serves. Tested against the gathering reference
 // (tests/test_cpu_decode_kernel.py). Two item functions: with AVX-512, float and a head dim of 16 to 128 (every
 // OPT shape's) keep q, the scores of a block and the V accumulators in registers (attend_item_avx512); anything
 // else runs portable loops in the same order of reads (attend_item_portable).
 //
-// Layout (kernels/paged_attention.py): cache [NB, L, 2, H, bs, D], contiguous; one head's bs positions of a
+// Layout (fastserve_kernels/paged_attention.py): cache [NB, L, 2, H, bs, D], contiguous; one head's bs positions of a
 // block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
 // Legend: S decode sequences, H heads, D head dim, MB blocks per table (padded), bs block size.
 
