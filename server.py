@@ -446,11 +446,14 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                     None),
     "master_port": ("rendezvous port; the workers' control port is the next one (default: a free pair)", None),
     "max_num_seqs": ("most sequences in one iteration's batch", None),
-    "max_num_batched_tokens": ("most tokens in one iteration (without chunked prefill a longer prompt runs alone)",
-                               None),
+    "max_num_batched_tokens": ("most tokens in one iteration (without chunked prefill a longer prompt runs alone); "
+                               "default: with chunked prefill, the budget the job profile picks (a chunk's "
+                               "iteration at most twice a decode step's time, at least --max-num-seqs), "
+                               "without it 8192", None),
     "enable_chunked_prefill": ("split a prompt that does not fit the rest of an iteration's "
                                "--max-num-batched-tokens into chunks run in later iterations; the last batch's "
-                               "decodes go first (--no-enable-chunked-prefill: prompts run whole)", None),
+                               "decodes go first (--no-enable-chunked-prefill: prompts run whole); default: on "
+                               "on CUDA, off on the CPU", None),
     "max_model_len": ("context length (default: the model's)", None),
     "block_size": ("tokens per KV block", None),
     "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),
@@ -523,7 +526,8 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         doc, choices = ENGINE_HELP.get(f.name, (f"engine setting {f.name} (see engine/config.py)", None))
-        if hints[f.name] is bool:  # a switch: --enforce-eager; --enable-chunked-prefill / --no-enable-chunked-prefill
+        if bool in typing.get_args(hints[f.name]) + (hints[f.name],):
+            # a switch: --enforce-eager; --enable-chunked-prefill / --no-enable-chunked-prefill (None: by device)
             action = argparse.BooleanOptionalAction if f.name in NEGATABLE_SWITCHES else "store_true"
             p.add_argument("--" + f.name.replace("_", "-"), help=doc, action=action, default=f.default)
             continue

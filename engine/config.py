@@ -20,6 +20,9 @@ from scheduler.policy import MLFQ_LADDERS, PolicyName
 DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
                                         / "tiny-opt"))
 KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
+# max_num_batched_tokens without chunked prefill when none is given (vLLM's default for serving without it), and the
+# most a picked chunk budget may be.
+UNCHUNKED_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -37,11 +40,15 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # the torch.distributed rendezvous (and the controller's worker port)
     master_port: int | None = None  # None: a free port; the workers' control port is master_port + 1
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # Most tokens one iteration computes. None: with chunked prefill, the budget the job profile picks
+    # (scheduler/cost_model.py, chunk_budget); without it, UNCHUNKED_BATCHED_TOKENS.
+    max_num_batched_tokens: int | None = None
     # Chunked prefill (vLLM's flag): a prompt that does not fit the rest of an iteration's max_num_batched_tokens is
     # split, its next chunk in a later iteration, and the decodes of the last batch come first
     # (scheduler/policy.py, SchedulingPolicy.chunk). Off: a prompt runs whole (one longer than the budget, alone).
-    enable_chunked_prefill: bool = False
+    # None (the default): on where the model runs on CUDA, off on the CPU and in the simulator, as measured
+    # (docs/benchmarks.md, "Chunked prefill: the default"; Engine resolves it).
+    enable_chunked_prefill: bool | None = None
     # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
     # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
     # what follows its longest cached prefix.
@@ -110,7 +117,7 @@ class EngineConfig:
              f"nnodes ({self.nnodes}) must divide tensor_parallel_size x pipeline_parallel_size ({world})")
         need(self.master_port is None or 1 <= self.master_port <= 65534, "master_port must be in [1, 65534]")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1,
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
@@ -134,6 +141,12 @@ class EngineConfig:
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
         need(self.kv_overcommit is None or self.kv_overcommit >= 1, "kv_overcommit must be >= 1 (or none)")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
+
+    @property
+    def sizing_batched_tokens(self) -> int:
+        """The iteration size the executor sizes activation memory for (its warm-up forward), before the engine
+        picks a budget: max_num_batched_tokens, or UNCHUNKED_BATCHED_TOKENS, which no picked budget exceeds."""
+        return self.max_num_batched_tokens or UNCHUNKED_BATCHED_TOKENS
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 
 from engine.batch import BatchResult, ModelBatch, SequenceWork
 from engine.clock import WallClock
-from engine.config import EngineConfig, builtin_model_dir
+from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig, builtin_model_dir
 from engine.errors import ValidationError
 from engine.executor import make_executor
 from engine.executor.base import Executor, ExecutorDeadError
@@ -39,6 +39,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
+from scheduler.cost_model import chunk_budget
 from scheduler.policy import ScheduleDecision
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,23 @@ def overlaps_output(config: EngineConfig, executor: Executor) -> bool:
     return config.async_output_processing and not executor.simulated and executor.max_in_flight == 1
 
 
+def resolve_chunking(config: EngineConfig, device_type: str, cost: ProfiledCostModel,
+                     block_size: int) -> tuple[bool, int]:
+    """(chunked prefill on, max_num_batched_tokens) as the engine runs them. Chunked prefill: as configured, else
+    on where the model runs on CUDA and off elsewhere: on this CPU chunking raised the tiny model's P99 ITL and
+    the simulator ("meta") keeps the unchunked runs its experiments were measured with (docs/benchmarks.md,
+    "Chunked prefill: the default"). The budget: as configured, else with chunking the one the job profile picks
+    (scheduler/cost_model.py chunk_budget), without it UNCHUNKED_BATCHED_TOKENS."""
+    chunked = config.enable_chunked_prefill
+    if chunked is None:
+        chunked = device_type == "cuda"
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = (chunk_budget(cost, block_size, config.max_num_seqs, UNCHUNKED_BATCHED_TOKENS) if chunked
+                  else UNCHUNKED_BATCHED_TOKENS)
+    return chunked, budget
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -108,11 +126,14 @@ class Engine:
         if config.enable_prefix_caching:
             self.kv.enable_prefix_caching(EnginePrefixSource(self._seq_of_job), config.prefix_caching_host_tier)
         self.cost_model = self._load_cost_model()
+        chunked, budget = resolve_chunking(config, self.executor.device.type, self.cost_model,
+                                           self.executor.block_size)
+        log.info("chunked prefill: %s; at most %d tokens per iteration", "on" if chunked else "off", budget)
         self.scheduler = make_policy(
             SchedulerConfig(
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
+                max_num_batched_tokens=budget,
+                enable_chunked_prefill=chunked,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
                 starvation_factor=config.starvation_factor, mlfq_ladder=config.mlfq_ladder,
                 starvation_age=config.starvation_age,

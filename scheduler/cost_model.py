@@ -231,3 +231,28 @@ class ProfiledCostModel:
             cost += alone - forward(b)
             floor = max(floor, alone)
         return max(floor, cost + forward(tokens))
+
+
+# The chunk budget's reference iteration: a decode batch of this many sequences at this context.
+BUDGET_DECODE_BATCH = 16
+BUDGET_DECODE_CONTEXT = 512
+# How much longer a streamed token's gap may get while a long prompt is prefilled in chunks (issue 25's goal:
+# P99 inter-token latency at most twice the median).
+BUDGET_STALL_RATIO = 2.0
+
+
+def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, cap: int) -> int:
+    """The default token budget per iteration with chunked prefill (max_num_batched_tokens), from the job profile.
+
+    The largest chunk of block_size x 2^k prompt tokens whose iteration (BUDGET_DECODE_BATCH decodes at
+    BUDGET_DECODE_CONTEXT, plus the chunk over a prefix of that length) costs at most BUDGET_STALL_RATIO x the
+    decodes alone: while a long prompt is prefilled, a streamed token's gap grows at most that much. Then at least
+    max_num_seqs (vLLM's rule: every sequence of a full batch can decode) and at most cap (but never below
+    block_size). On the OPT-13B A100 40GB profile this is 256, the budget the simulator measured as the only one
+    keeping P99 ITL under twice the median (docs/benchmarks.md, "Chunked prefill: the token budget")."""
+    decodes = [BUDGET_DECODE_CONTEXT] * BUDGET_DECODE_BATCH
+    limit = BUDGET_STALL_RATIO * cost.batch_cost([], decodes)
+    chunk = block_size
+    while chunk * 2 <= cap and cost.batch_cost([], decodes, [(BUDGET_DECODE_CONTEXT, chunk * 2)]) <= limit:
+        chunk *= 2
+    return max(block_size, min(cap, max(chunk, max_num_seqs)))

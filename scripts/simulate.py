@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-policy", default="proactive", choices=KV_POLICIES, help="default: %(default)s")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens,
-                    help="most tokens in one iteration (default: %(default)s)")
+                    help="most tokens in one iteration (default: with chunked prefill, the budget the profile "
+                         "picks; without, 8192)")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=EngineConfig().enable_prefix_caching,
                     help="reuse the KV of cached prompt prefixes (default: %(default)s)")
@@ -98,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-speedup", type=float, default=1.0,
                     help="multi-turn with --conversation-trace and no --request-rate: divide its times by this")
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                    default=EngineConfig().enable_chunked_prefill,
-                    help="split prompts that do not fit the rest of an iteration's budget (default: %(default)s)")
+                    default=False,
+                    help="split prompts that do not fit the rest of an iteration's budget (default: off, as the "
+                         "live engine on the CPU; the live default on CUDA is on)")
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
     d = EngineConfig()  # the server's defaults
     ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,

@@ -10,6 +10,7 @@ sizes that do not divide it) gives transformers' logprobs and greedy tokens, and
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +19,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.batch import ModelBatch, SequenceWork
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig
+from engine.engine import Engine, resolve_chunking
 from engine.executor.local import LocalExecutor
 from engine.model.config import OPTConfig
 from engine.sampling_params import SamplingParams
 from fastserve_kernels.paged_attention import paged_attention
+from scheduler.cost_model import (
+    BUDGET_DECODE_BATCH,
+    BUDGET_DECODE_CONTEXT,
+    BUDGET_STALL_RATIO,
+    ProfiledCostModel,
+    chunk_budget,
+)
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.paged_batches import make_batch
 from tests.test_model_reference import hf_logprobs, run_staggered
@@ -406,10 +414,72 @@ def test_server_flags_turn_chunked_prefill_on_and_off():
     import server
 
     parser = server.build_parser()
-    for argv, want in (([], EngineConfig().enable_chunked_prefill), (["--enable-chunked-prefill"], True),
-                       (["--no-enable-chunked-prefill"], False)):
+    for argv, want in (([], None), (["--enable-chunked-prefill"], True), (["--no-enable-chunked-prefill"], False)):
         engine_config, _ = server._configs(parser.parse_args(argv + ["--max-num-batched-tokens", "512"]))
         assert engine_config.enable_chunked_prefill is want and engine_config.max_num_batched_tokens == 512
+    engine_config, _ = server._configs(parser.parse_args([]))
+    assert engine_config.max_num_batched_tokens is None  # picked by the engine
+    assert "default: on on CUDA, off on the CPU" in " ".join(parser.format_help().split())
+
+
+# -- the default: on CUDA, with the budget the job profile picks ------------------------------------------------------
+PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "sim"
+
+
+def test_the_picked_budget_is_the_one_the_simulator_measured_on_the_opt13b_profile():
+    """docs/benchmarks.md, "Chunked prefill: the token budget": on the OPT-13B A100 40GB profile only budget 256
+    kept P99 ITL under twice the median; the rule picks 256 from the profile alone."""
+    cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-40gb-x1.json")
+    assert chunk_budget(cost, 16, max_num_seqs=1, cap=8192) == 256
+    assert chunk_budget(cost, 16, max_num_seqs=256, cap=8192) == 256
+    assert chunk_budget(cost, 16, max_num_seqs=1000, cap=8192) == 1000  # every sequence of a full batch decodes
+    assert chunk_budget(cost, 16, max_num_seqs=1, cap=100) == 64  # the largest 16 x 2^k within the cap
+
+
+@pytest.mark.parametrize("profile", sorted(p.name for p in PROFILES.glob("*.json")) + ["tiny"])
+def test_the_picked_chunk_is_the_largest_whose_iteration_costs_at_most_twice_the_decodes(profile):
+    path = Path(__file__).parent / "data" / "tiny_profile.json" if profile == "tiny" else PROFILES / profile
+    cost = ProfiledCostModel.from_json(path)
+    decodes = [BUDGET_DECODE_CONTEXT] * BUDGET_DECODE_BATCH
+    alone = cost.batch_cost([], decodes)
+
+    def stall(chunk):
+        return cost.batch_cost([], decodes, [(BUDGET_DECODE_CONTEXT, chunk)]) / alone
+
+    for bs in (4, 16):
+        chunk = chunk_budget(cost, bs, max_num_seqs=1, cap=1 << 20)
+        assert chunk % bs == 0 and (chunk // bs).bit_count() == 1
+        assert chunk == bs or stall(chunk) <= BUDGET_STALL_RATIO
+        assert stall(2 * chunk) > BUDGET_STALL_RATIO
+
+
+def test_chunking_is_on_by_default_on_cuda_only_and_explicit_settings_win():
+    cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-40gb-x1.json")
+    default = EngineConfig()
+    assert resolve_chunking(default, "cuda", cost, 16) == (True, 256)
+    assert resolve_chunking(default, "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)
+    assert resolve_chunking(default, "meta", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)  # the simulator
+    assert resolve_chunking(EngineConfig(enable_chunked_prefill=True), "cpu", cost, 16) == (True, 256)
+    assert resolve_chunking(EngineConfig(enable_chunked_prefill=False), "cuda", cost, 16) == (
+        False, UNCHUNKED_BATCHED_TOKENS)
+    assert resolve_chunking(EngineConfig(max_num_batched_tokens=100), "cuda", cost, 16) == (True, 100)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_the_engine_on_the_cpu_runs_unchunked_unless_asked_and_then_takes_its_profiles_budget(small_checkpoint):
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    engine = small_engine(model_dir)
+    assert (engine.scheduler.config.enable_chunked_prefill, engine.scheduler.config.max_num_batched_tokens) == (
+        False, UNCHUNKED_BATCHED_TOKENS)
+    engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_seqs=4)
+    want = chunk_budget(engine.cost_model, BS, 4, UNCHUNKED_BATCHED_TOKENS)
+    assert engine.scheduler.config.enable_chunked_prefill and engine.scheduler.config.max_num_batched_tokens == want
+    prompt_len = min(engine.max_model_len - PARAMS.max_tokens, 64 * BS // 2)
+    assert want < prompt_len  # the analytic CPU profile's budget splits a long prompt
+    engine.add_request("long", prompts_of([prompt_len], 8)[0], PARAMS)
+    assert engine.step() == []
+    assert engine.requests["long"].seqs[0].job.num_computed == want
 
 
 def test_a_chunk_alone_emits_nothing_and_abort_mid_prefill_frees_the_partial_kv(small_checkpoint):

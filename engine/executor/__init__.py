@@ -18,7 +18,7 @@ def make_executor(config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, m
             model_dir, model_cfg, dtype=config.dtype, device=config.device, block_size=config.block_size,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len, seed=config.seed,
+            max_num_batched_tokens=config.sizing_batched_tokens, max_model_len=max_model_len, seed=config.seed,
             load_format=config.load_format, max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
             attention_backend=config.attention_backend,
         )

@@ -214,7 +214,7 @@ class MultiprocExecutor(Executor):
             block_size=self.block_size,
             seed=config.seed, master_addr=self.master_addr, master_port=self.master_port,
             measure_kv=config.num_gpu_blocks_override is None,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+            max_num_batched_tokens=config.sizing_batched_tokens, max_model_len=max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager, attention_backend=self.attention_backend)
         for conn in self._conns.values():
