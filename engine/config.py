@@ -20,8 +20,8 @@ from scheduler.policy import MLFQ_LADDERS, PolicyName
 DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
                                         / "tiny-opt"))
 KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
-# max_num_batched_tokens without chunked prefill when none is given (vLLM's default for serving without it), and the
-# most a picked chunk budget may be.
+# max_num_batched_tokens without chunked prefill when none is given (this engine's default before chunked prefill),
+# and the most a picked chunk budget may be.
 UNCHUNKED_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
 
