@@ -60,6 +60,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import is_not
 from typing import Protocol
 
 from memory.block_allocator import BlockAllocator
@@ -196,6 +198,11 @@ class KVManager:
         self._backup_of: dict[int, _Backup] = {}  # device block -> its copy in flight
         self._backup_host_blocks = 0  # host blocks those copies hold (CACHE_OWNER)
         self._waiting: dict[str, JobKV] = {}  # looked up at admission, no KV yet: may find its prefix on the host
+        # The name of each waiting job's first block (those that have one), in _waiting's order; entries of jobs that
+        # left _waiting since are dropped lazily (_park_waiting). A waiting job's names never change (it holds no KV
+        # and its context does not grow), so _park_waiting finds the few whose first block the host caches without
+        # a look at each job (past capacity thousands wait, and the tiers change nearly every tick).
+        self._waiting_heads: dict[str, bytes] = {}
         self._recheck_waiting = False  # the tiers' contents changed since _park_waiting last looked
         self._prefix_parked: dict[object, JobKV] = {}  # jobs not started whose cached prefix waits on the host
         # Entries whose last allocation stopped short of their context (a chunk of a prefill, chunked prefill) and
@@ -591,7 +598,7 @@ class KVManager:
         found = len(self.device.lookup(kv.hashes, max_blocks))
         if self._host_cache and kv.residency is Residency.NONE and not kv.host:
             found = max(found, len(self.host.lookup(kv.hashes, max_blocks)))
-            self._waiting[job.job_id] = kv
+            self._add_waiting(job.job_id, kv)
             self._recheck_waiting = True
         return found * self.block_size
 
@@ -706,14 +713,31 @@ class KVManager:
         self._waiting.pop(job.job_id, None)
         self._park(kv)
 
+    def _add_waiting(self, jid: str, kv: JobKV) -> None:
+        """Put the job among those waiting to start (at the end, as a dict puts a new key; in place if there)."""
+        if jid not in self._waiting:
+            heads = self._waiting_heads
+            heads.pop(jid, None)  # (a lazily kept entry of its earlier stay: it goes to the end, as in _waiting)
+            if kv.hashes:
+                heads[jid] = kv.hashes[0]
+        self._waiting[jid] = kv
+
     def _park_waiting(self) -> None:
         """Proactive: park the jobs waiting to start whose cached prefix is longer on the host than on the device,
-        so that the planner uploads them ahead of need by ENST (host_resident)."""
+        so that the planner uploads them ahead of need by ENST (host_resident). Only a job whose first block the
+        host caches can be parked: those are found by one lookup of every waiting job's first name (a map in C),
+        and looked at in _waiting's order."""
         self._recheck_waiting = False
-        bs, dev, host = self.block_size, self.device, self.host
-        for jid, kv in list(self._waiting.items()):
+        bs, dev, host, waiting, heads = self.block_size, self.device, self.host, self._waiting, self._waiting_heads
+        if len(heads) > 2 * len(waiting) + 64:  # forget the entries of jobs that left (amortized: O(1) a job)
+            heads = self._waiting_heads = {jid: heads[jid] for jid in waiting if jid in heads}
+        found = host.blocks_named(heads.values())
+        for jid in list(compress(heads, map(is_not, found, repeat(None)))):
+            kv = waiting.get(jid)
+            if kv is None:
+                continue  # it left (started, or ended)
             if kv.residency is not Residency.NONE or kv.device or kv.host or kv.transfer is not None:
-                del self._waiting[jid]
+                del waiting[jid]
                 continue
             job = kv.job
             max_blocks = (job.context_len - 1) // bs
@@ -741,7 +765,7 @@ class KVManager:
             kv.registered_table, kv.num_registered = None, 0
             job.num_computed = 0
             self._prefilling.pop(kv, None)  # (a first chunk was allocated: it holds no KV now)
-            self._waiting[jid] = kv
+            self._add_waiting(jid, kv)
             self.stats.num_prefix_releases += 1
         self._start_backups()
 
