@@ -104,6 +104,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import filterfalse
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
@@ -298,12 +299,19 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 if promoted:
                     fresh = heapq.merge(fresh, promoted, key=entry.__getitem__)
                 if not fresh or not gate.fresh:
-                    skip, no_kv = gate.skip, gate.no_kv_from
-                    for job in started:
-                        if job in skip or (not job.num_computed and job.prompt_len + job.num_generated >= no_kv):
-                            continue
-                        yield job
+                    # The jobs in gate.skip are passed over in C (filterfalse: past capacity hundreds a tick), the
+                    # filter made anew on the same iterator whenever the gate changed while the walk was suspended.
+                    it = iter(started)
+                    while True:
                         skip, no_kv = gate.skip, gate.no_kv_from
+                        for job in filterfalse(skip.__contains__, it):
+                            if not job.num_computed and job.prompt_len + job.num_generated >= no_kv:
+                                continue
+                            yield job
+                            if gate.skip is not skip or gate.no_kv_from != no_kv:
+                                break
+                        else:
+                            break
                     continue
                 if not started and not late:
                     for job in fresh:
