@@ -275,9 +275,12 @@ class KVManager:
             floor = self._host_floor = min(self._host_sizes)
         return floor
 
-    def allocate(self, job, num_new_tokens: int) -> None:
+    def allocate(self, job, num_new_tokens: int) -> bool:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
-        not ready until it lands (job.ready False): the policy leaves it out of this tick's batch."""
+        not ready until it lands (job.ready False): the policy leaves it out of this tick's batch. True when
+        started_blocks() did not shrink (a job on the device with no copy in flight: its blocks only grow, and a
+        partly prefilled job leaves _prefilling only once its blocks cover its context), so a may_start refusal
+        stays valid (KVAdmission.allocate); False otherwise (an upload's copy counts its blocks once)."""
         kv = self._jobs.get(job.job_id)
         if kv is not None and kv.residency is Residency.DEVICE and kv.transfer is None:
             # A job on the device with no copy in flight (every job of the batch but new ones, every tick): what
@@ -297,7 +300,7 @@ class KVManager:
                 self._prefilling[kv] = None
             elif self._prefilling:
                 self._prefilling.pop(kv, None)
-            return
+            return True
         if kv is None:
             kv = self._entry(job)
         if self._short:
@@ -334,6 +337,7 @@ class KVManager:
             self._prefilling[kv] = None
         elif self._prefilling:
             self._prefilling.pop(kv, None)
+        return False
 
     @property
     def victims_by_priority(self) -> bool:

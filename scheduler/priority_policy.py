@@ -186,8 +186,8 @@ class PriorityPolicy(SchedulingPolicy):
         kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
         # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
-        # many or more until the next allocate or evict (KVAdmission.may_start). Past capacity hundreds of started
-        # jobs wait with their KV dropped, and each was asked every tick.
+        # many or more until the next evict, or allocate that may loosen it (KVAdmission.may_start, allocate). Past
+        # capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick.
         refused_from = NEVER
         started: list[Job] = []  # fresh jobs in the batch
         # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
@@ -266,9 +266,9 @@ class PriorityPolicy(SchedulingPolicy):
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
-            allocate(job, n)
+            if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
+                refused_from = gate.no_kv_from = NEVER
             ask = True
-            refused_from = gate.no_kv_from = NEVER
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)

@@ -414,3 +414,30 @@ def test_a_chunk_over_an_uploaded_prefix_given_back_unstarted_leaves_admission_c
     assert kv.residency("c") is Residency.NONE and c.num_computed == 0
     kv.check_invariants()
     assert kv.started_blocks() == before
+
+
+def test_allocate_says_true_only_when_the_kv_admission_counts_did_not_shrink():
+    """KVManager.allocate returns True, letting the scheduler keep an admission refusal past it, only for a job
+    on the device with no copy in flight (its blocks grow; started_blocks cannot shrink). An upload can shrink
+    it (blocks that another job holds on the device are shared, not taken, while the copy counts the job's
+    blocks once): there it returns False. Fails if the upload's allocate said True, or the resident one False."""
+    kv, be, src = make_kv(device=8, host=16)
+    p = tokens(2 * BS, 1)
+    j = new_job(src, "j", p + tokens(3, 2))
+    prefill(kv, j)
+    kv.evict(j)  # offloaded (it shares nothing yet); its named device blocks stay cached once the copy lands
+    land(kv, be)
+    k = new_job(src, "k", p + tokens(3, 3))
+    prefill(kv, k)  # hits j's prefix on the device: k holds it now
+    assert kv.cached_tokens("k") == 2 * BS and kv.residency("j") is Residency.HOST
+    before = kv.started_blocks()
+    assert kv.can_fit(j, 1) and kv.allocate(j, 1) is False  # j's upload shares the two blocks k holds
+    assert kv.started_blocks() < before and not j.ready
+    land(kv, be)
+    for job in (j, k):  # resident, no copy in flight: the token after a full last block takes a new block
+        job.num_generated += BS - 3
+        job.num_computed = job.context_len
+        before = kv.started_blocks()
+        assert kv.can_fit(job, 1) and kv.allocate(job, 1) is True
+        assert kv.started_blocks() == before + 1
+        kv.check_invariants()
