@@ -279,7 +279,7 @@ class PriorityPolicy(SchedulingPolicy):
             elif job in decoders:
                 reserve -= 1
             tokens += n
-            kv_tokens += job.context_len
+            kv_tokens += job.prompt_len + job.num_generated
             if len(batch) >= max_seqs or tokens >= budget:
                 break
 

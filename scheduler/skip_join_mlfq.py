@@ -522,6 +522,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         # B: the batch size running now (the last tick's batch), not max_num_seqs: past capacity memory, not the
         # sequence limit, bounds the batch, and jobs ahead go through it B at a time (nothing runs: the limit).
         t_execute = waits[(self._band_of[job], job.queue)] / (len(self._running) or self.config.max_num_seqs)
-        alpha = self.promotion_threshold()
+        # promotion_threshold(), its cache read inline: the planner asks this of every job parked on the host.
+        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
         # job.starve_time(now), inlined: the proactive planner and the eviction order call this per job.
         return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
