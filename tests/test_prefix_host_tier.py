@@ -441,3 +441,35 @@ def test_allocate_says_true_only_when_the_kv_admission_counts_did_not_shrink():
         assert kv.can_fit(job, 1) and kv.allocate(job, 1) is True
         assert kv.started_blocks() == before + 1
         kv.check_invariants()
+
+
+@pytest.mark.parametrize("leaves", ["ends", "offloaded"])
+def test_a_waiting_job_whose_prefix_reaches_the_host_later_is_parked_once_the_device_evicts_it(leaves):
+    """The planner looks only at waiting jobs whose first block the host caches (KVManager._park_waiting's
+    candidates): a job that starts waiting while its prefix is on the device alone (the host's copy still in
+    flight: the cache's own copy of a finished job's blocks, or an offload) becomes one when the copy lands, stays
+    one while the device caches as much as the host, and is parked once the device has evicted the prefix's tail.
+    Fails without either step."""
+    kv, be, src = make_kv(device=10, host=32, policy="proactive")
+    p = tokens(16, 1)  # four blocks
+    a = new_job(src, "a", p + [5])
+    prefill(kv, a)
+    if leaves == "ends":
+        kv.free("a")  # its named blocks stay cached on the device; their copy to the host starts
+    else:
+        kv.evict(a)  # offloaded: its blocks are named on the host when the copy lands, and stay cached on the device
+    x = new_job(src, "x", p + tokens(2, 4))
+    assert kv.expected_hit(x) == 16 and kv.host.lookup(kv._jobs["x"].hashes) == []
+    land(kv, be)  # the host names the prefix now
+    if leaves == "offloaded":
+        kv.free("a")  # (its host copy stays cached there; the planner has no job of its own to bring back)
+        land(kv, be)
+    tick = [new_job(src, "q", [1])]  # a tick that ran something
+    kv.plan(tick, lambda j, now: 1.0, 0.0)
+    assert kv.residency("x") is Residency.NONE and kv.stats.num_prefix_prefetches == 0  # the device has it all
+    z = new_job(src, "z", tokens(36, 3))  # nine blocks: the device evicts three of the prefix's four (tail first)
+    prefill(kv, z)
+    assert len(kv.device.lookup(kv._jobs["x"].hashes)) == 1
+    kv.plan(tick, lambda j, now: 1.0, 0.0)
+    assert kv.stats.num_prefix_prefetches == 1 and kv.residency("x") is not Residency.NONE
+    kv.check_invariants()

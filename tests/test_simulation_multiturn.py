@@ -120,9 +120,10 @@ def _park_waiting_by_scan(kv) -> None:
 
 def test_parking_waiting_jobs_found_by_their_first_block_changes_no_decision(model, monkeypatch):
     """The proactive planner parks the jobs waiting to start whose prefix the host caches (_park_waiting), found
-    through an index of their first blocks' names instead of a look at each: 40 chats of 4 turns on a 60-block
-    device (histories evicted to the host and prefetched back) give the same turns, to the digit, and the same
-    KV counters as with the scan of every waiting job, and jobs were parked (and the index pruned) that way."""
+    as candidates by their first blocks' names (KVManager._waiting_candidates) instead of a look at each: 40 chats
+    of 4 turns on a 60-block device (histories evicted to the host and prefetched back) give the same turns, to the
+    digit, and the same KV counters as with the scan of every waiting job, and jobs were parked (and the index
+    pruned) that way."""
     from memory.kv_manager import KVManager
 
     rng = random.Random(1)
@@ -136,14 +137,14 @@ def test_parking_waiting_jobs_found_by_their_first_block_changes_no_decision(mod
         return turns, vars(eng.kv.stats) | {"enst_samples": list(eng.kv.stats.enst_samples)}
 
     pruned = []
-    index = KVManager._park_waiting
+    add = KVManager._add_waiting
 
-    def indexed(kv):
+    def adding(kv, jid, e):
         before = len(kv._waiting_heads)
-        index(kv)
+        add(kv, jid, e)
         pruned.append(len(kv._waiting_heads) < before)
 
-    monkeypatch.setattr(KVManager, "_park_waiting", indexed)
+    monkeypatch.setattr(KVManager, "_add_waiting", adding)
     fast = run()
     assert fast[1]["num_prefix_prefetches"] > 20 and any(pruned), "too few parked, or never pruned: shows little"
     monkeypatch.setattr(KVManager, "_park_waiting", _park_waiting_by_scan)
