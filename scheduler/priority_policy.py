@@ -71,6 +71,7 @@ import itertools
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
+from itertools import filterfalse
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -337,8 +338,9 @@ class _Victims:
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        held = [j for j in self._policy._started_jobs()  # (on the host first: past capacity most started jobs are)
-                if j not in on_host and j.ready and j.num_computed > 0 and j not in chosen]
+        # (the host-parked left out in C first: past capacity most started jobs are)
+        held = [j for j in filterfalse(on_host.__contains__, self._policy._started_jobs())
+                if j.ready and j.num_computed > 0 and j not in chosen]
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
