@@ -10,7 +10,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)  # (made for every job of every step: slots make that cheaper)
 class SequenceWork:
     job_id: str
     token_ids: list[int]  # the tokens this iteration computes (their KV is written)

@@ -451,7 +451,7 @@ class Engine:
             want_plp and req.prompt_logprobs is None,  # want_prompt_logprobs
             prompt if want_plp or history else [],  # prompt_token_ids
             list(seq.output_ids) if history else [],  # output_token_ids
-            params.sequence_seed(seq.index),  # seed
+            None if params.seed is None else params.sequence_seed(seq.index),  # seed
             b == job.context_len,  # sample
             pl,  # prompt_len
         )
@@ -470,7 +470,7 @@ class Engine:
         advanced: dict[str, RequestState] = {}  # requests that got a token (a chunk alone gives the client nothing)
         for seq, work, res in zip(plan.seqs, plan.batch.seqs, result.results):
             req = seq.request
-            if seq.finished:  # aborted while the step ran
+            if seq.finish_reason is not None:  # aborted while the step ran (seq.finished)
                 continue
             if req.request_id not in touched:
                 req.metrics.executing_s += end - plan.start_time
@@ -478,14 +478,14 @@ class Engine:
             if res.prompt_logprobs is not None and req.prompt_logprobs is None:
                 self._add_prompt_logprobs(seq, res.prompt_logprobs, work.start_pos)
             job = seq.job
-            if job.num_scheduled and job.num_computed + job.num_scheduled < job.context_len:
+            if job.num_scheduled and job.num_computed + job.num_scheduled < job.prompt_len + job.num_generated:
                 job.num_computed += job.num_scheduled  # a chunk of a prefill: its KV is cached, nothing sampled
             else:
                 self._append_token(seq, res, end, untexted)
                 advanced[req.request_id] = req
             job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
-        self.scheduler.on_step_done([s.job for s in plan.seqs if not s.finished], end, plan.cost)
+        self.scheduler.on_step_done([s.job for s in plan.seqs if s.finish_reason is None], end, plan.cost)
         self.num_steps += 1
         self.last_batch_size = len(plan.seqs)
         return CommittedStep(end, advanced, untexted or [], defer_text)
@@ -511,10 +511,12 @@ class Engine:
                       untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = None
                       ) -> None:
         job, req, params = seq.job, seq.request, seq.request.params
-        job.num_computed = job.context_len
+        context = job.prompt_len + job.num_generated  # (job.context_len, inlined: once per job every step)
+        job.num_computed = context
         token = res.token_id
         seq.output_ids.append(token)
         job.num_generated += 1
+        context += 1
         if seq.logprobs is not None and res.logprobs is not None:
             seq.logprobs.append(res.logprobs)
         metrics = req.metrics
@@ -528,7 +530,7 @@ class Engine:
             ending = ("stop", token)
         elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
             ending = ("stop", None)
-        elif job.num_generated >= params.max_tokens or job.context_len >= self.max_model_len:
+        elif job.num_generated >= params.max_tokens or context >= self.max_model_len:
             ending = ("length", None)
         old_len = len(seq.text)
         if params.detokenize:
@@ -541,7 +543,7 @@ class Engine:
                    and seq.check_stop_strings(old_len))
         if not stopped and ending is not None:
             seq.finish(*ending)
-        if seq.finished:
+        if seq.finish_reason is not None:  # (seq.finished)
             self._release(seq)
 
     @staticmethod

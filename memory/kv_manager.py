@@ -196,6 +196,16 @@ class KVManager:
         self._backup_of: dict[int, _Backup] = {}  # device block -> its copy in flight
         self._backup_host_blocks = 0  # host blocks those copies hold (CACHE_OWNER)
         self._waiting: dict[str, JobKV] = {}  # looked up at admission, no KV yet: may find its prefix on the host
+        # Waiting jobs that _park_waiting may park: every one whose first block the host caches is here (put here
+        # when it starts waiting with that block on the host, or when the host names the block later), so a tick
+        # looks at these few instead of every waiting job (past capacity thousands wait, and the tiers change
+        # nearly every tick); left out again once seen without it. A waiting job's names never change (it holds no
+        # KV and its context does not grow). Per waiting job (kept lazily after it leaves, pruned in bulk): its
+        # place in _waiting's order and its first block's name; and by name, the jobs whose first block it names.
+        self._waiting_candidates: set[str] = set()
+        self._waiting_heads: dict[str, tuple[int, bytes]] = {}
+        self._heads_waiting: dict[bytes, list[str]] = {}
+        self._num_waited = 0
         self._recheck_waiting = False  # the tiers' contents changed since _park_waiting last looked
         self._prefix_parked: dict[object, JobKV] = {}  # jobs not started whose cached prefix waits on the host
         # Entries whose last allocation stopped short of their context (a chunk of a prefill, chunked prefill) and
@@ -268,9 +278,12 @@ class KVManager:
             floor = self._host_floor = min(self._host_sizes)
         return floor
 
-    def allocate(self, job, num_new_tokens: int) -> None:
+    def allocate(self, job, num_new_tokens: int) -> bool:
         """Reserve the room. A job whose KV is on the host (a swap miss) starts its upload here and is
-        not ready until it lands (job.ready False): the policy leaves it out of this tick's batch."""
+        not ready until it lands (job.ready False): the policy leaves it out of this tick's batch. True when
+        started_blocks() did not shrink (a job on the device with no copy in flight: its blocks only grow, and a
+        partly prefilled job leaves _prefilling only once its blocks cover its context), so a may_start refusal
+        stays valid (KVAdmission.allocate); False otherwise (an upload's copy counts its blocks once)."""
         kv = self._jobs.get(job.job_id)
         if kv is not None and kv.residency is Residency.DEVICE and kv.transfer is None:
             # A job on the device with no copy in flight (every job of the batch but new ones, every tick): what
@@ -290,7 +303,7 @@ class KVManager:
                 self._prefilling[kv] = None
             elif self._prefilling:
                 self._prefilling.pop(kv, None)
-            return
+            return True
         if kv is None:
             kv = self._entry(job)
         if self._short:
@@ -327,6 +340,7 @@ class KVManager:
             self._prefilling[kv] = None
         elif self._prefilling:
             self._prefilling.pop(kv, None)
+        return False
 
     @property
     def victims_by_priority(self) -> bool:
@@ -591,7 +605,7 @@ class KVManager:
         found = len(self.device.lookup(kv.hashes, max_blocks))
         if self._host_cache and kv.residency is Residency.NONE and not kv.host:
             found = max(found, len(self.host.lookup(kv.hashes, max_blocks)))
-            self._waiting[job.job_id] = kv
+            self._add_waiting(job.job_id, kv)
             self._recheck_waiting = True
         return found * self.block_size
 
@@ -660,6 +674,7 @@ class KVManager:
             host.register_many([backup.host[i] for i in keep], [backup.hashes[i] for i in keep])
         else:
             host.register_many(backup.host, backup.hashes)
+        self._host_named(backup.hashes)
         host.free(CACHE_OWNER, backup.host)
         self._backup_host_blocks -= len(backup.host)
         del self._backups[backup]
@@ -706,23 +721,61 @@ class KVManager:
         self._waiting.pop(job.job_id, None)
         self._park(kv)
 
+    def _add_waiting(self, jid: str, kv: JobKV) -> None:
+        """Put the job among those waiting to start (at the end, as a dict puts a new key; in place if there)."""
+        waiting, heads = self._waiting, self._waiting_heads
+        if jid not in waiting:
+            if kv.hashes:
+                head = kv.hashes[0]
+                self._num_waited += 1
+                heads[jid] = (self._num_waited, head)
+                self._heads_waiting.setdefault(head, []).append(jid)
+                if self.host.block_of(head) is not None:
+                    self._waiting_candidates.add(jid)
+            else:
+                heads.pop(jid, None)
+            if len(heads) > 2 * len(waiting) + 64:  # forget the jobs that left (amortized: O(1) a job)
+                heads = self._waiting_heads = {j: heads[j] for j in waiting if j in heads} | (
+                    {jid: heads[jid]} if jid in heads else {})
+                self._heads_waiting = by_name = {}
+                for j, (_, head) in heads.items():
+                    by_name.setdefault(head, []).append(j)
+        waiting[jid] = kv
+
+    def _host_named(self, names: Sequence) -> None:
+        """The host tier names these blocks now (some may have been named already): the waiting jobs whose first
+        block one of them names become candidates to park (_park_waiting)."""
+        by_name = self._heads_waiting
+        if by_name:
+            for jids in filter(None, map(by_name.get, names)):
+                self._waiting_candidates.update(jids)
+
     def _park_waiting(self) -> None:
         """Proactive: park the jobs waiting to start whose cached prefix is longer on the host than on the device,
-        so that the planner uploads them ahead of need by ENST (host_resident)."""
+        so that the planner uploads them ahead of need by ENST (host_resident). Only a job whose first block the
+        host caches can be parked: the candidates (_waiting_candidates), in _waiting's order."""
         self._recheck_waiting = False
-        bs, dev, host = self.block_size, self.device, self.host
-        for jid, kv in list(self._waiting.items()):
+        cands = self._waiting_candidates
+        if not cands:
+            return
+        bs, dev, host, waiting, heads = self.block_size, self.device, self.host, self._waiting, self._waiting_heads
+        keep: set[str] = set()
+        for _, jid in sorted((heads[j][0], j) for j in cands if j in waiting and j in heads):
+            kv = waiting[jid]
             if kv.residency is not Residency.NONE or kv.device or kv.host or kv.transfer is not None:
-                del self._waiting[jid]
+                del waiting[jid]
                 continue
             job = kv.job
             max_blocks = (job.context_len - 1) // bs
             if not kv.hashes or host.block_of(kv.hashes[0]) is None:
-                continue
+                continue  # its first block left the host: a candidate again when the host names it
             hosted = host.lookup(kv.hashes, max_blocks)
             if len(hosted) > len(dev.lookup(kv.hashes, max_blocks)):
                 self._park_prefix(kv, job, hosted)
                 self.stats.num_prefix_prefetches += 1
+            else:
+                keep.add(jid)  # the device caches as much: parked once the device has evicted some of it
+        self._waiting_candidates = keep
 
     def _release_unstarted(self) -> None:
         """Nothing could run this tick: the jobs not started that hold device blocks only because their cached
@@ -741,7 +794,7 @@ class KVManager:
             kv.registered_table, kv.num_registered = None, 0
             job.num_computed = 0
             self._prefilling.pop(kv, None)  # (a first chunk was allocated: it holds no KV now)
-            self._waiting[jid] = kv
+            self._add_waiting(jid, kv)
             self.stats.num_prefix_releases += 1
         self._start_backups()
 
@@ -1020,6 +1073,7 @@ class KVManager:
             if self._host_cache:  # its named blocks are named on the host too: cached there after it comes back
                 named = [(hb, name) for hb, name in zip(kv.host, self.device.names_of(kv.device)) if name is not None]
                 self.host.register_many([hb for hb, _ in named], [name for _, name in named])
+                self._host_named([name for _, name in named])
                 self._recheck_waiting = True
             self.device.free(jid, kv.device)
             kv.device = []

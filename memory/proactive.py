@@ -74,7 +74,7 @@ def batch_growth(batch, block_size: int) -> int:
     counted one block, as before (its next chunk is sized by the room the scheduler finds)."""
     n = 0
     for job in batch:
-        ctx = job.context_len
+        ctx = job.prompt_len + job.num_generated  # (job.context_len: once per job of the batch, every tick)
         n += not ctx % block_size or 0 < job.num_scheduled < ctx - job.num_computed
     return n
 

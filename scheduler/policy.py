@@ -67,9 +67,11 @@ class KVAdmission(Protocol):
         (counting the allocations already made this tick)."""
         ...
 
-    def allocate(self, job: Job, num_new_tokens: int) -> None:
+    def allocate(self, job: Job, num_new_tokens: int) -> bool | None:
         """Reserve device room for the job's next num_new_tokens (after can_fit). If its KV was on the
-        host this starts the upload and leaves job.ready False: the job does not run this tick."""
+        host this starts the upload and leaves job.ready False: the job does not run this tick. True when
+        may_start's answers cannot have loosened through it (the KV it counts did not shrink: a job's KV on the
+        device only grew), so a refusal stays valid past it; False or None: they may have (ask again)."""
         ...
 
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
@@ -90,8 +92,8 @@ class KVAdmission(Protocol):
         it with num_new_tokens = the job's whole context, even when only a chunk of it runs this iteration
         (chunked prefill: the rest follows within a few iterations). For such a job the answer depends only on
         num_computed + num_new_tokens and does not rise with it, and it changes only through allocate and evict:
-        the walk reuses a refusal until one of them. A job with nothing computed that is not in flight holds no
-        KV."""
+        the walk reuses a refusal until an evict, or an allocate that does not return True. A job with nothing
+        computed that is not in flight holds no KV."""
         ...
 
     def parked(self) -> Container[Job]:

@@ -71,6 +71,7 @@ import itertools
 from abc import abstractmethod
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
+from itertools import filterfalse
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -186,8 +187,8 @@ class PriorityPolicy(SchedulingPolicy):
         kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
         # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
-        # many or more until the next allocate or evict (KVAdmission.may_start). Past capacity hundreds of started
-        # jobs wait with their KV dropped, and each was asked every tick.
+        # many or more until the next evict, or allocate that may loosen it (KVAdmission.may_start, allocate). Past
+        # capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick.
         refused_from = NEVER
         started: list[Job] = []  # fresh jobs in the batch
         # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
@@ -266,9 +267,9 @@ class PriorityPolicy(SchedulingPolicy):
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
-            allocate(job, n)
+            if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
+                refused_from = gate.no_kv_from = NEVER
             ask = True
-            refused_from = gate.no_kv_from = NEVER
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
             batch.append(job)
@@ -279,7 +280,7 @@ class PriorityPolicy(SchedulingPolicy):
             elif job in decoders:
                 reserve -= 1
             tokens += n
-            kv_tokens += job.context_len
+            kv_tokens += job.prompt_len + job.num_generated
             if len(batch) >= max_seqs or tokens >= budget:
                 break
 
@@ -337,8 +338,9 @@ class _Victims:
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        held = [j for j in self._policy._started_jobs()  # (on the host first: past capacity most started jobs are)
-                if j not in on_host and j.ready and j.num_computed > 0 and j not in chosen]
+        # (the host-parked left out in C first: past capacity most started jobs are)
+        held = [j for j in filterfalse(on_host.__contains__, self._policy._started_jobs())
+                if j.ready and j.num_computed > 0 and j not in chosen]
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)

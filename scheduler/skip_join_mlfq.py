@@ -104,6 +104,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import filterfalse
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
@@ -298,12 +299,19 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                 if promoted:
                     fresh = heapq.merge(fresh, promoted, key=entry.__getitem__)
                 if not fresh or not gate.fresh:
-                    skip, no_kv = gate.skip, gate.no_kv_from
-                    for job in started:
-                        if job in skip or (not job.num_computed and job.prompt_len + job.num_generated >= no_kv):
-                            continue
-                        yield job
+                    # The jobs in gate.skip are passed over in C (filterfalse: past capacity hundreds a tick), the
+                    # filter made anew on the same iterator whenever the gate changed while the walk was suspended.
+                    it = iter(started)
+                    while True:
                         skip, no_kv = gate.skip, gate.no_kv_from
+                        for job in filterfalse(skip.__contains__, it):
+                            if not job.num_computed and job.prompt_len + job.num_generated >= no_kv:
+                                continue
+                            yield job
+                            if gate.skip is not skip or gate.no_kv_from != no_kv:
+                                break
+                        else:
+                            break
                     continue
                 if not started and not late:
                     for job in fresh:
@@ -514,6 +522,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         # B: the batch size running now (the last tick's batch), not max_num_seqs: past capacity memory, not the
         # sequence limit, bounds the batch, and jobs ahead go through it B at a time (nothing runs: the limit).
         t_execute = waits[(self._band_of[job], job.queue)] / (len(self._running) or self.config.max_num_seqs)
-        alpha = self.promotion_threshold()
+        # promotion_threshold(), its cache read inline: the planner asks this of every job parked on the host.
+        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
         # job.starve_time(now), inlined: the proactive planner and the eviction order call this per job.
         return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)

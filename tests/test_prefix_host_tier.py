@@ -414,3 +414,62 @@ def test_a_chunk_over_an_uploaded_prefix_given_back_unstarted_leaves_admission_c
     assert kv.residency("c") is Residency.NONE and c.num_computed == 0
     kv.check_invariants()
     assert kv.started_blocks() == before
+
+
+def test_allocate_says_true_only_when_the_kv_admission_counts_did_not_shrink():
+    """KVManager.allocate returns True, letting the scheduler keep an admission refusal past it, only for a job
+    on the device with no copy in flight (its blocks grow; started_blocks cannot shrink). An upload can shrink
+    it (blocks that another job holds on the device are shared, not taken, while the copy counts the job's
+    blocks once): there it returns False. Fails if the upload's allocate said True, or the resident one False."""
+    kv, be, src = make_kv(device=8, host=16)
+    p = tokens(2 * BS, 1)
+    j = new_job(src, "j", p + tokens(3, 2))
+    prefill(kv, j)
+    kv.evict(j)  # offloaded (it shares nothing yet); its named device blocks stay cached once the copy lands
+    land(kv, be)
+    k = new_job(src, "k", p + tokens(3, 3))
+    prefill(kv, k)  # hits j's prefix on the device: k holds it now
+    assert kv.cached_tokens("k") == 2 * BS and kv.residency("j") is Residency.HOST
+    before = kv.started_blocks()
+    assert kv.can_fit(j, 1) and kv.allocate(j, 1) is False  # j's upload shares the two blocks k holds
+    assert kv.started_blocks() < before and not j.ready
+    land(kv, be)
+    for job in (j, k):  # resident, no copy in flight: the token after a full last block takes a new block
+        job.num_generated += BS - 3
+        job.num_computed = job.context_len
+        before = kv.started_blocks()
+        assert kv.can_fit(job, 1) and kv.allocate(job, 1) is True
+        assert kv.started_blocks() == before + 1
+        kv.check_invariants()
+
+
+@pytest.mark.parametrize("leaves", ["ends", "offloaded"])
+def test_a_waiting_job_whose_prefix_reaches_the_host_later_is_parked_once_the_device_evicts_it(leaves):
+    """The planner looks only at waiting jobs whose first block the host caches (KVManager._park_waiting's
+    candidates): a job that starts waiting while its prefix is on the device alone (the host's copy still in
+    flight: the cache's own copy of a finished job's blocks, or an offload) becomes one when the copy lands, stays
+    one while the device caches as much as the host, and is parked once the device has evicted the prefix's tail.
+    Fails without either step."""
+    kv, be, src = make_kv(device=10, host=32, policy="proactive")
+    p = tokens(16, 1)  # four blocks
+    a = new_job(src, "a", p + [5])
+    prefill(kv, a)
+    if leaves == "ends":
+        kv.free("a")  # its named blocks stay cached on the device; their copy to the host starts
+    else:
+        kv.evict(a)  # offloaded: its blocks are named on the host when the copy lands, and stay cached on the device
+    x = new_job(src, "x", p + tokens(2, 4))
+    assert kv.expected_hit(x) == 16 and kv.host.lookup(kv._jobs["x"].hashes) == []
+    land(kv, be)  # the host names the prefix now
+    if leaves == "offloaded":
+        kv.free("a")  # (its host copy stays cached there; the planner has no job of its own to bring back)
+        land(kv, be)
+    tick = [new_job(src, "q", [1])]  # a tick that ran something
+    kv.plan(tick, lambda j, now: 1.0, 0.0)
+    assert kv.residency("x") is Residency.NONE and kv.stats.num_prefix_prefetches == 0  # the device has it all
+    z = new_job(src, "z", tokens(36, 3))  # nine blocks: the device evicts three of the prefix's four (tail first)
+    prefill(kv, z)
+    assert len(kv.device.lookup(kv._jobs["x"].hashes)) == 1
+    kv.plan(tick, lambda j, now: 1.0, 0.0)
+    assert kv.stats.num_prefix_prefetches == 1 and kv.residency("x") is not Residency.NONE
+    kv.check_invariants()

@@ -192,6 +192,40 @@ def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
 
 
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
+def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decision(sim_dirs, monkeypatch, policy):
+    """The walk keeps admission's refusal of a job with no KV past an allocate that says the KV it counts only
+    grew (KVManager.allocate True: a device-resident job's next blocks) instead of asking every such job again:
+    the same run with allocate saying nothing (None: ask again) gives the same schedule, and a refusal was kept
+    that way (an allocate returned True after a refusal in the same tick)."""
+    from memory.kv_manager import KVManager
+
+    allocate, may_start, plan = KVManager.allocate, KVManager.may_start, KVManager.plan
+    refused, kept = [False], []
+
+    def refusing(self, job, n):
+        ok = may_start(self, job, n)
+        refused[0] |= not ok
+        return ok
+
+    def recorded(self, job, n):
+        grew = allocate(self, job, n)
+        kept.append(grew and refused[0])
+        return grew
+
+    def tick_over(self, *args):
+        refused[0] = False
+        return plan(self, *args)
+
+    monkeypatch.setattr(KVManager, "may_start", refusing)
+    monkeypatch.setattr(KVManager, "allocate", recorded)
+    monkeypatch.setattr(KVManager, "plan", tick_over)
+    fast = overloaded_run(sim_dirs, policy)
+    assert any(kept), "no refusal was kept past an allocate: the test shows nothing"
+    monkeypatch.setattr(KVManager, "allocate", lambda self, job, n: allocate(self, job, n) and None)
+    assert overloaded_run(sim_dirs, policy) == fast
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
 def test_walk_leaving_out_parked_jobs_changes_no_decision(sim_dirs, monkeypatch, policy):
     """Past capacity the walk leaves out the started jobs schedule() would pass over (Gate: the host-parked
     jobs once memory/ says none of them fits or a job was refused room, and the jobs with their KV dropped once

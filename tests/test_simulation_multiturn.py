@@ -5,6 +5,7 @@ manager (the real one) finds the history cached and the cost model charges only 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -96,6 +97,58 @@ def test_exponential_think_times_are_seeded(model):
     assert gaps[0] == gaps[1] != gaps[2] and all(g > 0 for g in gaps[0]) and len(set(gaps[0])) == len(gaps[0])
     with pytest.raises(ValueError, match="think_time_distribution"):
         run_conversations(engine(model, False), convs, [0.0] * 3, think_time_distribution="normal")
+
+
+def _park_waiting_by_scan(kv) -> None:
+    """KVManager._park_waiting as it was before its first-block index: a look at every waiting job, in order."""
+    from memory.kv_manager import Residency
+
+    kv._recheck_waiting = False
+    bs, dev, host = kv.block_size, kv.device, kv.host
+    for jid, e in list(kv._waiting.items()):
+        if e.residency is not Residency.NONE or e.device or e.host or e.transfer is not None:
+            del kv._waiting[jid]
+            continue
+        max_blocks = (e.job.context_len - 1) // bs
+        if not e.hashes or host.block_of(e.hashes[0]) is None:
+            continue
+        hosted = host.lookup(e.hashes, max_blocks)
+        if len(hosted) > len(dev.lookup(e.hashes, max_blocks)):
+            kv._park_prefix(e, e.job, hosted)
+            kv.stats.num_prefix_prefetches += 1
+
+
+def test_parking_waiting_jobs_found_by_their_first_block_changes_no_decision(model, monkeypatch):
+    """The proactive planner parks the jobs waiting to start whose prefix the host caches (_park_waiting), found
+    as candidates by their first blocks' names (KVManager._waiting_candidates) instead of a look at each: 40 chats
+    of 4 turns on a 60-block device (histories evicted to the host and prefetched back) give the same turns, to the
+    digit, and the same KV counters as with the scan of every waiting job, and jobs were parked (and the index
+    pruned) that way."""
+    from memory.kv_manager import KVManager
+
+    rng = random.Random(1)
+    convs = [[(rng.randrange(20, 150), rng.randrange(10, 80)) for _ in range(4)] for _ in range(40)]
+
+    def run() -> tuple:
+        eng = simulated_engine(model, PROFILE, num_device_blocks=60, num_host_blocks=3000, max_num_seqs=16)
+        result = run_conversations(eng, convs, [0.1 * i for i in range(40)], think_time_s=0.5, seed=2)
+        turns = [(t.conversation, t.number, t.cached_tokens, t.output.metrics.first_token_time,
+                  t.output.metrics.finished_time, t.output.metrics.swap_wait_s) for t in result.turns]
+        return turns, vars(eng.kv.stats) | {"enst_samples": list(eng.kv.stats.enst_samples)}
+
+    pruned = []
+    add = KVManager._add_waiting
+
+    def adding(kv, jid, e):
+        before = len(kv._waiting_heads)
+        add(kv, jid, e)
+        pruned.append(len(kv._waiting_heads) < before)
+
+    monkeypatch.setattr(KVManager, "_add_waiting", adding)
+    fast = run()
+    assert fast[1]["num_prefix_prefetches"] > 20 and any(pruned), "too few parked, or never pruned: shows little"
+    monkeypatch.setattr(KVManager, "_park_waiting", _park_waiting_by_scan)
+    assert run() == fast
 
 
 @pytest.fixture

@@ -138,7 +138,8 @@ class SimulatedExecutor(Executor):
             t = max(t, self._stage_free[stage]) + seconds
             self._stage_free[stage] = t
         self.busy_s += seconds
-        result = BatchResult([SequenceResult(SIMULATED_TOKEN) for _ in batch.seqs], seconds * self.pp)
+        # Every sequence samples the same token: one result shared by all (the engine only reads results).
+        result = BatchResult([SequenceResult(SIMULATED_TOKEN)] * len(batch.seqs), seconds * self.pp)
         return _VirtualStep(self.clock, t, result)
 
     def next_copy_completion(self) -> float | None:
