@@ -417,15 +417,14 @@ class Engine:
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
         batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
-        for req in {id(s.request): s.request for s in seqs}.values():
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-        if self.kv.prefix_caching:
-            for s in seqs:
-                if s.request.num_cached_tokens is None:
-                    s.request.num_cached_tokens = self.kv.cached_tokens(s.job.job_id)
-        for s in seqs:  # the time a job waited on a copy after it was picked (memory/kv_manager.py)
-            s.request.metrics.swap_wait_s += self.kv.note_scheduled(s.job, now)
+        kv, caching = self.kv, self.kv.prefix_caching
+        for s in seqs:
+            metrics = s.request.metrics
+            if metrics.first_scheduled_time is None:  # the request's first step: its cached prefix is known now
+                metrics.first_scheduled_time = now
+                if caching:
+                    s.request.num_cached_tokens = kv.cached_tokens(s.job.job_id)
+            metrics.swap_wait_s += kv.note_scheduled(s.job, now)  # the wait on a copy after the pick (memory/)
             s.job.in_flight = True
         return StepPlan(decision, batch, seqs, now, cost)
 
