@@ -19,10 +19,10 @@ from pathlib import Path
 
 import dockerfile
 import pytest
-import tomllib
 
 import server
 from tests.server_fixtures import REPO
+from tests.test_packaging import our_top_level_names
 
 DEPLOY = REPO / "deploy"
 
@@ -66,8 +66,7 @@ def test_the_dockerfile_copies_the_whole_package_and_pins_the_cpu_torch(commands
         for src in sources:
             assert (REPO / src).exists(), f"line {c.start_line}: COPY {src}: no such path in the repository"
             copied.append(src.rstrip("/"))
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    top_level = {p.split(".")[0] for p in setuptools["packages"]} | set(setuptools["py-modules"])
+    top_level = our_top_level_names()
     assert top_level <= {Path(c).stem if c.endswith(".py") else c for c in copied}, \
         f"pyproject lists {sorted(top_level)}, the Dockerfile copies {sorted(copied)}"
     args = dict(c.value[0].split("=", 1) for c in by_name(commands, "ARG") if "=" in c.value[0])

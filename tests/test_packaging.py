@@ -18,6 +18,7 @@ from tests.server_fixtures import REPO
 
 
 def our_top_level_names() -> set[str]:
+    """The top-level packages and modules pyproject.toml installs (test_deploy: the Dockerfile copies them)."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     return {p.split(".")[0] for p in setuptools["packages"]} | set(setuptools["py-modules"])
 
