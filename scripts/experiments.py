@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-prompts", type=int, default=3000, help="requests per point of the capacity section")
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
+    ap.add_argument("--curve-seeds", type=int, default=3, help="seeds of Fig. 12 and 13 (steady state)")
     ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
     ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
                     "(--max-num-batched-tokens)")

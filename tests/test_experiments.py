@@ -16,7 +16,6 @@ from experiment_sections.common import (  # noqa: E402
     KVUsageTracker,
     clip_trace,
     phase_latencies,
-    rate_within,
     throughput_at_slo,
 )
 
@@ -47,16 +46,6 @@ def test_throughput_at_slo_edges():
     assert not never.capped and never.rate == 0.0
     below_grid = throughput_at_slo(lambda r: r, [1, 2], 0.5, iters=8)  # crossing under the lowest grid rate
     assert below_grid.rate == pytest.approx(0.5, rel=0.1) and below_grid.rate <= 0.5
-
-
-def test_rate_within_interpolates_between_the_bracketing_points():
-    # latency 0.1 at rate 2, 0.4 at rate 8: on a log-log line, 0.2 is reached at rate 4
-    s = rate_within([(8, 0.4), (1, 0.05), (2, 0.1), (16, 2.0)], 0.2)  # unsorted on purpose
-    assert not s.capped and s.rate == pytest.approx(4.0)
-    assert rate_within([(1, 0.05), (2, 0.1)], 0.1).rate == 2 and rate_within([(1, 0.05), (2, 0.1)], 0.1).capped
-    assert rate_within([(1, 0.5), (2, 0.6)], 0.3).rate == 0.0  # the lowest rate already misses
-    # a later dip back under the limit does not count: the first miss ends the curve
-    assert rate_within([(1, 0.1), (2, 0.4), (4, 0.2)], 0.3).rate < 2
 
 
 def test_phase_latencies_splits_prefill_and_decode():
@@ -219,3 +208,7 @@ def test_windowed_metrics_report_itl_and_the_short_requests_alone(sim_model):
     assert m["short_p99_ttft_s"] == quantile([o.metrics.ttft_s for o in short], 0.99)
     everyone = windowed_metrics(res.outputs, [t for t, _, _ in trace])
     assert everyone["short_mean_per_token_s"] == pytest.approx(everyone["mean_per_token_s"])
+    # Fig. 13's phases: TTFT, and the time per output token after the first, over the counted requests
+    assert m["p95_ttft_s"] == quantile(sorted(o.metrics.ttft_s for o in counted), 0.95)
+    tpot = sorted((o.metrics.e2e_s - o.metrics.ttft_s) / 5 for o in counted)
+    assert m["p95_tpot_s"] == pytest.approx(quantile(tpot, 0.95)) and m["p95_tpot_s"] != m["p95_ttft_s"]

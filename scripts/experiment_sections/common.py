@@ -2,7 +2,7 @@
 (arguments, traces, cached simulations), plotting helpers, the SLO search and the SLO table (which gives
 the figures their load scale), the KV capacity of a scale, and the tiny model's measured profile.
 
-The helpers SLOSearch/throughput_at_slo, rate_within, phase_latencies, KVUsageTracker and clip_trace are
+The helpers SLOSearch/throughput_at_slo, phase_latencies, KVUsageTracker and clip_trace are
 tested in tests/test_experiments.py.
 """
 
@@ -120,25 +120,6 @@ def phase_latencies(outputs) -> dict[str, float]:
     tpot = [(o.metrics.e2e_s - o.metrics.ttft_s) / (len(o.outputs[0].token_ids) - 1)
             for o in outputs if len(o.outputs[0].token_ids) > 1]
     return {"p95_ttft_s": p95(ttft), "p95_tpot_s": p95(tpot)}
-
-
-def rate_within(points: Sequence[tuple[float, float]], limit: float) -> SLOSearch:
-    """The highest rate whose latency stays <= limit, read off measured (rate, latency) points: the last
-    rate (ascending) before the first miss, moved towards that miss by interpolating log latency linearly
-    in log rate (the two bracketing points only). `capped` when no point misses; 0.0 when the lowest does."""
-    pts = sorted(points)
-    prev = None
-    for rate, lat in pts:
-        if lat > limit:
-            if prev is None:
-                return SLOSearch(0.0, False, pts)
-            r0, l0 = prev
-            if l0 <= 0:  # no log scale to interpolate on
-                return SLOSearch(r0, False, pts)
-            frac = (math.log(limit) - math.log(l0)) / (math.log(lat) - math.log(l0))  # l0 <= limit < lat
-            return SLOSearch(math.exp(math.log(r0) + frac * (math.log(rate) - math.log(r0))), False, pts)
-        prev = (rate, lat)
-    return SLOSearch(prev[0] if prev else 0.0, True, pts)
 
 
 def clip_trace(items, limit: int) -> list[tuple[float, int, int]]:
