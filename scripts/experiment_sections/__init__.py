@@ -23,7 +23,7 @@ SECTIONS: dict[str, str] = {
     "fig14": "fig14",
     "fig15": "fig15",
     "slo": "slo",
-    "overload": "sched",
+    "overload": "overload",
     "enst_ablation": "sched",
     "alpha": "sched",
     "robustness": "sched",

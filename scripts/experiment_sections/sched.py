@@ -1,8 +1,6 @@
 """Sections of `make experiments` on scheduling past capacity and on the KV
 ranking (registered in experiment_sections/__init__.py; each takes its Ctx):
 
-- overload: skip-join MLFQ vs FCFS from 0.5x to 2x of capacity, with the
-  overload remedies on (the defaults) and with the paper's rules;
 - enst_ablation: what ENST ranking buys the proactive planner over LRU/FIFO
   and random ranking, with the thrash count of each;
 - alpha: sensitivity to the starvation threshold;
@@ -15,22 +13,13 @@ from __future__ import annotations
 
 import random
 
-from experiment_sections.common import MAIN, Ctx, _plt, _save, clip_trace
+from experiment_sections.common import MAIN, Ctx, clip_trace
 from fastserve.bench.workload import LengthFilter, load_workload
 
 # Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT
 # lengths, req/s: the issue's measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.
 CAPACITY = 2.8
-LOADS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-PAPER = {"kv_overcommit": None, "starvation_factor": None}  # the paper's rules: both overload remedies off
-NO_SLOWDOWN = {"starvation_factor": None}  # admission on, promotion after alpha as in the paper
-VARIANTS = (  # (label, policy, engine args)
-    ("fcfs", "fcfs", {}),
-    ("skip-join (default)", "skip-join-mlfq", {}),
-    ("skip-join, no promotion slow-down", "skip-join-mlfq", NO_SLOWDOWN),
-    ("skip-join (paper)", "skip-join-mlfq", PAPER),
-)
-PAPER_MAX_LOAD = 2.0  # every load: with recompute evicting the lowest-priority job, 2x ran in minutes
+PAPER = {"kv_overcommit": None, "starvation_factor": None}  # the overload remedies off, as the paper runs
 
 
 def sharegpt(ctx: Ctx, rate: float, n: int) -> list[tuple[float, int, int]]:
@@ -38,75 +27,6 @@ def sharegpt(ctx: Ctx, rate: float, n: int) -> list[tuple[float, int, int]]:
     items = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed,
                           length_filter=LengthFilter())
     return clip_trace(items, 2048)
-
-
-def section_overload(ctx: Ctx) -> str:
-    plt = _plt()
-    n = ctx.args.overload_prompts
-    rows, series = [], {label: [] for label, _, _ in VARIANTS}
-    for load in LOADS:
-        trace = sharegpt(ctx, CAPACITY * load, n)
-        for label, policy, kw in VARIANTS:
-            if kw is PAPER and load > PAPER_MAX_LOAD:  # a run's time grows with the recompute storm
-                continue
-            s, _, eng = ctx.simulate(MAIN, trace, policy, **kw)
-            served = s["requests"] / s["duration_s"]
-            series[label].append((load, s, served))
-            rows.append(f"| {load:.2f}x ({CAPACITY * load:.2f}) | {label} | {s['duration_s']:.0f} | {served:.2f} | "
-                        f"{s['mean_per_token_s']:.3f} | {s['p95_per_token_s']:.3f} | {s['mean_ttft_s']:.2f} | "
-                        f"{s['mean_swap_wait_s']:.3f} | {s['preemptions']} | {s['drops']} | "
-                        f"{eng.kv.stats.num_recomputed_tokens} |")
-            print(f"  overload {load:.2f}x {label:22} {s['duration_s']:8.0f} s  mean {s['mean_per_token_s']:.3f}"
-                  f"  p95 {s['p95_per_token_s']:.3f}", flush=True)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for label, pts in series.items():
-        loads = [p[0] for p in pts]
-        axes[0].plot(loads, [p[1]["mean_per_token_s"] for p in pts], marker="o", label=label)
-        axes[1].plot(loads, [p[1]["p95_per_token_s"] for p in pts], marker="o", label=label)
-        axes[2].plot(loads, [p[2] for p in pts], marker="o", label=label)
-    for ax, title in zip(axes, ("mean per-token latency (s)", "P95 per-token latency (s)", "served rate (req/s)")):
-        ax.set_xlabel(f"load (x {CAPACITY} req/s)")
-        ax.set_title(title, fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    axes[2].legend(fontsize=7)
-    fig_path = _save(fig, ctx.figdir / "overload.png")
-    ratio_lines = []
-    for label, pts in series.items():
-        if label == "fcfs":
-            continue
-        cells = []
-        for load, s, _ in pts:
-            f = next(p[1] for p in series["fcfs"] if p[0] == load)
-            cells.append(f"{load:.2f}x: duration {s['duration_s'] / f['duration_s']:.3f}, mean "
-                         f"{s['mean_per_token_s'] / f['mean_per_token_s']:.2f}, P95 "
-                         f"{s['p95_per_token_s'] / f['p95_per_token_s']:.2f}")
-        ratio_lines += [f"- {label} / fcfs: " + "; ".join(cells) + ".", ""]
-    paper_loads = [p[0] for p in series["skip-join (paper)"]]
-    lines = ["## Past capacity: skip-join MLFQ vs FCFS from 0.5x to 2x", "",
-             f"Command: `{ctx.cmd('overload')}`", "", f"![overload]({fig_path})", "",
-             f"OPT-13B on one A100 40GB (roofline profile), {n} ShareGPT requests per point (all lengths, as "
-             "scripts/simulate.py reads them: no length filter, clipped to 2048 tokens), Poisson at load x "
-             f"{CAPACITY} req/s (FCFS's capacity), proactive KV policy, alpha 0.3 s. `skip-join (default)` runs "
-             "the default overload remedies: overload admission (`--kv-overcommit 4`: a job with no KV starts "
-             "only while the started jobs' KV fits within 4 device caches, counted over both tiers; the proactive "
-             "watermark never drops KV) and the promotion slow-down (`--starvation-factor 1`: a waiting job, "
-             "fresh or preempted, is promoted after max(alpha, 1 x W), W an average of recent waits to a first "
-             "run; with it, a promoted job that never ran goes into Q1 at its arrival place, and the last queue "
-             "keeps its order instead of round robin). `no promotion slow-down` keeps the admission and "
-             "promotes after alpha, to the tail of Q1, with a round-robin last queue, as the paper does "
-             "(`--starvation-factor none`), to show what the factor buys. `paper` turns both off "
-             "(`--kv-overcommit none --starvation-factor none`)"
-             + ("." if paper_loads == list(LOADS) else
-                f"; it is run up to {max(paper_loads)}x only (past it a run takes too long: recompute storms)."),
-             "",
-             "| load (req/s) | policy | duration s | served req/s | mean s/token | P95 s/token | TTFT s | "
-             "swap wait s | preemptions | drops | recomputed tokens |", "|---|---|---|---|---|---|---|---|---|---|---|",
-             *rows, "", "Ratios to FCFS at the same load (duration, mean and P95 per-token latency; below 1 is "
-             "better than FCFS):", "", *ratio_lines,
-             "docs/benchmarks.md, \"Past capacity\", discusses these numbers.", ""]
-    return "\n".join(lines)
 
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
