@@ -48,6 +48,23 @@ def test_throughput_at_slo_edges():
     assert below_grid.rate == pytest.approx(0.5, rel=0.1) and below_grid.rate <= 0.5
 
 
+def test_fig13_bisection_narrows_every_bracket_to_the_resolution():
+    """Fig. 13's goodput searches (experiment_sections/latency_curves.py) bisect to 2%: after the steps, every
+    bracket of the grid (and the one below its lowest point) is narrower than that; one step fewer is not."""
+    from experiment_sections.latency_curves import LOADS, RESOLUTION, bisection_steps
+
+    steps = bisection_steps(LOADS[1:], RESOLUTION)
+    widest = max([4.0] + [b / a for a, b in zip(LOADS[1:], LOADS[2:])])
+    assert widest ** (0.5 ** steps) <= 1 + RESOLUTION < widest ** (0.5 ** (steps - 1))
+    assert bisection_steps((1.0, 1.01), 0.02) == bisection_steps((1.0, 4.0), 0.02) == 7  # below the grid: x4
+    # the search itself stops within the resolution on a curve that crosses the limit between grid points
+    found = throughput_at_slo(lambda r: r, [0.5, 1.0, 2.0], 1.3, bisection_steps([0.5, 1.0, 2.0], 0.02), 0.02)
+    assert 1.3 / 1.02 <= found.rate <= 1.3 and not found.capped
+    # and stops there: a narrow bracket takes fewer steps than the widest (1.0 -> 1.25 needs 4, not 7)
+    narrow = throughput_at_slo(lambda r: r, [1.0, 1.25], 1.1, 7, 0.02)
+    assert len(narrow.evaluated) == 2 + 4 and 1.1 / 1.02 <= narrow.rate <= 1.1
+
+
 def test_phase_latencies_splits_prefill_and_decode():
     from types import SimpleNamespace as NS
 

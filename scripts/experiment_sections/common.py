@@ -39,7 +39,8 @@ MAIN = "opt-13b"  # the scale of the figures
 # -- helpers (tested in tests/test_experiments.py) -----------------------------------------------------------
 @dataclass
 class SLOSearch:
-    """The highest rate whose latency stays <= slo: a geometric grid, then bisection of the bracket.
+    """The highest rate whose latency stays <= slo: a geometric grid, then bisection of the bracket (at most
+    `iters` steps, fewer once its ends are within `resolution` of each other).
 
     `latency_at(rate)` must be (roughly) non-decreasing in rate. `rate` is the highest rate seen to meet the
     SLO (0.0 if even the lowest grid rate misses it); `capped` is True when every grid rate met it (the true
@@ -52,7 +53,7 @@ class SLOSearch:
 
 
 def throughput_at_slo(latency_at: Callable[[float], float], grid: Sequence[float], slo: float,
-                      iters: int = 4) -> SLOSearch:
+                      iters: int = 4, resolution: float = 0.0) -> SLOSearch:
     cache: dict[float, float] = {}
     evaluated: list[tuple[float, float]] = []
 
@@ -73,6 +74,8 @@ def throughput_at_slo(latency_at: Callable[[float], float], grid: Sequence[float
         return SLOSearch(ok, True, evaluated)
     lo = ok if ok > 0 else bad / 4
     for _ in range(iters):
+        if bad <= lo * (1 + resolution):  # the bracket is already as narrow as asked
+            break
         mid = math.sqrt(lo * bad)
         if lat(mid) <= slo:
             ok = lo = mid

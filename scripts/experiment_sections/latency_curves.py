@@ -124,9 +124,16 @@ def goodput(runner: Runner, setup: Setup, policy: str, seeds: range, cap: float,
         return statistics.fmean(table(runner, setup, [load], [policy], seeds, cap)[(load, policy)][metric])
 
     grid = LOADS[1:]  # from 0.25C: the light load is the SLO's base, within every SLO by construction
-    ratio = max(b / a for a, b in zip(grid, grid[1:]))
-    iters = math.ceil(math.log2(math.log(ratio) / math.log(1 + RESOLUTION)))
-    return throughput_at_slo(latency_at, grid, limit, iters)
+    return throughput_at_slo(latency_at, grid, limit, bisection_steps(grid, RESOLUTION), RESOLUTION)
+
+
+def bisection_steps(grid, resolution: float) -> int:
+    """Geometric bisection steps that narrow the widest bracket of `grid` (its largest ratio of neighbours, or
+    the lowest point over a quarter of it, throughput_at_slo's bracket below the grid) to ends within
+    `resolution` of each other."""
+    pts = sorted(grid)
+    ratio = max([4.0] + [b / a for a, b in zip(pts, pts[1:])])
+    return max(0, math.ceil(math.log2(math.log(ratio) / math.log(1 + resolution))))
 
 
 def section_fig13(ctx: Ctx) -> str:
