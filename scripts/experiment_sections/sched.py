@@ -195,8 +195,8 @@ def section_kv_steady(ctx: Ctx) -> str:
     lines = ["## KV policies at steady load: where proactive and reactive differ", "",
              f"Command: `{ctx.cmd('kv_steady')}`", "",
              f"OPT-13B on one A100 40GB (roofline profile), skip-join MLFQ with the default overload rules, {n} "
-             f"ShareGPT requests per point read as scripts/simulate.py reads them (as in the overload section: "
-             f"no length filter, clipped to 2048 tokens), Poisson at load x {CAPACITY} req/s (FCFS's capacity). "
+             f"ShareGPT requests per point through vLLM's length filter (its version before that filter kept every "
+             f"length and clipped them to 2048 tokens), Poisson at load x {CAPACITY} req/s (FCFS's capacity). "
              "Unlike Fig. 15's bursts, arrivals here are steady. \"w/o clipped\" leaves out the requests whose "
              f"prompt was clipped to {limit} tokens (each then has 1 output token, so its wait is its per-token "
              "latency; vLLM's benchmark filter, which the other sections use, drops such requests). Reactive "
