@@ -60,7 +60,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, filterfalse, repeat
+from itertools import compress, filterfalse, islice, repeat
 from operator import is_, not_
 from typing import Protocol
 
@@ -630,7 +630,7 @@ class KVManager:
                 backup.void.add(blocks[0])  # its copy read a block being reused: never name it
                 to_host = 0
             else:
-                to_host = self.host.num_named(names)
+                to_host = names[0] in self.host.names
         else:
             to_host = 0
             for b, found in zip(blocks, self.host.blocks_named(names)):
@@ -655,12 +655,14 @@ class KVManager:
         self._grow_host()
         backup_of = self._backup_of
         unheld = dev.evictable_names(filterfalse(backup_of.__contains__, released) if backup_of else released)
-        blocks = host.unnamed(unheld)
+        lacking = list(map(not_, map(host.names.__contains__, unheld.values())))  # (the host lacks its name)
+        blocks = list(compress(unheld, lacking))
         n = min(len(blocks), host.num_free)
         if not n:
             return
         del blocks[n:]
-        backup = _Backup(blocks, host.allocate(CACHE_OWNER, n), list(map(unheld.__getitem__, blocks)))
+        names = list(islice(compress(unheld.values(), lacking), n))
+        backup = _Backup(blocks, host.allocate(CACHE_OWNER, n), names)
         backup_of.update(zip(blocks, repeat(backup)))
         self._backups[backup] = None
         self._backup_host_blocks += n
