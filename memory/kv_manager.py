@@ -60,6 +60,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, filterfalse, islice, repeat
+from operator import is_, not_
 from typing import Protocol
 
 from memory.block_allocator import BlockAllocator
@@ -619,12 +621,19 @@ class KVManager:
     # -- two tiers for cached blocks (enable_prefix_caching) ------------------------------------------
     def _on_device_evict(self, blocks: list[int], names: list) -> None:
         """The device cache handed out (or forgot) blocks no job held, named `names`."""
-        backup_of, on_host = self._backup_of, self.host.blocks_named(names)
+        backup_of = self._backup_of
         if not backup_of:
-            to_host = len(on_host) - on_host.count(None)
+            to_host = self.host.num_named(names)
+        elif len(blocks) == 1:  # (one block for a decoding job: the usual eviction)
+            backup = backup_of.pop(blocks[0], None)
+            if backup is not None:
+                backup.void.add(blocks[0])  # its copy read a block being reused: never name it
+                to_host = 0
+            else:
+                to_host = names[0] in self.host.names
         else:
             to_host = 0
-            for b, found in zip(blocks, on_host):
+            for b, found in zip(blocks, self.host.blocks_named(names)):
                 backup = backup_of.pop(b, None)
                 if backup is not None:
                     backup.void.add(b)  # its copy read a block being reused: never name it
@@ -645,16 +654,16 @@ class KVManager:
         dev.released = []
         self._grow_host()
         backup_of = self._backup_of
-        unheld = dev.evictable_names([b for b in released if b not in backup_of] if backup_of else released)
-        blocks = [b for b, on_host in zip(unheld, host.blocks_named(unheld.values())) if on_host is None]
-        names = [unheld[b] for b in blocks]
+        unheld = dev.evictable_names(filterfalse(backup_of.__contains__, released) if backup_of else released)
+        lacking = list(map(not_, map(host.names.__contains__, unheld.values())))  # (the host lacks its name)
+        blocks = list(compress(unheld, lacking))
         n = min(len(blocks), host.num_free)
         if not n:
             return
-        del blocks[n:], names[n:]
+        del blocks[n:]
+        names = list(islice(compress(unheld.values(), lacking), n))
         backup = _Backup(blocks, host.allocate(CACHE_OWNER, n), names)
-        for b in blocks:
-            self._backup_of[b] = backup
+        backup_of.update(zip(blocks, repeat(backup)))
         self._backups[backup] = None
         self._backup_host_blocks += n
         self.stats.cache_blocks_backed_up += n
@@ -665,15 +674,15 @@ class KVManager:
     def _finish_backup(self, backup: _Backup) -> None:
         """A cache copy landed: name its host blocks (those not void, whose name no other host block took
         meanwhile) and release them to the host cache."""
-        host, backup_of, void = self.host, self._backup_of, backup.void
-        for d in backup.device:
-            if d not in void and backup_of.get(d) is backup:
-                del backup_of[d]
+        host, backup_of, void, device = self.host, self._backup_of, backup.void, backup.device
+        # Forget its device blocks that still map to it (a void one was forgotten when evicted, and may map to a
+        # later copy since).
+        deque(map(backup_of.__delitem__, compress(device, map(is_, map(backup_of.get, device), repeat(backup)))), 0)
         if void:
-            keep = [i for i, d in enumerate(backup.device) if d not in void]
-            host.register_many([backup.host[i] for i in keep], [backup.hashes[i] for i in keep])
+            keep = list(map(not_, map(void.__contains__, device)))
+            host.register_fresh(list(compress(backup.host, keep)), list(compress(backup.hashes, keep)))
         else:
-            host.register_many(backup.host, backup.hashes)
+            host.register_fresh(backup.host, backup.hashes)
         self._host_named(backup.hashes)
         host.free(CACHE_OWNER, backup.host)
         self._backup_host_blocks -= len(backup.host)

@@ -31,10 +31,12 @@ request must compute at least one token to sample from (lookup's max_tokens).
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import filterfalse, islice, repeat
+from itertools import compress, filterfalse, islice, repeat
+from operator import not_
 
 from memory.block_allocator import BlockAllocator, OutOfBlocks
 
@@ -66,16 +68,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = N
 def extend_chain(chain: list[BlockHash], token_ids: Sequence[int], block_size: int, salt: str | None = None) -> None:
     """Append to `chain` the names of the full blocks of token_ids, the tokens that follow the chain's last block
     (the salt starts an empty chain). The same names as hash_block block by block (the slow reference; the tests
-    hold the two to each other), with the tokens packed once for all the blocks."""
+    hold the two to each other), with the tokens packed once for all the blocks: by struct, whose bytes are
+    array("q")'s (native int64) at half its cost (array converts each item through PyArg_Parse)."""
     if chain and len(token_ids) == block_size:  # one block after others (a decoding job's block just filled)
-        chain.append(hashlib.sha256(chain[-1] + array("q", token_ids).tobytes()).digest())
+        chain.append(hashlib.sha256(chain[-1] + _int64s(block_size).pack(*token_ids)).digest())
         return
     n = len(token_ids) // block_size
     if n <= 0:
         return
     if len(token_ids) != n * block_size:
         token_ids = token_ids[:n * block_size]
-    data = array("q", token_ids).tobytes()  # int64 ("q"), as hash_block packs them
+    data = _int64s(n * block_size).pack(*token_ids)  # int64, as hash_block packs them
     width, end = block_size * 8, n * block_size * 8
     sha256, off = hashlib.sha256, 0
     if chain:
@@ -90,6 +93,24 @@ def extend_chain(chain: list[BlockHash], token_ids: Sequence[int], block_size: i
         off += width
 
 
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _int64s(n: int) -> struct.Struct:
+    """The packer of n native int64s (struct's own cache of formats holds 100; this one every length met)."""
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = _PACKERS[n] = struct.Struct(f"={n}q")
+    return packer
+
+
+def _as_set(owners: object) -> frozenset:
+    """A block's entry in CachingBlockAllocator._owners as the set of its owners (None: no owner)."""
+    if owners is None:
+        return frozenset()
+    return frozenset(owners) if type(owners) is set else frozenset((owners,))
+
+
 def _consume(iterator: Iterator) -> None:
     """Run an iterator to its end (itertools' recipe: the loop runs in C, not in the interpreter)."""
     deque(iterator, maxlen=0)
@@ -100,7 +121,11 @@ class CachingBlockAllocator(BlockAllocator):
     several owners may hold, plus the cache's verbs: lookup, share, register.
 
     Counting: num_free = free list + evictable; num_used = blocks held by at least one owner; num_refs =
-    references held (a block held by three jobs counts three times: what memory/'s block tables add up to)."""
+    references held (a block held by three jobs counts three times: what memory/'s block tables add up to).
+
+    A held block's entry in _owners is its owner itself while it has one (nearly every block: allocate makes no
+    object per block, and free compares owners as the base class does), a set of its owners while it has several
+    (shared prefixes: share makes the set, free turns it back into the last owner)."""
 
     # Free list + evictable blocks: a plain attribute that every verb keeps current (not the base class's
     # property: the scheduler reads it for every job it walks, every tick). Read-only outside this class.
@@ -108,10 +133,11 @@ class CachingBlockAllocator(BlockAllocator):
 
     def __init__(self, num_blocks: int, tier: str = "device") -> None:
         super().__init__(num_blocks, tier)
-        self._owners: dict[int, set[str]] = {}  # referenced blocks -> their owners (the base class's _owner unused)
+        self._owners: dict[int, object] = {}  # referenced block -> its owner, or a set of its owners when several
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; least recent first
         self._hash_of: dict[int, BlockHash] = {}  # registered block -> its name
         self._block_of: dict[BlockHash, int] = {}  # name -> the one block registered under it
+        self.names = self._block_of.keys()  # the names cached here (a live view, read-only: `in` costs no call)
         self._num_refs = 0
         self.num_free = num_blocks
         # Called with (blocks, their names) after an allocation or evict_all took cached blocks out of the cache
@@ -145,17 +171,19 @@ class CachingBlockAllocator(BlockAllocator):
 
     def ref_count(self, block: int) -> int:
         owners = self._owners.get(block)
-        return len(owners) if owners else 0
+        if owners is None:
+            return 0
+        return len(owners) if type(owners) is set else 1
 
     def owners(self, block: int) -> frozenset[str]:
-        return frozenset(self._owners.get(block, ()))
+        return _as_set(self._owners.get(block))
 
     def owner_of(self, block: int) -> str | None:
         owners = self._owners.get(block)
-        return next(iter(owners)) if owners else None
+        return next(iter(owners)) if type(owners) is set else owners
 
     def holders(self) -> dict[int, frozenset[str]]:
-        return {b: frozenset(o) for b, o in self._owners.items()}
+        return {b: _as_set(o) for b, o in self._owners.items()}
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
@@ -177,6 +205,10 @@ class CachingBlockAllocator(BlockAllocator):
         """block_of of each name, in order (None for a name that is None)."""
         return list(map(self._block_of.get, names))
 
+    def num_named(self, names: Iterable[BlockHash]) -> int:
+        """How many of these names this tier caches (a block under each)."""
+        return sum(map(self._block_of.__contains__, names))
+
     def evictable_names(self, blocks: Iterable[int]) -> dict[int, BlockHash]:
         """The evictable blocks among these, each once in the order first met, and their names."""
         found = list(dict.fromkeys(filter(self._evictable.__contains__, blocks)))
@@ -197,9 +229,20 @@ class CachingBlockAllocator(BlockAllocator):
     def allocate(self, owner: str, n: int) -> list[int]:
         """n blocks for `owner` alone: free ones first, then evictable ones, least recently released first
         (each leaves the cache)."""
+        free = self._free
+        if n == 1:  # (a decoding job's next block: the usual call)
+            if free:
+                block = free.popleft()
+            elif self.num_free:
+                block = self._evict_one()
+            else:
+                raise OutOfBlocks(f"{self.tier} tier: asked for 1 block, 0 free")
+            self._owners[block] = owner
+            self._num_refs += 1
+            self.num_free -= 1
+            return [block]
         if n > self.num_free:
             raise OutOfBlocks(f"{self.tier} tier: asked for {n} blocks, {self.num_free} free")
-        free = self._free
         if n >= len(free):
             blocks = list(free)
             free.clear()
@@ -207,7 +250,7 @@ class CachingBlockAllocator(BlockAllocator):
                 blocks += self._evict(n - len(blocks))
         else:
             blocks = [free.popleft() for _ in range(n)]
-        self._owners.update(zip(blocks, map(set, repeat((owner,), n))))  # each its own set {owner}
+        self._owners.update(zip(blocks, repeat(owner)))
         self._num_refs += n
         self.num_free -= n
         return blocks
@@ -221,6 +264,16 @@ class CachingBlockAllocator(BlockAllocator):
         self._forget(blocks)
         return blocks
 
+    def _evict_one(self) -> int:
+        """_evict(1)'s block, without the lists of the general path."""
+        block = self._evictable.popitem(last=False)[0]
+        self.num_evictions += 1
+        name = self._hash_of.pop(block)
+        del self._block_of[name]
+        if self.on_evict is not None:
+            self.on_evict([block], [name])
+        return block
+
     def _forget(self, blocks: list[int]) -> None:
         """Drop the names of these blocks, just taken off the evictable list, and tell the on_evict hook."""
         names = list(map(self._hash_of.pop, blocks))
@@ -233,21 +286,24 @@ class CachingBlockAllocator(BlockAllocator):
         before heads). A block no one holds goes to the evictable end of the cache if registered, else to the
         free list. Raises if owner does not hold one (nothing is changed then)."""
         owners_of = self._owners
-        if list(map(owners_of.get, blocks)).count({owner}) == len(blocks):  # owner alone holds each (the usual)
+        if list(map(owners_of.get, blocks)).count(owner) == len(blocks):  # owner alone holds each (the usual)
             _consume(map(owners_of.__delitem__, blocks))
             unheld = blocks[::-1]
         else:
             get = owners_of.get
             for b in blocks:
-                if owner not in get(b, ()):
-                    raise AssertionError(f"{self.tier} block {b} is held by {sorted(get(b, ()))!r}, not {owner!r}")
+                if owner not in _as_set(get(b)):
+                    raise AssertionError(f"{self.tier} block {b} is held by {sorted(_as_set(get(b)))!r}, not {owner!r}")
             unheld = []
             for b in reversed(blocks):
                 owners = owners_of[b]
-                owners.discard(owner)
-                if not owners:
+                if type(owners) is not set:  # (its one owner: `owner`)
                     del owners_of[b]
                     unheld.append(b)
+                    continue
+                owners.discard(owner)
+                if len(owners) == 1:
+                    owners_of[b] = next(iter(owners))
         # The blocks no one holds now, last first: named ones to the evictable end, the rest to the free list.
         named = list(filter(self._hash_of.__contains__, unheld))
         if len(named) < len(unheld):
@@ -274,18 +330,21 @@ class CachingBlockAllocator(BlockAllocator):
 
     def share(self, owner: str, blocks: list[int]) -> None:
         """Take owner's reference on cached blocks (a hit): an evictable one leaves the eviction order."""
+        owners_of = self._owners
         for b in blocks:
             if b not in self._hash_of:
                 raise AssertionError(f"{self.tier} block {b} is not cached: only cached blocks are shared")
-            owners = self._owners.get(b)
+            owners = owners_of.get(b)
             if owners is None:
                 self._evictable.pop(b)
-                self._owners[b] = {owner}
+                owners_of[b] = owner
                 self.num_free -= 1
-            elif owner in owners:
+            elif owner in _as_set(owners):
                 raise AssertionError(f"{self.tier} block {b} is already held by {owner!r}")
-            else:
+            elif type(owners) is set:
                 owners.add(owner)
+            else:
+                owners_of[b] = {owners, owner}
         self._num_refs += len(blocks)
 
     def register(self, block: int, block_hash: BlockHash) -> bool:
@@ -314,6 +373,16 @@ class CachingBlockAllocator(BlockAllocator):
             block_of.update(zip(names, blocks))
             hash_of.update(zip(blocks, names))
 
+    def register_fresh(self, blocks: list[int], names: list[BlockHash]) -> None:
+        """register_many for blocks allocated and never named since (a copy's destination), under distinct names:
+        only a name that another block took meanwhile is skipped (that block stays unnamed)."""
+        block_of = self._block_of
+        if any(map(block_of.__contains__, names)):
+            keep = list(map(not_, map(block_of.__contains__, names)))
+            blocks, names = list(compress(blocks, keep)), list(compress(names, keep))
+        block_of.update(zip(names, blocks))
+        self._hash_of.update(zip(blocks, names))
+
     def count_query(self, queried_tokens: int, hit_tokens: int) -> None:
         self.num_queries += queried_tokens
         self.num_hits += hit_tokens
@@ -341,8 +410,9 @@ class CachingBlockAllocator(BlockAllocator):
             f"{self.tier}: a block is in two states"
         assert len(free) + len(evictable) + len(held) == self.num_blocks, f"{self.tier}: blocks lost"
         assert self.num_free == len(free) + len(evictable), f"{self.tier}: free count drift"
-        assert all(self._owners.values()), f"{self.tier}: a held block with no owner"
-        assert self._num_refs == sum(len(o) for o in self._owners.values()), f"{self.tier}: reference count drift"
+        assert all(o is not None and (type(o) is not set or len(o) > 1) for o in self._owners.values()), \
+            f"{self.tier}: a held block with no owner, or a set of one"
+        assert self._num_refs == sum(map(self.ref_count, self._owners)), f"{self.tier}: reference count drift"
         assert evictable <= self._hash_of.keys(), f"{self.tier}: an evictable block has no name"
         assert not (free & self._hash_of.keys()), f"{self.tier}: a free block keeps a name"
         assert len(self._block_of) == len(self._hash_of) and all(

@@ -102,6 +102,50 @@ def test_a_taken_name_leaves_the_block_private():
     pool.check_invariants()
 
 
+def test_one_block_allocations_evict_as_the_general_path_does():
+    """allocate(owner, 1) takes the free list's head, else evicts the least recently released block through the same
+    hook as a larger allocation; register_fresh names a copy's blocks except where the name is taken."""
+    pool = CachingBlockAllocator(3)
+    evicted = []
+    pool.on_evict = lambda blocks, names: evicted.append((list(blocks), list(names)))
+    blocks = pool.allocate("a", 3)
+    names = block_hashes(list(range(3 * BS)), BS)
+    pool.register_many(blocks, names)
+    pool.free("a", blocks)  # released last block first: blocks[2] is the least recent
+    assert pool.allocate("b", 1) == [blocks[2]] and evicted == [([blocks[2]], [names[2]])]
+    assert pool.owner_of(blocks[2]) == "b" and pool.ref_count(blocks[2]) == 1 and pool.num_evictions == 1
+    assert pool.allocate("b", 2) == [blocks[1], blocks[0]] and evicted[1] == ([blocks[1], blocks[0]], names[1::-1])
+    with pytest.raises(OutOfBlocks):
+        pool.allocate("c", 1)
+    pool.free("b", [blocks[0], blocks[1]])  # unnamed now: back to the free list
+    pool.register_fresh([blocks[2]], [names[0]])
+    assert pool.hash_of(blocks[2]) == names[0]
+    fresh = pool.allocate("c", 2)
+    pool.register_fresh(fresh, [names[0], names[1]])  # names[0] is taken by blocks[2]: that block stays unnamed
+    assert pool.names_of(fresh) == [None, names[1]] and pool.block_of(names[0]) == blocks[2]
+    pool.check_invariants()
+
+
+def test_shared_blocks_count_their_owners():
+    pool = CachingBlockAllocator(2)
+    x = pool.allocate("a", 1)
+    pool.register(x[0], block_hashes(list(range(BS)), BS)[0])
+    pool.share("b", x)
+    pool.share("c", x)
+    assert pool.ref_count(x[0]) == 3 and pool.owners(x[0]) == {"a", "b", "c"} and pool.num_refs == 3
+    with pytest.raises(AssertionError):
+        pool.share("b", x)  # b holds it already
+    pool.free("a", x)
+    pool.free("c", x)
+    assert pool.owners(x[0]) == {"b"} and pool.owner_of(x[0]) == "b" and pool.holders() == {x[0]: {"b"}}
+    pool.check_invariants()
+    with pytest.raises(AssertionError):
+        pool.free("a", x)  # a let go of it already
+    pool.free("b", x)
+    assert pool.ref_count(x[0]) == 0 and pool.evictable_order() == x and pool.num_refs == 0
+    pool.check_invariants()
+
+
 # -- property tests ---------------------------------------------------------------------------------------------
 
 class Model:
