@@ -179,8 +179,7 @@ class PriorityPolicy(SchedulingPolicy):
     def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
         self._before_schedule(now)
         max_seqs, budget = self.config.max_num_seqs, self.config.max_num_batched_tokens
-        batch: list[Job] = []
-        chosen: dict[Job, None] = {}  # ordered, so `preempted` comes out in a deterministic order
+        chosen: dict[Job, None] = {}  # the batch, in order (so `preempted` comes out in a deterministic order)
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate, on_host = victims.evicted, kv.can_fit, kv.allocate, kv.parked()  # bound once
         tokens = 0
@@ -205,37 +204,38 @@ class PriorityPolicy(SchedulingPolicy):
             decoders = {j for j in self._running if not j.in_flight and j.num_computed
                         and j.prompt_len + j.num_generated - j.num_computed == 1}
         reserve = len(decoders)
+        size = 0  # jobs in the batch
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
-            n = job.prompt_len + job.num_generated - job.num_computed
-            fresh = job.first_scheduled_time is None
+            context = job.prompt_len + job.num_generated
+            done = job.num_computed  # (nothing before allocate changes it)
+            n = context - done
             if chunked and n > 1:
-                n = self.chunk(n, tokens, len(batch), reserve)  # 0: no room left for a chunk
-            if (batch and tokens + n > budget) or not n:
-                if fresh:
+                n = self.chunk(n, tokens, size, reserve)  # 0: no room left for a chunk
+            if (tokens + n > budget and size) or not n:
+                if job.first_scheduled_time is None:  # fresh
                     over_budget += 1
                     gate.fresh = over_budget < max_seqs
                 continue
             if job.in_flight or (evicted and job in evicted):  # in flight: running in a later pipeline stage
                 continue
-            if kv_cap is not None and batch and kv_tokens + job.context_len > kv_cap:
+            if kv_cap is not None and size and kv_tokens + context > kv_cap:
                 continue  # this batch holds its share of the device's KV: the next batch in flight takes it
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0:  # no KV: admission counts its whole context, whatever the chunk (n) now
-                need = job.prompt_len + job.num_generated
-                if need >= refused_from or not kv.may_start(job, need):
-                    if need < refused_from:
-                        refused_from = gate.no_kv_from = need
-                    if fresh:
+            if not done:  # no KV: admission counts its whole context, whatever the chunk (n) now
+                if context >= refused_from or not kv.may_start(job, context):
+                    if context < refused_from:
+                        refused_from = gate.no_kv_from = context
+                    if job.first_scheduled_time is None:
                         gate.fresh = False
                     continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
                 continue
-            if exhausted and not kv.room_for(job.num_computed + n):
+            if exhausted and not kv.room_for(done + n):
                 continue  # nothing left to evict and its whole KV does not fit the room left (make_room's answer)
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
@@ -263,29 +263,32 @@ class PriorityPolicy(SchedulingPolicy):
                     # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick,
                     # so a new job that needs more than it (or than this one) cannot start in this tick.
                     if victims.spent and gate.fresh and (
-                            (fresh and self._later_fresh_need_at_least(job, n))
+                            (job.first_scheduled_time is None and self._later_fresh_need_at_least(job, n))
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
             if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
-                refused_from = gate.no_kv_from = NEVER
+                if refused_from != NEVER:
+                    refused_from = gate.no_kv_from = NEVER
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
-            batch.append(job)
             chosen[job] = None
             job.num_scheduled = n
-            if fresh:
+            job.last_scheduled_time = now  # (read in the tick only of jobs not chosen: the eviction order's ENST)
+            if job.first_scheduled_time is None:
                 started.append(job)
-            elif job in decoders:
+            elif decoders and job in decoders:
                 reserve -= 1
             tokens += n
-            kv_tokens += job.prompt_len + job.num_generated
-            if len(batch) >= max_seqs or tokens >= budget:
+            if kv_cap is not None:
+                kv_tokens += context
+            size += 1
+            if size >= max_seqs or tokens >= budget:
                 break
 
-        decision = ScheduleDecision(batch=batch)
-        left = [job for job in self._running if job not in chosen]  # ran last iteration, not in this one
+        decision = ScheduleDecision(batch=list(chosen))
+        left = list(filterfalse(chosen.__contains__, self._running))  # ran last iteration, not in this one
         preempted = decision.preempted
         for job in left:
             if job.in_flight:  # still running in a later pipeline stage: not preempted
@@ -308,8 +311,6 @@ class PriorityPolicy(SchedulingPolicy):
             self.start_wait_ema = ema
             for job in started:
                 job.first_scheduled_time = now
-        for job in batch:
-            job.last_scheduled_time = now
         return decision
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:

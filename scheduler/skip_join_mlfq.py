@@ -108,7 +108,7 @@ from itertools import filterfalse
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
-from scheduler.priority_policy import Gate, PriorityPolicy
+from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
 STARVING = -(1 << 30)  # the band of age-promoted jobs: before every request class
@@ -304,6 +304,14 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     it = iter(started)
                     while True:
                         skip, no_kv = gate.skip, gate.no_kv_from
+                        if no_kv == NEVER:  # (no job left out for its context: the common case, without the test)
+                            for job in filterfalse(skip.__contains__, it):
+                                yield job
+                                if gate.skip is not skip or gate.no_kv_from != no_kv:
+                                    break
+                            else:
+                                break
+                            continue
                         for job in filterfalse(skip.__contains__, it):
                             if not job.num_computed and job.prompt_len + job.num_generated >= no_kv:
                                 continue
@@ -473,14 +481,15 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         bands, entry, seq = self._bands, self._entry, self._seq
         moved = False
         held = self._held_in_q1
+        if held:
+            for job in batch:
+                held.pop(job, None)
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
-            if held:
-                held.pop(job, None)
             service = job.service_in_queue = job.service_in_queue + cost
-            level = job.queue
-            if service > limits[level] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
+            if service > limits[job.queue] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
+                level = job.queue
                 new = min(level + eta, last)
                 if new != level:
                     job.num_demotions += 1
