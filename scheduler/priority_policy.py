@@ -105,6 +105,12 @@ class PriorityPolicy(SchedulingPolicy):
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
         self._fresh_lens: list[int] = []  # prompt lengths of the jobs that never ran, sorted (the smallest first)
+        # Started jobs whose KV an eviction of schedule() dropped (num_computed 0), by their context then (it cannot
+        # grow before they run again), until they are given room (allocate) or leave: only allocate or the step
+        # after it gives a started job KV again. The walk leaves out those the gate's no_kv_from covers in C (past
+        # capacity hundreds of dropped jobs wait, each tested in the interpreter every tick). Every job in it has
+        # no KV; a dropped job not in it (none, as far as schedule() can see) is tested as before.
+        self._dropped: dict[Job, int] = {}
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -153,6 +159,8 @@ class PriorityPolicy(SchedulingPolicy):
     def _count_out(self, job: Job) -> None:
         if job.first_scheduled_time is None:
             self._not_fresh(job)
+        elif self._dropped:
+            self._dropped.pop(job, None)
         c = self._classes
         c[job.priority] -= 1
         if not c[job.priority]:
@@ -185,6 +193,7 @@ class PriorityPolicy(SchedulingPolicy):
         tokens = 0
         kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
+        dropped = self._dropped
         # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
         # many or more until the next evict, or allocate that may loosen it (KVAdmission.may_start, allocate). Past
         # capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick.
@@ -270,6 +279,8 @@ class PriorityPolicy(SchedulingPolicy):
             if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
                 if refused_from != NEVER:
                     refused_from = gate.no_kv_from = NEVER
+            if not done and dropped:
+                dropped.pop(job, None)  # (its KV may come back now: a cached prefix, or the step)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
@@ -296,6 +307,9 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             job.num_preemptions += 1
             preempted.append(job)
+        for job in victims.evicted:
+            if not job.num_computed:  # dropped
+                dropped[job] = job.prompt_len + job.num_generated
         if preempted:
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)

@@ -291,6 +291,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         # are parked on the host or wait with their KV dropped, and are): the gate changes only while the walk
         # is suspended, so it is read anew after each yield.
         entry = self._entry
+        known_from, known = NEVER, set()  # the dropped jobs left out for a refusal of no_kv_from = known_from
         for key in self._band_keys:
             band = self._bands[key]
             for started, late, fresh, promoted in zip(band.started, band.late, band.fresh, band.promoted):
@@ -312,7 +313,12 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                             else:
                                 break
                             continue
-                        for job in filterfalse(skip.__contains__, it):
+                        # The dropped jobs the policy knows of that the refusal covers, left out in C too; any
+                        # other job with no KV is tested here as before.
+                        if known_from != no_kv:
+                            known_from = no_kv
+                            known = {j for j, context in self._dropped.items() if context >= no_kv}
+                        for job in filterfalse(known.__contains__, filterfalse(skip.__contains__, it)):
                             if not job.num_computed and job.prompt_len + job.num_generated >= no_kv:
                                 continue
                             yield job
