@@ -72,6 +72,7 @@ from abc import abstractmethod
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import filterfalse
+from operator import itemgetter
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -105,12 +106,15 @@ class PriorityPolicy(SchedulingPolicy):
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
         self._fresh_lens: list[int] = []  # prompt lengths of the jobs that never ran, sorted (the smallest first)
-        # Started jobs whose KV an eviction of schedule() dropped (num_computed 0), by their context then (it cannot
-        # grow before they run again), until they are given room (allocate) or leave: only allocate or the step
-        # after it gives a started job KV again. The walk leaves out those the gate's no_kv_from covers in C (past
-        # capacity hundreds of dropped jobs wait, each tested in the interpreter every tick). Every job in it has
-        # no KV; a dropped job not in it (none, as far as schedule() can see) is tested as before.
-        self._dropped: dict[Job, int] = {}
+        # Started jobs whose KV an eviction of schedule() dropped (num_computed 0), kept by their context then (it
+        # cannot grow before they run again), until they are given room (allocate) or leave: only allocate or the
+        # step after it gives a started job KV again. The walk leaves out in C those the gate's no_kv_from covers
+        # (past capacity hundreds of dropped jobs wait, each tested in the interpreter every tick), found as a
+        # slice of the list sorted by (context, sequence). Every job kept has no KV; a dropped job not kept
+        # (none, as far as schedule() can see) is tested as before.
+        self._dropped: dict[Job, tuple[int, int]] = {}  # job -> (context, sequence): its key in _dropped_order
+        self._dropped_order: list[tuple[int, int, Job]] = []  # sorted
+        self._drop_seq = itertools.count()
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -160,11 +164,23 @@ class PriorityPolicy(SchedulingPolicy):
         if job.first_scheduled_time is None:
             self._not_fresh(job)
         elif self._dropped:
-            self._dropped.pop(job, None)
+            self._forget_dropped(job)
         c = self._classes
         c[job.priority] -= 1
         if not c[job.priority]:
             del c[job.priority]
+
+    def _forget_dropped(self, job: Job) -> None:
+        key = self._dropped.pop(job, None)
+        if key is not None:
+            order = self._dropped_order
+            del order[bisect.bisect_left(order, key)]  # ((context, sequence) is a prefix of its entry: unique)
+
+    def _dropped_in(self, lo: int, hi: int = NEVER) -> Iterator[Job]:
+        """The kept dropped jobs whose context is at least lo and below hi (NEVER: no bound), by context."""
+        order = self._dropped_order
+        end = len(order) if hi == NEVER else bisect.bisect_left(order, (hi,))
+        return map(itemgetter(2), order[bisect.bisect_left(order, (lo,)):end])
 
     def jobs_by_priority(self) -> dict[int, int]:
         """Unfinished jobs per request class (Job.priority), most urgent first."""
@@ -280,7 +296,7 @@ class PriorityPolicy(SchedulingPolicy):
                 if refused_from != NEVER:
                     refused_from = gate.no_kv_from = NEVER
             if not done and dropped:
-                dropped.pop(job, None)  # (its KV may come back now: a cached prefix, or the step)
+                self._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
@@ -309,7 +325,9 @@ class PriorityPolicy(SchedulingPolicy):
             preempted.append(job)
         for job in victims.evicted:
             if not job.num_computed:  # dropped
-                dropped[job] = job.prompt_len + job.num_generated
+                self._forget_dropped(job)
+                key = dropped[job] = (job.prompt_len + job.num_generated, next(self._drop_seq))
+                bisect.insort(self._dropped_order, (*key, job))
         if preempted:
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)
