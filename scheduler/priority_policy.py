@@ -371,9 +371,11 @@ class _Victims:
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        # (the host-parked left out in C first: past capacity most started jobs are)
-        held = [j for j in filterfalse(on_host.__contains__, self._policy._started_jobs())
-                if j.ready and j.num_computed > 0 and j not in chosen]
+        # (the host-parked and the kept dropped jobs, none of which holds device KV, left out in C first: past
+        # capacity most started jobs are one or the other)
+        started = filterfalse(self._policy._dropped.__contains__, self._policy._started_jobs())
+        held = [j for j in filterfalse(on_host.__contains__, started)
+                if j.kv_ready and not j.in_flight and j.num_computed > 0 and j not in chosen]  # (j.ready, inlined)
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
