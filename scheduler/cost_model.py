@@ -172,25 +172,30 @@ class ProfiledCostModel:
         the other jobs decode one token; a job the policy gave a chunk (job.num_scheduled short of the rest of
         its context: chunked prefill) computes that chunk over the part already computed."""
         prefill: list[int] = []
-        decode: list[int] = []
         chunks: list[tuple[int, int]] = []
+        decoded = 0  # the sum of the decoding sequences' contexts (with their number, all batch_cost reads of them)
         for j in jobs:  # one pass with plain attributes: this runs every iteration over the whole batch
             context = j.prompt_len + j.num_generated
             done, n = j.num_computed, j.num_scheduled
-            if not n or done + n >= context:  # the whole rest of the context
+            if n == 1 and done and done + 1 == context:  # a decode step (the rules below say so too; most jobs)
+                decoded += context
+            elif not n or done + n >= context:  # the whole rest of the context
                 if done == 0:
                     prefill.append(context)  # a first iteration (or a recompute) computes the whole context
                 elif context - done > 1:
                     chunks.append((done, context - done))  # a last chunk, or the tail after a cached prefix
                 else:
-                    decode.append(context)
+                    decoded += context
             elif done == 0:
                 prefill.append(n)  # a first chunk: a prompt of n tokens
             elif n == 1:
-                decode.append(done + 1)  # a one-token chunk: a decode step's shape
+                decoded += done + 1  # a one-token chunk: a decode step's shape
             else:
                 chunks.append((done, n))
-        return self.batch_cost(prefill, decode, chunks)
+        b = len(jobs) - len(prefill) - len(chunks)  # every other job decodes
+        if not prefill and not chunks:
+            return self.t_dec(b, decoded // b) if b else 0.0
+        return self._cost(prefill, b, decoded, chunks)
 
     def chunk_attention(self, prefix: int, n: int) -> float:
         """What a chunk of n prompt tokens after `prefix` computed ones adds beyond the pass over the weights:
@@ -207,9 +212,12 @@ class ProfiledCostModel:
         (prefix, n) of prompts over their computed prefix): one forward pass over all its tokens plus each part's
         attention (the module docstring's formula; a chunk's part is chunk_attention, and alone it costs
         F(n) plus that)."""
-        b = len(decode_context_lens)
+        return self._cost(prefill_lens, len(decode_context_lens), sum(decode_context_lens), chunks)
+
+    def _cost(self, prefill_lens: Sequence[int], b: int, decoded: int, chunks: Sequence[tuple[int, int]]) -> float:
+        """batch_cost from b decoding sequences whose contexts sum to `decoded` (the mean is all it reads)."""
         if not prefill_lens and not chunks:
-            return self.t_dec(b, sum(decode_context_lens) // b) if b else 0.0
+            return self.t_dec(b, decoded // b) if b else 0.0
         if len(prefill_lens) == 1 and not b and not chunks:
             return self.t_init(prefill_lens[0])
         forward, t_init = self.forward, self.t_init
@@ -227,7 +235,7 @@ class ProfiledCostModel:
             tokens += n
             floor = max(floor, forward(n) + extra)
         if b:
-            alone = self.t_dec(b, sum(decode_context_lens) // b)
+            alone = self.t_dec(b, decoded // b)
             cost += alone - forward(b)
             floor = max(floor, alone)
         return max(floor, cost + forward(tokens))

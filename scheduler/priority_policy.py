@@ -72,6 +72,7 @@ from abc import abstractmethod
 from collections import Counter
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import filterfalse
+from operator import itemgetter
 from typing import ClassVar
 
 from scheduler.job import Job
@@ -105,6 +106,15 @@ class PriorityPolicy(SchedulingPolicy):
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
         self._fresh_lens: list[int] = []  # prompt lengths of the jobs that never ran, sorted (the smallest first)
+        # Started jobs whose KV an eviction of schedule() dropped (num_computed 0), kept by their context then (it
+        # cannot grow before they run again), until they are given room (allocate) or leave: only allocate or the
+        # step after it gives a started job KV again. The walk leaves out in C those the gate's no_kv_from covers
+        # (past capacity hundreds of dropped jobs wait, each tested in the interpreter every tick), found as a
+        # slice of the list sorted by (context, sequence). Every job kept has no KV; a dropped job not kept
+        # (none, as far as schedule() can see) is tested as before.
+        self._dropped: dict[Job, tuple[int, int]] = {}  # job -> (context, sequence): its key in _dropped_order
+        self._dropped_order: list[tuple[int, int, Job]] = []  # sorted
+        self._drop_seq = itertools.count()
 
     # -- what a subclass defines ---------------------------------------------------------
     @abstractmethod
@@ -153,10 +163,24 @@ class PriorityPolicy(SchedulingPolicy):
     def _count_out(self, job: Job) -> None:
         if job.first_scheduled_time is None:
             self._not_fresh(job)
+        elif self._dropped:
+            self._forget_dropped(job)
         c = self._classes
         c[job.priority] -= 1
         if not c[job.priority]:
             del c[job.priority]
+
+    def _forget_dropped(self, job: Job) -> None:
+        key = self._dropped.pop(job, None)
+        if key is not None:
+            order = self._dropped_order
+            del order[bisect.bisect_left(order, key)]  # ((context, sequence) is a prefix of its entry: unique)
+
+    def _dropped_in(self, lo: int, hi: int = NEVER) -> Iterator[Job]:
+        """The kept dropped jobs whose context is at least lo and below hi (NEVER: no bound), by context."""
+        order = self._dropped_order
+        end = len(order) if hi == NEVER else bisect.bisect_left(order, (hi,))
+        return map(itemgetter(2), order[bisect.bisect_left(order, (lo,)):end])
 
     def jobs_by_priority(self) -> dict[int, int]:
         """Unfinished jobs per request class (Job.priority), most urgent first."""
@@ -179,13 +203,13 @@ class PriorityPolicy(SchedulingPolicy):
     def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
         self._before_schedule(now)
         max_seqs, budget = self.config.max_num_seqs, self.config.max_num_batched_tokens
-        batch: list[Job] = []
-        chosen: dict[Job, None] = {}  # ordered, so `preempted` comes out in a deterministic order
+        chosen: dict[Job, None] = {}  # the batch, in order (so `preempted` comes out in a deterministic order)
         victims = _Victims(self, now, chosen)
         evicted, can_fit, allocate, on_host = victims.evicted, kv.can_fit, kv.allocate, kv.parked()  # bound once
         tokens = 0
         kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
         gate, over_budget = Gate(), 0
+        dropped = self._dropped
         # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
         # many or more until the next evict, or allocate that may loosen it (KVAdmission.may_start, allocate). Past
         # capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick.
@@ -205,37 +229,38 @@ class PriorityPolicy(SchedulingPolicy):
             decoders = {j for j in self._running if not j.in_flight and j.num_computed
                         and j.prompt_len + j.num_generated - j.num_computed == 1}
         reserve = len(decoders)
+        size = 0  # jobs in the batch
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
                 continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
-            n = job.prompt_len + job.num_generated - job.num_computed
-            fresh = job.first_scheduled_time is None
+            context = job.prompt_len + job.num_generated
+            done = job.num_computed  # (nothing before allocate changes it)
+            n = context - done
             if chunked and n > 1:
-                n = self.chunk(n, tokens, len(batch), reserve)  # 0: no room left for a chunk
-            if (batch and tokens + n > budget) or not n:
-                if fresh:
+                n = self.chunk(n, tokens, size, reserve)  # 0: no room left for a chunk
+            if (tokens + n > budget and size) or not n:
+                if job.first_scheduled_time is None:  # fresh
                     over_budget += 1
                     gate.fresh = over_budget < max_seqs
                 continue
             if job.in_flight or (evicted and job in evicted):  # in flight: running in a later pipeline stage
                 continue
-            if kv_cap is not None and batch and kv_tokens + job.context_len > kv_cap:
+            if kv_cap is not None and size and kv_tokens + context > kv_cap:
                 continue  # this batch holds its share of the device's KV: the next batch in flight takes it
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
                 continue
-            if job.num_computed == 0:  # no KV: admission counts its whole context, whatever the chunk (n) now
-                need = job.prompt_len + job.num_generated
-                if need >= refused_from or not kv.may_start(job, need):
-                    if need < refused_from:
-                        refused_from = gate.no_kv_from = need
-                    if fresh:
+            if not done:  # no KV: admission counts its whole context, whatever the chunk (n) now
+                if context >= refused_from or not kv.may_start(job, context):
+                    if context < refused_from:
+                        refused_from = gate.no_kv_from = context
+                    if job.first_scheduled_time is None:
                         gate.fresh = False
                     continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
                 continue
-            if exhausted and not kv.room_for(job.num_computed + n):
+            if exhausted and not kv.room_for(done + n):
                 continue  # nothing left to evict and its whole KV does not fit the room left (make_room's answer)
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
@@ -263,29 +288,34 @@ class PriorityPolicy(SchedulingPolicy):
                     # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick,
                     # so a new job that needs more than it (or than this one) cannot start in this tick.
                     if victims.spent and gate.fresh and (
-                            (fresh and self._later_fresh_need_at_least(job, n))
+                            (job.first_scheduled_time is None and self._later_fresh_need_at_least(job, n))
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
             if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
-                refused_from = gate.no_kv_from = NEVER
+                if refused_from != NEVER:
+                    refused_from = gate.no_kv_from = NEVER
+            if not done and dropped:
+                self._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
                 continue
-            batch.append(job)
             chosen[job] = None
             job.num_scheduled = n
-            if fresh:
+            job.last_scheduled_time = now  # (read in the tick only of jobs not chosen: the eviction order's ENST)
+            if job.first_scheduled_time is None:
                 started.append(job)
-            elif job in decoders:
+            elif decoders and job in decoders:
                 reserve -= 1
             tokens += n
-            kv_tokens += job.prompt_len + job.num_generated
-            if len(batch) >= max_seqs or tokens >= budget:
+            if kv_cap is not None:
+                kv_tokens += context
+            size += 1
+            if size >= max_seqs or tokens >= budget:
                 break
 
-        decision = ScheduleDecision(batch=batch)
-        left = [job for job in self._running if job not in chosen]  # ran last iteration, not in this one
+        decision = ScheduleDecision(batch=list(chosen))
+        left = list(filterfalse(chosen.__contains__, self._running))  # ran last iteration, not in this one
         preempted = decision.preempted
         for job in left:
             if job.in_flight:  # still running in a later pipeline stage: not preempted
@@ -293,6 +323,11 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             job.num_preemptions += 1
             preempted.append(job)
+        for job in victims.evicted:
+            if not job.num_computed:  # dropped
+                self._forget_dropped(job)
+                key = dropped[job] = (job.prompt_len + job.num_generated, next(self._drop_seq))
+                bisect.insort(self._dropped_order, (*key, job))
         if preempted:
             self.num_policy_preemptions += len(preempted)
             self._on_preempted(preempted)
@@ -308,8 +343,6 @@ class PriorityPolicy(SchedulingPolicy):
             self.start_wait_ema = ema
             for job in started:
                 job.first_scheduled_time = now
-        for job in batch:
-            job.last_scheduled_time = now
         return decision
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
@@ -338,9 +371,11 @@ class _Victims:
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        # (the host-parked left out in C first: past capacity most started jobs are)
-        held = [j for j in filterfalse(on_host.__contains__, self._policy._started_jobs())
-                if j.ready and j.num_computed > 0 and j not in chosen]
+        # (the host-parked and the kept dropped jobs, none of which holds device KV, left out in C first: past
+        # capacity most started jobs are one or the other)
+        started = filterfalse(self._policy._dropped.__contains__, self._policy._started_jobs())
+        held = [j for j in filterfalse(on_host.__contains__, started)
+                if j.kv_ready and not j.in_flight and j.num_computed > 0 and j not in chosen]  # (j.ready, inlined)
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)

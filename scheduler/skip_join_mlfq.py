@@ -102,13 +102,14 @@ import bisect
 import heapq
 import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import filterfalse
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
-from scheduler.priority_policy import Gate, PriorityPolicy
+from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
 STARVING = -(1 << 30)  # the band of age-promoted jobs: before every request class
@@ -170,6 +171,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if config.starvation_factor is not None:  # the overload rules: the last queue keeps its order
             self._limits[-1] = math.inf
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
+        # [b][a] = offsets[b] - offsets[a] for a < b: the service a job in Q_a has ahead of one in Q_b (ENST)
+        self._gaps = [[self._offsets[b] - self._offsets[a] for a in range(b)] for b in range(len(self.quanta))]
         self._bands: dict[int, _Band] = {}  # request class -> its queues
         self._band_keys: list[int] = []  # sorted: the walk's band order
         self._band_of: dict[Job, int] = {}  # every job the policy holds -> the band it sits in
@@ -291,6 +294,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         # are parked on the host or wait with their KV dropped, and are): the gate changes only while the walk
         # is suspended, so it is read anew after each yield.
         entry = self._entry
+        known_from, known = NEVER, set()  # the dropped jobs left out for a refusal of no_kv_from = known_from
         for key in self._band_keys:
             band = self._bands[key]
             for started, late, fresh, promoted in zip(band.started, band.late, band.fresh, band.promoted):
@@ -304,7 +308,22 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     it = iter(started)
                     while True:
                         skip, no_kv = gate.skip, gate.no_kv_from
-                        for job in filterfalse(skip.__contains__, it):
+                        if no_kv == NEVER:  # (no job left out for its context: the common case, without the test)
+                            for job in filterfalse(skip.__contains__, it):
+                                yield job
+                                if gate.skip is not skip or gate.no_kv_from != no_kv:
+                                    break
+                            else:
+                                break
+                            continue
+                        # The dropped jobs the policy knows of that the refusal covers, left out in C too; any
+                        # other job with no KV is tested here as before.
+                        if no_kv < known_from:  # a smaller refusal (none was kept until now: NEVER): add
+                            known.update(self._dropped_in(no_kv, known_from))  # (no job is kept during a walk)
+                            known_from = no_kv
+                        elif no_kv > known_from:  # a larger one after an eviction reset the refusal: start anew
+                            known, known_from = set(self._dropped_in(no_kv)), no_kv
+                        for job in filterfalse(known.__contains__, filterfalse(skip.__contains__, it)):
                             if not job.num_computed and job.prompt_len + job.num_generated >= no_kv:
                                 continue
                             yield job
@@ -473,14 +492,15 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         bands, entry, seq = self._bands, self._entry, self._seq
         moved = False
         held = self._held_in_q1
+        if held:
+            for job in batch:
+                held.pop(job, None)
         for job in batch:
             job.service_total += cost
             job.last_scheduled_time = now
-            if held:
-                held.pop(job, None)
             service = job.service_in_queue = job.service_in_queue + cost
-            level = job.queue
-            if service > limits[level] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
+            if service > limits[job.queue] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
+                level = job.queue
                 new = min(level + eta, last)
                 if new != level:
                     job.num_demotions += 1
@@ -507,13 +527,24 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         ahead = [0.0] * n  # per level b: what the jobs of more urgent bands add
         for key in self._band_keys:
             sizes = self._bands[key].sizes()
-            for b in range(n):
-                same = sum(sizes[a] * (off[b] - off[a]) for a in range(b))
-                waits[(key, b)] = same + ahead[b]
+            for b, gaps in enumerate(self._gaps):  # sum(sizes[a] * (off[b] - off[a]) for a < b), its terms in C
+                waits[(key, b)] = sum(map(operator.mul, sizes, gaps)) + ahead[b]
             if len(self._band_keys) > 1:
                 for b in range(n):
                     ahead[b] += sum(sizes[a] * (off[max(a, b) + 1] - off[a]) for a in range(n) if sizes[a])
         return waits
+
+    def estimated_wait(self, job: Job, now: float) -> float:
+        # PriorityPolicy.estimated_wait with _wait_estimate's body inlined: the proactive planner asks it of the
+        # host jobs every tick past capacity.
+        if job in self._running:
+            return 0.0
+        waits = self._queue_waits
+        if waits is None:
+            waits = self._queue_waits = self._execute_waits()
+        t_execute = waits[(self._band_of[job], job.queue)] / (len(self._running) or self.config.max_num_seqs)
+        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
+        return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         waits = self._queue_waits

@@ -254,6 +254,53 @@ def test_walk_leaving_out_parked_jobs_changes_no_decision(sim_dirs, monkeypatch,
     assert overloaded_run(sim_dirs, policy) == fast
 
 
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
+def test_walk_leaving_out_known_dropped_jobs_changes_no_decision(sim_dirs, monkeypatch, policy):
+    """The walk leaves out in C the dropped jobs the policy keeps (PriorityPolicy._dropped: started jobs an eviction
+    left with no KV, sorted by context) once admission refused a job with no KV as large: at every tick each job
+    kept there has no KV and the context it was kept with, in order; the same run with none left out that way
+    (every dropped job tested in the interpreter, as before) gives the same schedule; and jobs were kept while a
+    refusal covered them."""
+    from scheduler import priority_policy
+
+    schedule, covered = priority_policy.PriorityPolicy.schedule, []
+
+    def checked(self, now, kv):
+        for job, (context, _) in self._dropped.items():
+            assert job.num_computed == 0 and job.prompt_len + job.num_generated == context, job.job_id
+        assert [(c, s) for c, s, _ in self._dropped_order] == sorted(self._dropped.values())
+        assert [j for _, _, j in self._dropped_order] == sorted(self._dropped, key=self._dropped.__getitem__)
+        return schedule(self, now, kv)
+
+    class Recorded(priority_policy.Gate):
+        __slots__ = ()
+        policy = None
+
+        def __setattr__(self, name, value):
+            if name == "no_kv_from" and value != priority_policy.NEVER and Recorded.policy is not None:
+                covered.append(any(c >= value for c, _ in Recorded.policy._dropped.values()))
+            super().__setattr__(name, value)
+
+    init = priority_policy.PriorityPolicy.__init__
+
+    def remembered(self, *args):
+        init(self, *args)
+        Recorded.policy = self
+
+    monkeypatch.setattr(priority_policy.PriorityPolicy, "schedule", checked)
+    monkeypatch.setattr(priority_policy.PriorityPolicy, "__init__", remembered)
+    monkeypatch.setattr(priority_policy, "Gate", Recorded)
+    kept = overloaded_run(sim_dirs, policy)
+    assert any(covered), "no refusal covered a kept dropped job: the test shows nothing"
+
+    def forgetful(self, *args):
+        init(self, *args)
+        self._dropped_in = lambda lo, hi=priority_policy.NEVER: iter(())  # nothing left out: each job tested
+
+    monkeypatch.setattr(priority_policy.PriorityPolicy, "__init__", forgetful)
+    assert overloaded_run(sim_dirs, policy) == kept
+
+
 def test_reactive_swapping_finishes_fig15s_first_point(sim_dirs):
     """Fig. 15's first point (300 ShareGPT-length requests at 14.7 req/s, OPT-13B on an A100 40GB's KV) with
     reactive swapping: jobs that sink and are promoted back pile up on the host, the most urgent of them too
