@@ -624,20 +624,13 @@ class KVManager:
         backup_of = self._backup_of
         if not backup_of:
             to_host = self.host.num_named(names)
-        elif len(blocks) == 1:  # (one block for a decoding job: the usual eviction)
-            backup = backup_of.pop(blocks[0], None)
-            if backup is not None:
-                backup.void.add(blocks[0])  # its copy read a block being reused: never name it
-                to_host = 0
-            else:
-                to_host = names[0] in self.host.names
         else:
-            to_host = 0
-            for b, found in zip(blocks, self.host.blocks_named(names)):
+            to_host, on_host = 0, self.host.names
+            for b, name in zip(blocks, names):
                 backup = backup_of.pop(b, None)
                 if backup is not None:
                     backup.void.add(b)  # its copy read a block being reused: never name it
-                elif found is not None:
+                elif name in on_host:
                     to_host += 1
         self.stats.cache_evicted_to_host += to_host
         self.stats.cache_evicted_dropped += len(blocks) - to_host

@@ -268,10 +268,7 @@ class CachingBlockAllocator(BlockAllocator):
         """_evict(1)'s block, without the lists of the general path."""
         block = self._evictable.popitem(last=False)[0]
         self.num_evictions += 1
-        name = self._hash_of.pop(block)
-        del self._block_of[name]
-        if self.on_evict is not None:
-            self.on_evict([block], [name])
+        self._forget([block])
         return block
 
     def _forget(self, blocks: list[int]) -> None:

@@ -534,18 +534,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                     ahead[b] += sum(sizes[a] * (off[max(a, b) + 1] - off[a]) for a in range(n) if sizes[a])
         return waits
 
-    def estimated_wait(self, job: Job, now: float) -> float:
-        # PriorityPolicy.estimated_wait with _wait_estimate's body inlined: the proactive planner asks it of the
-        # host jobs every tick past capacity.
-        if job in self._running:
-            return 0.0
-        waits = self._queue_waits
-        if waits is None:
-            waits = self._queue_waits = self._execute_waits()
-        t_execute = waits[(self._band_of[job], job.queue)] / (len(self._running) or self.config.max_num_seqs)
-        alpha = self._threshold if self._threshold_for == self.start_wait_ema else self.promotion_threshold()
-        return t_execute if alpha is None else min(alpha - (now - job.last_scheduled_time), t_execute)
-
     def _wait_estimate(self, job: Job, now: float) -> float:
         waits = self._queue_waits
         if waits is None:

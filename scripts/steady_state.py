@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from experiment_sections.common import SCALES  # noqa: E402  (name -> (model shape, profile), as the sections use)
+from experiment_sections.common import SCALES, phase_latencies  # noqa: E402  (SCALES: name -> (model shape, profile))
 
 from engine.simulation import quantile  # noqa: E402  (the project's one quantile rule)
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
@@ -131,9 +131,6 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
     e2e = [o.metrics.e2e_s for o in outputs]  # starvation: over every request
     finished_in = sum(1 for o in outputs if lo <= o.metrics.finished_time <= hi)
     itl = [g for o in counted for g in o.metrics.itl_s]
-    # The decode phase (Fig. 13): time per output token after the first, over counted jobs with >= 2 tokens.
-    tpot = sorted((o.metrics.e2e_s - o.metrics.ttft_s) / (len(o.outputs[0].token_ids) - 1) for o in counted
-                  if len(o.outputs[0].token_ids) > 1)
     short = [o for o in counted if int(o.request_id) not in long]
     return {
         "counted": len(counted),
@@ -142,9 +139,8 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
         "p95_per_token_s": quantile(per_token, 0.95),
         "p99_per_token_s": quantile(per_token, 0.99),
         "mean_ttft_s": statistics.fmean(ttft),
-        "p95_ttft_s": quantile(ttft, 0.95),
+        **phase_latencies(counted),  # Fig. 13's phases: P95 TTFT, P95 time per output token after the first
         "p99_ttft_s": quantile(ttft, 0.99),
-        "p95_tpot_s": quantile(tpot, 0.95) if tpot else 0.0,
         "mean_e2e_s": statistics.fmean(o.metrics.e2e_s for o in counted),
         "max_e2e_s": max(e2e),
         "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,

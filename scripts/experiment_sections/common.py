@@ -201,6 +201,12 @@ def _plt():
     return plt
 
 
+def _errorbar(ax, xs: Sequence[float], stats: Sequence, label: str) -> None:
+    """One curve of steady_state Stats (mean, half-width of the 95% interval; no bar where one seed left none)."""
+    ax.errorbar(xs, [s.mean for s in stats], yerr=[0 if math.isnan(s.half) else s.half for s in stats],
+                marker="o", capsize=2, label=label)
+
+
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -15,7 +15,7 @@ import time
 
 from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
-from experiment_sections.common import MAIN, Ctx, SLOSearch, _ms, _plt, _save, throughput_at_slo
+from experiment_sections.common import MAIN, Ctx, SLOSearch, _errorbar, _ms, _plt, _save, throughput_at_slo
 
 CURVE_POLICIES = ("fcfs", "skip-join-mlfq")  # the paper's Fig. 12/13: vLLM against FastServe
 DATASETS = {"ShareGPT": "sharegpt", "Alpaca": "alpaca"}
@@ -85,9 +85,7 @@ def section_fig12(ctx: Ctx) -> str:
     for ax, ds in zip(axes, DATASETS):
         d, c = cur["data"][ds], cur["C"][ds]["C"]
         for policy in CURVE_POLICIES:
-            ys = [stat(d[(load, policy)]["p95_per_token_s"]) for load in LOADS]
-            ax.errorbar(LOADS, [y.mean for y in ys], yerr=[0 if math.isnan(y.half) else y.half for y in ys],
-                        marker="o", capsize=2, label=policy)
+            _errorbar(ax, LOADS, [stat(d[(load, policy)]["p95_per_token_s"]) for load in LOADS], policy)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("load (x FCFS's capacity)")

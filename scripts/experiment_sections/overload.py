@@ -6,12 +6,11 @@ Fig. 12's (steady_state.Runner's cache); the paper's rules are this section's ow
 
 from __future__ import annotations
 
-import math
 import time
 
 from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
-from experiment_sections.common import MAIN, Ctx, _plt, _save
+from experiment_sections.common import MAIN, Ctx, _errorbar, _plt, _save
 
 LOADS = (0.5, 0.8, 1.0, 1.25, 1.5, 2.0)  # x C
 # The paper's rules in today's settings: its prefill ladder, promotion after alpha = 0.3 s to the tail of Q1 with a
@@ -48,9 +47,7 @@ def section_overload(ctx: Ctx) -> str:
               ("served_rate", "served rate (req/s)"))
     for ax, (metric, title) in zip(axes, panels):
         for label, _, _ in VARIANTS:
-            ys = [stat(data[label][load][metric]) for load in LOADS]
-            ax.errorbar(LOADS, [y.mean for y in ys], yerr=[0 if math.isnan(y.half) else y.half for y in ys],
-                        marker="o", capsize=2, label=label)
+            _errorbar(ax, LOADS, [stat(data[label][load][metric]) for load in LOADS], label)
         ax.set_xlabel("load (x FCFS's capacity)")
         ax.set_title(title, fontsize=8)
         ax.grid(alpha=0.3)
