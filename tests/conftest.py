@@ -41,6 +41,7 @@ def settle_kv_copies(engine, timeout_s: float = 10.0) -> None:
     from engine.clock import VirtualClock
 
     deadline = time.monotonic() + timeout_s
+    engine.kv.poll()  # (a copy that landed after the engine's last poll is reaped here, not waited for)
     while engine.kv.pending_transfers():
         if isinstance(engine.clock, VirtualClock):
             done_at = engine.executor.next_copy_completion()
