@@ -145,6 +145,8 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
+        # reactive-blocking: the decision that waits for the copies it started, and its jobs' num_scheduled
+        self._held: tuple[ScheduleDecision, list[int]] | None = None
         self.last_batch_size = 0  # sequences in the last finished iteration (telemetry: the dashboard)
         # False: step() returns only finished requests (offline use, simulation) instead of a
         # snapshot of every request that advanced, which costs a copy of its tokens each step.
@@ -398,20 +400,25 @@ class Engine:
         now = self.clock.now()
         self.kv.poll()  # finished copies: free their source blocks, mark uploaded jobs ready
         # The paper's reactive baseline (--kv-policy reactive-blocking): no iteration runs while a swap is in
-        # flight. A decision that starts one is dropped and the batch is formed again once the copies have landed,
-        # the job swapped in among those it may take; its jobs keep the room they got, except those with no KV yet
-        # (a prefill not run): they give theirs back, as nothing may evict a job that holds blocks but no KV.
+        # flight. A decision that starts one is held, and runs as it was decided once the copies have landed (as
+        # with synchronous copies: the batch waited for them); its jobs keep the room they got meanwhile, and a job
+        # it swapped in joins a later decision. (Forming the batch anew instead let the next decision evict the
+        # held one's jobs for the jobs just swapped in, and the decision after that evict those again: with prefix
+        # caching and a full host, no step ran for thousands of ticks. tests/test_simulation.py)
         blocking = self.kv.policy is KVPolicy.REACTIVE_BLOCKING
-        if blocking and self.kv.pending_transfers():
-            return None
-        decision = self.scheduler.schedule(now, self.kv)
-        self.kv.plan(decision.batch, self.scheduler.estimated_wait, now)  # proactive offload/upload
-        if blocking and self.kv.pending_transfers():
-            for job in decision.batch:
-                job.num_scheduled = 0
-                if not job.num_computed:
-                    self.kv.free(job.job_id)
-            return None
+        decision = None
+        if blocking:
+            if self.kv.pending_transfers():
+                return None
+            decision = self._take_held_decision()
+        if decision is None:
+            decision = self.scheduler.schedule(now, self.kv)
+            self.kv.plan(decision.batch, self.scheduler.estimated_wait, now)  # proactive offload/upload
+            if blocking and self.kv.pending_transfers():
+                self._held = decision, [job.num_scheduled for job in decision.batch]
+                for job in decision.batch:
+                    job.num_scheduled = 0
+                return None
         if not decision.batch:
             return None
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
@@ -427,6 +434,20 @@ class Engine:
             metrics.swap_wait_s += kv.note_scheduled(s.job, now)  # the wait on a copy after the pick (memory/)
             s.job.in_flight = True
         return StepPlan(decision, batch, seqs, now, cost)
+
+    def _take_held_decision(self) -> ScheduleDecision | None:
+        """The decision held while its copies ran (reactive-blocking), less the jobs that ended meanwhile (an
+        abort frees their KV); None if there is none or nothing of it is left."""
+        if self._held is None:
+            return None
+        (decision, scheduled), self._held = self._held, None
+        batch = []
+        for job, n in zip(decision.batch, scheduled):
+            if job.job_id in self._seq_of_job:
+                job.num_scheduled = n
+                batch.append(job)
+        decision.batch = batch
+        return decision if batch else None
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         # Once per job in the batch, every step: attributes read once, SequenceWork's fields by position.

@@ -334,10 +334,7 @@ def _memory_bound_runs(draw):
     kv_policy = draw(st.sampled_from(["proactive", "reactive", "reactive-blocking", "recompute"]))
     return (trace, need + draw(st.integers(0, 40)), kv_policy,
             draw(st.sampled_from(["skip-join-mlfq", "mlfq", "srpt", "fixed-priority"])),
-            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])),
-            # reactive-blocking with prefix caching can livelock: a known bug, kept as a failing case below
-            # (test_reactive_blocking_with_prefix_caching_finishes), left out of the draws until it is fixed
-            kv_policy != "reactive-blocking" and draw(st.booleans()))
+            draw(st.sampled_from([None, 1.0])), draw(st.sampled_from([5e8, 2e9, 1e12])), draw(st.booleans()))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -384,15 +381,30 @@ LIVELOCK_TRACE = [(0.0, 397, 43), (0.0, 305, 23), (0.0, 200, 72), (0.0, 174, 16)
                   (6.3, 131, 17), (7.3, 22, 55), (7.3, 220, 27), (7.3, 73, 1), (7.3, 85, 18), (7.3, 313, 34)]
 
 
-@pytest.mark.parametrize("caching", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="known bug: reactive-blocking with prefix caching livelocks here "
-    "(no step runs after ~300: a dropped decision's job and the jobs evicted for it swap back and forth, the "
-    "host full so the job's own KV is dropped and found again in the cache); strict, so a fix shows up"))])
+@pytest.mark.parametrize("caching", [False, True])
 def test_reactive_blocking_with_prefix_caching_finishes(sim_dirs, tmp_path_factory, caching):
-    """The paper's blocking reactive baseline finishes a memory-bound burst without the cache; with it, it does
-    not yet (xfail, strict): run_trace stops at max_steps with no step run for thousands of events."""
+    """The paper's blocking reactive baseline finishes a memory-bound burst, with and without prefix caching.
+    With it, a decision dropped for its copies used to be formed anew once they landed: the new one evicted
+    the dropped one's job for the jobs just swapped in (the host full, its KV dropped and found again in the
+    cache), the next one evicted those again, and no step ran after ~300 (run_trace stopped at max_steps).
+    A held decision now runs as it was decided (engine/engine.py, schedule_step)."""
     test_every_request_finishes_under_every_kv_policy_with_slow_copies.hypothesis.inner_test(
         sim_dirs, tmp_path_factory, (LIVELOCK_TRACE, 28, "reactive-blocking", "skip-join-mlfq", None, 5e8, caching))
+
+
+def test_reactive_with_prefix_caching_runs_every_upload_on_demand(sim_dirs, tmp_path_factory):
+    """Found by the property test above at 600 examples (session 18; it fails before as well): 20 requests, 27
+    device blocks, MLFQ, 0.5 GB/s copies. Each tick the policy picked a job on the host (a swap miss, or a new
+    job whose prefix is on the host) and evicted for it the job whose upload had just landed, which the tick's
+    order (changed by starvation promotion while every job waited) no longer picked: no step ran. A job uploaded
+    on demand is now evicted only for another such job until it has run (Job.kv_pinned)."""
+    trace = [(0.0, 272, 3), (0.0, 33, 69), (1.0, 171, 11), (1.0, 100, 41), (1.0, 255, 8), (1.0, 172, 36),
+             (1.0, 100, 76), (2.0, 11, 39), (2.0, 80, 66), (2.05, 255, 70), (2.25, 40, 25), (2.45, 1, 7),
+             (2.65, 5, 48), (3.65, 48, 35), (3.85, 121, 41), (3.85, 341, 39), (3.9, 162, 78), (4.9, 167, 80),
+             (5.9, 126, 14), (5.95, 103, 79)]
+    for factor in (1.0, None):
+        test_every_request_finishes_under_every_kv_policy_with_slow_copies.hypothesis.inner_test(
+            sim_dirs, tmp_path_factory, (trace, 27, "reactive", "mlfq", factor, 5e8, True))
 
 
 def test_a_cache_copy_that_lands_after_the_last_poll_is_reaped(sim_dirs, tmp_path_factory):
