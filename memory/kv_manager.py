@@ -294,6 +294,8 @@ class KVManager:
                 self._waiting.pop(job.job_id, None)
             if self._short:
                 self._short.pop(job.job_id, None)
+            if job.kv_pinned:  # (it runs now)
+                job.kv_pinned = False
             computed = job.num_computed
             if computed >= kv.name_at:  # (else no block has filled since it last ran: nothing to name)
                 self._register_full(kv)
@@ -324,6 +326,11 @@ class KVManager:
                 self.stats.num_swap_misses += 1
             if not self.start_upload(kv, now=self._now()):
                 raise RuntimeError("allocate() without can_fit(): no device room to upload the job's KV")
+            if self.policy is not KVPolicy.PROACTIVE:
+                # Reactive: uploaded for this pick, it is no eviction candidate until it runs. Without it, when
+                # the policy's order changed between ticks (starvation promotion), each tick evicted the job
+                # that had just come back for the next one it picked, and no step ran (tests/test_simulation.py).
+                job.kv_pinned = True
             if not job.ready:
                 self._block(job.job_id)
         if self._prefix is not None and kv.transfer is None:
@@ -364,6 +371,7 @@ class KVManager:
         whose blocks free when the copy completes (poll). Never waits. An upload in flight cannot be
         recalled: its device blocks free when it lands, and the job stays on the host."""
         kv = self._jobs.get(job.job_id)
+        job.kv_pinned = False
         if kv is None or not kv.device or kv.residency is Residency.OFFLOADING or kv.cancel_upload:
             return
         if kv.residency is Residency.UPLOADING:

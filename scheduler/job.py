@@ -38,6 +38,9 @@ class Job:
     last_scheduled_time: float = field(default=-1.0)  # engine clock; arrival_time until first run
 
     kv_ready: bool = True  # all KV on the device and no copy pending (memory/ sets it, through `ready`)
+    # Its KV was brought back because the policy picked it (a reactive upload on demand) and it has not run since:
+    # memory/ sets it; only another such job may evict it (_Victims), so every upload on demand ends in a step.
+    kv_pinned: bool = False
     in_flight: bool = False  # in a step that has not completed (the engine sets it; pipeline parallelism)
     finished: bool = False
 

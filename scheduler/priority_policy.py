@@ -360,7 +360,10 @@ class _Victims:
     what it evicts (kv.victims_by_priority), lowest priority first, as vLLM
     picks the job it will recompute. Built on first need, so
     a tick without memory pressure pays nothing; each candidate is looked at
-    once per tick, because the jobs that need room come in falling priority."""
+    once per tick, because the jobs that need room come in falling priority.
+    A pinned job (job.kv_pinned: uploaded on demand for a pick, not run since)
+    is evicted only to make room for another pinned job; passed over for the
+    others, it is kept aside for the pinned jobs later in the walk."""
 
     def __init__(self, policy: PriorityPolicy, now: float, chosen: dict[Job, None]) -> None:
         self._policy, self._now, self._chosen = policy, now, chosen
@@ -368,6 +371,7 @@ class _Victims:
         self._next = 0
         self.evicted: set[Job] = set()
         self.spent = False  # the last make_room failed with no candidate left and the job not waiting for room
+        self._pinned: list[Job] = []  # pinned candidates passed over for unpinned jobs, largest wait first
 
     def _build(self, kv: KVAdmission) -> list[Job]:
         rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
@@ -390,19 +394,38 @@ class _Victims:
             self._order = self._build(kv)
         rank = self._policy._rank
         mine = rank(job)
+        pinned = job.kv_pinned
+        if pinned and self._pinned:
+            kept, self._pinned = self._pinned, []
+            for i, victim in enumerate(kept):
+                if victim in self._chosen or rank(victim) <= mine:  # (in the batch since, or of higher priority
+                    continue  # than this job: so than every later one too)
+                if self._evict(victim, job, num_new_tokens, kv):
+                    self._pinned = kept[i + 1:]
+                    return True
+                if kv.wait_for_room(job, num_new_tokens):
+                    self._pinned = kept[i + 1:]
+                    return False
         while self._next < len(self._order):
             victim = self._order[self._next]
             self._next += 1  # in the batch or of higher priority now: so for every later job too
             if victim in self._chosen or rank(victim) <= mine:
                 continue
-            kv.evict(victim)
-            self.evicted.add(victim)
-            if kv.can_fit(job, num_new_tokens):
+            if victim.kv_pinned and not pinned:
+                self._pinned.append(victim)
+                continue
+            if self._evict(victim, job, num_new_tokens, kv):
                 return True
             if kv.wait_for_room(job, num_new_tokens):
                 return False
-        self.spent = True
+        self.spent = not self._pinned  # (a pinned job later in the walk may still take the kept ones)
         return False
+
+    def _evict(self, victim: Job, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
+        """Evict one candidate; whether the job fits now."""
+        kv.evict(victim)
+        self.evicted.add(victim)
+        return kv.can_fit(job, num_new_tokens)
 
 
 class KeyedPriorityPolicy(PriorityPolicy):
