@@ -11,6 +11,11 @@ on against --no-enable-prefix-caching at 0.8x of the uncached server's capacity.
   serves the same model shape with a word-level tokenizer whose random answers round-trip, which is what a
   deployed model's cache sees. The summary says which one ran.
 
+- Steady state: a run sends max(--num-prompts, rate x --min-span) conversations, so that new conversations
+  arrive for at least --min-span seconds (default 120 s, several conversation lifetimes: 3-4 turns, each after
+  the answer and a 5 s think time). With fewer, the window is the ramp-up: few conversations have sent their
+  later turns by then, and the server seems to serve only what arrived (session 18: 60 conversations at 2/s
+  read a capacity of 2.90 turns/s; 120 at 4/s served 5.31).
 - Capacity C (conversations/s): the uncached server's served rate of turns (turns that finished while new
   conversations were arriving in the middle 80% of their arrival span, per second of that window) when offered
   more than it serves (the offered turn rate, conversations/s x turns per conversation, >= 1.3x served), divided
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,6 +48,11 @@ from steady_state import WINDOW, stat
 REPO = Path(__file__).resolve().parents[1]
 SIDES = {"uncached": "--no-enable-prefix-caching", "cached": "--enable-prefix-caching"}
 GOAL_COMPUTED, GOAL_TTFT = 0.40, 3.0
+
+
+def conversations_for(rate: float, num_prompts: int, min_span: float) -> int:
+    """Conversations a run at `rate` conversations/s sends: enough that they arrive for min_span seconds."""
+    return max(num_prompts, math.ceil(rate * min_span))
 
 
 def window_metrics(result: dict, arrivals_span: tuple[float, float]) -> dict:
@@ -79,11 +90,12 @@ class Live:
         return self.servers[side]
 
     def run(self, side: str, rate: float, seed: int) -> dict:
-        out = self.args.result_dir / f"{side}-rate{rate:.4f}-seed{seed}.json"
+        n = conversations_for(rate, self.args.num_prompts, self.args.min_span)
+        out = self.args.result_dir / f"{side}-rate{rate:.4f}-n{n}-seed{seed}.json"
         if not out.exists():
             cmd = [sys.executable, "-m", "fastserve.bench.loadgen", "--base-url", self.server(side).url,
                    "--multi-turn", "--dataset-name", "sharegpt", "--dataset-path", str(self.args.dataset_path),
-                   "--num-prompts", str(self.args.num_prompts), "--request-rate", f"{rate:.6f}", "--seed", str(seed),
+                   "--num-prompts", str(n), "--request-rate", f"{rate:.6f}", "--seed", str(seed),
                    "--think-time", str(self.args.think_time), "--ignore-eos", "--label", side, "--disable-tqdm",
                    "--save-result", "--result-dir", str(self.args.result_dir), "--result-filename", out.name]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -91,7 +103,7 @@ class Live:
                 raise RuntimeError(f"loadgen failed for {side} at {rate} (rc {proc.returncode}): {proc.stderr[-800:]}")
         from fastserve.bench.arrivals import gamma_arrivals
 
-        arrivals = gamma_arrivals(self.args.num_prompts, rate, 1.0, seed)  # the load generator's own arrivals
+        arrivals = gamma_arrivals(n, rate, 1.0, seed)  # the load generator's own arrivals
         return window_metrics(json.loads(out.read_text()), (arrivals[0], arrivals[-1]))
 
     def stop(self) -> None:
@@ -104,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=120, help="conversations per run")
+    ap.add_argument("--num-prompts", type=int, default=120, help="conversations per run, at least")
+    ap.add_argument("--min-span", type=float, default=120.0,
+                    help="seconds over which new conversations arrive, at least (steady state; default %(default)s)")
     ap.add_argument("--load", type=float, default=0.8, help="in units of the uncached server's capacity")
     ap.add_argument("--start-rate", type=float, default=2.0, help="first offered conversation rate of the search")
     ap.add_argument("--capacity", type=float, default=None, help="skip the search: C in conversations/s")
@@ -155,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         live.stop()
     lines = [f"model: tiny ({args.tokenizer} tokenizer); uncached capacity C = {cap:.4f} conversations/s; "
              f"runs at {args.load:g}C = {rate:.4f} conversations/s, "
-             f"{args.num_prompts} conversations, think time {args.think_time:g} s (exponential), {args.seeds} seeds, "
+             f"{conversations_for(rate, args.num_prompts, args.min_span)} conversations a run, "
+             f"think time {args.think_time:g} s (exponential), {args.seeds} seeds, "
              f"turns sent in the middle 80% of the arrivals",
              f"{'side':>9} {'computed share':>16} {'mean TTFT ms':>18} {'mean s/token':>18} {'served turns/s':>18} "
              f"{'turns':>6} {'failed':>6}"]
@@ -175,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     (args.result_dir / "summary.json").write_text(json.dumps(
         {"capacity_conversations_s": cap, "rate": rate, "tokenizer": args.tokenizer, "seeds": args.seeds,
-         "num_prompts": args.num_prompts,
+         "num_prompts": args.num_prompts, "min_span": args.min_span,
          "think_time": args.think_time, "server_args": server_args, "search": search, "data": data,
          "ttft_ratio": ratio.values, "computed_share": computed.values}, indent=1))
     return 0

@@ -52,3 +52,11 @@ def test_live_window_counts_turns_sent_in_the_middle_80_percent():
     assert m["mean_per_token_s"] == pytest.approx((1.0 / 4 + 1.0 / 5) / 2)
     assert m["served_turn_rate"] == pytest.approx(2 / 8)
     assert m["computed_share"] == pytest.approx(0.3)
+
+
+def test_live_runs_send_conversations_for_the_minimum_span():
+    """A run sends --num-prompts conversations, or more where they would arrive in less than --min-span seconds
+    (a short run measures the ramp-up, not the steady state)."""
+    assert live_prefix_caching.conversations_for(0.5, 60, 120.0) == 60
+    assert live_prefix_caching.conversations_for(2.0, 60, 120.0) == 240
+    assert live_prefix_caching.conversations_for(1.01, 60, 120.0) == 122
