@@ -145,8 +145,9 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
-        # reactive-blocking: the decision that waits for the copies it started, and its jobs' num_scheduled
-        self._held: tuple[ScheduleDecision, list[int]] | None = None
+        # reactive-blocking: the decision that waits for the copies it started (its jobs keep their num_scheduled:
+        # nothing schedules or reads them until it runs)
+        self._held: ScheduleDecision | None = None
         self.last_batch_size = 0  # sequences in the last finished iteration (telemetry: the dashboard)
         # False: step() returns only finished requests (offline use, simulation) instead of a
         # snapshot of every request that advanced, which costs a copy of its tokens each step.
@@ -415,9 +416,7 @@ class Engine:
             decision = self.scheduler.schedule(now, self.kv)
             self.kv.plan(decision.batch, self.scheduler.estimated_wait, now)  # proactive offload/upload
             if blocking and self.kv.pending_transfers():
-                self._held = decision, [job.num_scheduled for job in decision.batch]
-                for job in decision.batch:
-                    job.num_scheduled = 0
+                self._held = decision
                 return None
         if not decision.batch:
             return None
@@ -438,16 +437,11 @@ class Engine:
     def _take_held_decision(self) -> ScheduleDecision | None:
         """The decision held while its copies ran (reactive-blocking), less the jobs that ended meanwhile (an
         abort frees their KV); None if there is none or nothing of it is left."""
-        if self._held is None:
+        decision, self._held = self._held, None
+        if decision is None:
             return None
-        (decision, scheduled), self._held = self._held, None
-        batch = []
-        for job, n in zip(decision.batch, scheduled):
-            if job.job_id in self._seq_of_job:
-                job.num_scheduled = n
-                batch.append(job)
-        decision.batch = batch
-        return decision if batch else None
+        decision.batch = [job for job in decision.batch if job.job_id in self._seq_of_job]
+        return decision if decision.batch else None
 
     def _work(self, seq: SequenceState) -> SequenceWork:
         # Once per job in the batch, every step: attributes read once, SequenceWork's fields by position.
