@@ -7,12 +7,15 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_chunked_saturation  # noqa: E402
 
 
+@pytest.mark.datasets  # (its trace is drawn from ../shared/datasets/sharegpt_lengths.csv)
 def test_prints_each_budgets_ratio_to_unchunked_on_the_same_trace(tmp_path, capsys):
     argv = ["--num-prompts", "120", "--seeds", "0", "--budgets", "256", "--policies", "skip-join-mlfq",
             "--jobs", "1", "--cache", str(tmp_path)]

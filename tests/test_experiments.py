@@ -185,6 +185,7 @@ def test_update_puts_a_new_section_in_the_documents_order(tmp_path):
     assert "--only b`\n\n## C\n" in text
 
 
+@pytest.mark.datasets  # (its trace is drawn from ../shared/datasets/sharegpt_lengths.csv)
 def test_steady_state_mix_replaces_a_seeded_share_of_prompts_whatever_the_rate():
     """Issue 25's workload: with long_share each request's prompt is replaced, by its own seeded draw, with one of
     long_range tokens (its output cut to fit 2,048); the same requests at any rate, none without a share."""
