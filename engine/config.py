@@ -49,6 +49,11 @@ class EngineConfig:
     # None (the default): on where the model runs on CUDA, off on the CPU and in the simulator, as measured
     # (docs/benchmarks.md, "Chunked prefill: the default"; Engine resolves it).
     enable_chunked_prefill: bool | None = None
+    # With chunked prefill, at most this many of one prompt's tokens in an iteration (vLLM's
+    # long_prefill_token_threshold; 0: only the budget bounds a chunk). None (the default): with the picked budget,
+    # the chunk the job profile picks when max_num_seqs raised the budget above it (scheduler/cost_model.py,
+    # prefill_cap), else 0; with an explicit --max-num-batched-tokens, 0 (as vLLM).
+    long_prefill_token_threshold: int | None = None
     # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
     # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
     # what follows its longest cached prefix.
@@ -119,6 +124,8 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
              f"block_size must be a power of two <= 128, got {self.block_size}")

@@ -249,18 +249,31 @@ BUDGET_DECODE_CONTEXT = 512
 BUDGET_STALL_RATIO = 2.0
 
 
-def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, cap: int) -> int:
-    """The default token budget per iteration with chunked prefill (max_num_batched_tokens), from the job profile.
-
-    The largest chunk of block_size x 2^k prompt tokens whose iteration (BUDGET_DECODE_BATCH decodes at
-    BUDGET_DECODE_CONTEXT, plus the chunk over a prefix of that length) costs at most BUDGET_STALL_RATIO x the
-    decodes alone: while a long prompt is prefilled, a streamed token's gap grows at most that much. Then at least
-    max_num_seqs (vLLM's rule: every sequence of a full batch can decode) and at most cap (but never below
-    block_size). On the OPT-13B A100 40GB profile this is 256, the budget the simulator measured as the only one
-    keeping P99 ITL under twice the median (docs/benchmarks.md, "Chunked prefill: the token budget")."""
+def stall_safe_chunk(cost: ProfiledCostModel, block_size: int, cap: int) -> int:
+    """The largest chunk of block_size x 2^k prompt tokens (at most cap, at least block_size) whose iteration
+    (BUDGET_DECODE_BATCH decodes at BUDGET_DECODE_CONTEXT, plus the chunk over a prefix of that length) the job
+    profile prices at most BUDGET_STALL_RATIO x the decodes alone: while a long prompt is prefilled in chunks of
+    this size, a streamed token's gap grows at most that much."""
     decodes = [BUDGET_DECODE_CONTEXT] * BUDGET_DECODE_BATCH
     limit = BUDGET_STALL_RATIO * cost.batch_cost([], decodes)
     chunk = block_size
     while chunk * 2 <= cap and cost.batch_cost([], decodes, [(BUDGET_DECODE_CONTEXT, chunk * 2)]) <= limit:
         chunk *= 2
-    return max(block_size, min(cap, max(chunk, max_num_seqs)))
+    return chunk
+
+
+def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, cap: int) -> int:
+    """The default token budget per iteration with chunked prefill (max_num_batched_tokens), from the job profile:
+    the stall-safe chunk (stall_safe_chunk), then at least max_num_seqs (vLLM's rule: every sequence of a full
+    batch can decode) and at most cap (but never below block_size). On the OPT-13B A100 40GB profile this is 256,
+    the budget the simulator measured as the only one keeping P99 ITL under twice the median (docs/benchmarks.md,
+    "Chunked prefill: the token budget"). Where max_num_seqs raises it above the chunk, the chunk stays the most
+    one prompt may take of it (prefill_cap)."""
+    return max(block_size, min(cap, max(stall_safe_chunk(cost, block_size, cap), max_num_seqs)))
+
+
+def prefill_cap(cost: ProfiledCostModel, block_size: int, budget: int, cap: int) -> int:
+    """The default long_prefill_token_threshold with chunked prefill and the picked budget: the stall-safe chunk
+    when the budget is larger (raised to max_num_seqs), else 0 (the budget alone bounds a chunk)."""
+    chunk = stall_safe_chunk(cost, block_size, cap)
+    return chunk if chunk < budget else 0

@@ -150,6 +150,11 @@ class SchedulerConfig:
     # the jobs that ran last iteration keep one token each of the budget ahead of a chunk (SchedulingPolicy.chunk).
     # False: a prompt runs whole or not at all (one too large for the budget runs alone).
     enable_chunked_prefill: bool = False
+    # Chunked prefill: at most this many of one prompt's tokens in an iteration (vLLM's long_prefill_token_threshold),
+    # however much of the budget is left: the budget must hold a full batch's decodes (>= max_num_seqs), and at
+    # small batches a chunk that takes the rest of it stalls the streamed tokens longer than the picked chunk
+    # size does (scheduler/cost_model.py, stall_safe_chunk). 0: no cap but the budget.
+    long_prefill_token_threshold: int = 0
     # Pipeline parallelism: with several batches in flight at once, one batch's jobs may hold at most this many
     # tokens of KV (the device's tokens / batches in flight, set by the engine), so the batch the next stage
     # frees is not the only one that can run: without it the most urgent jobs fill the whole device in one
@@ -163,6 +168,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.starvation_threshold is not None and not self.starvation_threshold > 0:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
         if self.starvation_factor is not None and not self.starvation_factor > 0:
@@ -242,11 +249,13 @@ class SchedulingPolicy(ABC):
         empty: a job too large runs alone). With it, a job of several tokens (a prompt, or the rest of one)
         takes what the budget has left after `reserve` tokens kept for decodes that come later in the walk (the
         jobs that ran last iteration: they are not stalled behind a prompt), at least one token when the batch
-        is empty (so the budget is never spent on nothing)."""
-        budget = self.config.max_num_batched_tokens
-        if n == 1 or not self.config.enable_chunked_prefill:
+        is empty (so the budget is never spent on nothing), and at most long_prefill_token_threshold when set."""
+        config = self.config
+        budget = config.max_num_batched_tokens
+        if n == 1 or not config.enable_chunked_prefill:
             return n if batch_len == 0 or tokens_so_far + n <= budget else 0
         room = budget - tokens_so_far - reserve
         if room < 1:
             room = 0 if batch_len else 1
-        return min(n, room)
+        cap = config.long_prefill_token_threshold
+        return min(n, room, cap) if cap else min(n, room)

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=False,
                     help="split prompts that do not fit the rest of an iteration's budget (default: off, as the "
                          "live engine on the CPU; the live default on CUDA is on)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                    help="with chunked prefill, at most this many of one prompt's tokens in an iteration (0: no "
+                         "cap; default: as the server: the profile's chunk where --max-num-seqs raised the picked "
+                         "budget above it, else 0)")
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
     d = EngineConfig()  # the server's defaults
     ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
@@ -225,6 +229,7 @@ def make_engine(args: argparse.Namespace, model: Path):
                             kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_chunked_prefill=args.enable_chunked_prefill,
+                            long_prefill_token_threshold=args.long_prefill_token_threshold,
                             enable_prefix_caching=args.enable_prefix_caching,
                             starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
                             starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,

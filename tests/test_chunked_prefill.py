@@ -31,6 +31,8 @@ from scheduler.cost_model import (
     BUDGET_STALL_RATIO,
     ProfiledCostModel,
     chunk_budget,
+    prefill_cap,
+    stall_safe_chunk,
 )
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.paged_batches import make_batch
@@ -215,17 +217,18 @@ def reference_runs(small_checkpoint):
 
 
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
-@pytest.mark.parametrize("budget", [1, BS, 3, 7, 20])
-def test_engine_outputs_with_chunking_equal_outputs_without(reference_runs, budget, policy):
+@pytest.mark.parametrize("budget,cap", [(1, 0), (BS, 0), (3, 0), (7, 0), (20, 0), (20, 3)])
+def test_engine_outputs_with_chunking_equal_outputs_without(reference_runs, budget, cap, policy):
     model_dir, prompts, want = reference_runs
     engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-                          scheduling_policy=policy)
+                          long_prefill_token_threshold=cap, scheduling_policy=policy)
     chunks_seen = []
     real_finish = engine.finish_step
 
     def finish(plan, result):  # record the partial prefills
         chunks_seen.extend(w.start_pos for w in plan.batch.seqs if not w.sample)
         assert plan.batch.num_tokens <= budget
+        assert not cap or all(len(w.token_ids) <= cap for w in plan.batch.seqs)
         return real_finish(plan, result)
 
     engine.finish_step = finish
@@ -326,19 +329,20 @@ def test_an_urgent_request_preempts_a_prompt_between_its_chunks(small_checkpoint
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 1000),
-       budget=st.integers(1, 24), max_num_seqs=st.sampled_from([1, 2, 8]),
+       budget=st.integers(1, 24), cap=st.sampled_from([0, 0, 1, 3, 8]), max_num_seqs=st.sampled_from([1, 2, 8]),
        policy=st.sampled_from(["skip-join-mlfq", "fcfs", "mlfq"]),
        kv_policy=st.sampled_from(["recompute", "reactive", "proactive"]),
        evict_at=st.sets(st.integers(0, 30), max_size=8), urgent=st.none() | st.tuples(st.integers(0, 12),
                                                                                            st.integers(1, 20)),
        device_blocks=st.sampled_from([12, 20, 64]))
 def test_chunked_outputs_equal_unchunked_under_preemption_between_chunks(
-        small_checkpoint, lens, seed, budget, max_num_seqs, policy, kv_policy, evict_at, urgent, device_blocks):
-    """Prompt lengths, budgets and preemption points drawn (run_with_preemption), and a device cache small enough
-    (12 blocks: 48 tokens) that memory preempts too: every request's greedy tokens and logprobs (token and
-    prompt) are its unchunked run's."""
+        small_checkpoint, lens, seed, budget, cap, max_num_seqs, policy, kv_policy, evict_at, urgent, device_blocks):
+    """Prompt lengths, budgets, per-prompt caps and preemption points drawn (run_with_preemption), and a device
+    cache small enough (12 blocks: 48 tokens) that memory preempts too: every request's greedy tokens and logprobs
+    (token and prompt) are its unchunked run's."""
     model_dir = small_checkpoint(SMALL_PRE_LN)
     engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                          long_prefill_token_threshold=cap,
                           max_num_seqs=max_num_seqs, scheduling_policy=policy, kv_policy=kv_policy,
                           num_host_blocks_override=64, num_gpu_blocks_override=device_blocks)
     done, _, _ = run_with_preemption(engine, prompts_of(lens, seed), evict_at, urgent, seed)
@@ -419,6 +423,9 @@ def test_server_flags_turn_chunked_prefill_on_and_off():
         assert engine_config.enable_chunked_prefill is want and engine_config.max_num_batched_tokens == 512
     engine_config, _ = server._configs(parser.parse_args([]))
     assert engine_config.max_num_batched_tokens is None  # picked by the engine
+    assert engine_config.long_prefill_token_threshold is None
+    engine_config, _ = server._configs(parser.parse_args(["--long-prefill-token-threshold", "64"]))
+    assert engine_config.long_prefill_token_threshold == 64
     assert "default: on on CUDA, off on the CPU" in " ".join(parser.format_help().split())
 
 
@@ -456,15 +463,50 @@ def test_the_picked_chunk_is_the_largest_whose_iteration_costs_at_most_twice_the
 def test_chunking_is_on_by_default_on_cuda_only_and_explicit_settings_win():
     cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-40gb-x1.json")
     default = EngineConfig()
-    assert resolve_chunking(default, "cuda", cost, 16) == (True, 256)
-    assert resolve_chunking(default, "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)
-    assert resolve_chunking(default, "meta", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)  # the simulator
-    assert resolve_chunking(EngineConfig(enable_chunked_prefill=True), "cpu", cost, 16) == (True, 256)
+    assert resolve_chunking(default, "cuda", cost, 16) == (True, 256, 0)  # the chunk is the budget: no cap
+    assert resolve_chunking(default, "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)
+    assert resolve_chunking(default, "meta", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)  # the simulator
+    assert resolve_chunking(EngineConfig(enable_chunked_prefill=True), "cpu", cost, 16) == (True, 256, 0)
     assert resolve_chunking(EngineConfig(enable_chunked_prefill=False), "cuda", cost, 16) == (
-        False, UNCHUNKED_BATCHED_TOKENS)
-    assert resolve_chunking(EngineConfig(max_num_batched_tokens=100), "cuda", cost, 16) == (True, 100)
+        False, UNCHUNKED_BATCHED_TOKENS, 0)
+    assert resolve_chunking(EngineConfig(max_num_batched_tokens=100), "cuda", cost, 16) == (True, 100, 0)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         EngineConfig(max_num_batched_tokens=0)
+
+
+def test_a_budget_raised_to_max_num_seqs_keeps_the_stall_safe_chunk_as_the_cap_of_one_prompt():
+    """On the 80GB profiles the stall-safe chunk is 128 and max_num_seqs 256 raises the budget to 256: the rest of
+    a small batch's budget would go to one prompt's chunk, twice the size that keeps a streamed token's gap under
+    2x. The picked cap keeps it at 128; explicit settings win, and an explicit budget has no cap (as vLLM)."""
+    cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-80gb-x1.json")
+    assert stall_safe_chunk(cost, 16, UNCHUNKED_BATCHED_TOKENS) == 128
+    assert resolve_chunking(EngineConfig(), "cuda", cost, 16) == (True, 256, 128)
+    assert resolve_chunking(EngineConfig(max_num_seqs=64), "cuda", cost, 16) == (True, 128, 0)
+    assert resolve_chunking(EngineConfig(max_num_batched_tokens=512), "cuda", cost, 16) == (True, 512, 0)
+    assert resolve_chunking(EngineConfig(long_prefill_token_threshold=64), "cuda", cost, 16) == (True, 256, 64)
+    assert resolve_chunking(EngineConfig(long_prefill_token_threshold=0), "cuda", cost, 16) == (True, 256, 0)
+    assert resolve_chunking(EngineConfig(), "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)
+    assert prefill_cap(cost, 16, 128, UNCHUNKED_BATCHED_TOKENS) == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1)
+
+
+@pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
+def test_the_prefill_cap_bounds_one_prompts_chunk_below_the_budget(small_checkpoint, policy):
+    """A prompt alone takes the whole budget without the cap, and the cap's worth of it with it; either way the
+    outputs are the unchunked run's (test_engine_outputs_with_chunking_equal_outputs_without draws a cap too)."""
+    model_dir = small_checkpoint(SMALL_PRE_LN)
+    prompt = prompts_of([40], 3)[0]
+    done = {}
+    for cap in (0, 5):
+        engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=16,
+                              long_prefill_token_threshold=cap, scheduling_policy=policy)
+        assert engine.scheduler.config.long_prefill_token_threshold == cap
+        engine.add_request("p", prompt, PARAMS)
+        engine.step()
+        assert engine.requests["p"].seqs[0].job.num_computed == (cap or 16)
+        done[cap] = run_staggered(engine, {0: []})["p"]
+    assert done[0].outputs[0].token_ids == done[5].outputs[0].token_ids
 
 
 def test_the_engine_on_the_cpu_runs_unchunked_unless_asked_and_then_takes_its_profiles_budget(small_checkpoint):
