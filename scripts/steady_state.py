@@ -66,6 +66,12 @@ class Setup:
     # gets a prompt of long_range tokens instead (uniform), its output cut to fit 2,048 tokens in all.
     long_share: float = 0.0
     long_range: tuple[int, int] = (1500, 2000)
+    # Arrivals: a gamma process of this burstiness at the point's rate (1: Poisson; 0.25: coefficient of
+    # variation 2), as the load generator's --burstiness.
+    burstiness: float = 1.0
+    # A mis-profiled deployment: the scheduler reads t_init x the first and t_dec x the second (quanta, skip-join's
+    # entry, ENST) while the simulated machine runs at the profile's true speed.
+    profiler_error: tuple[float, float] = (1.0, 1.0)
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -105,8 +111,8 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
     """The seed's trace, and the length filter's stats with "long": the indices of the requests whose prompt
     was replaced by a long one (setup.long_share; the draws do not depend on the rate)."""
     stats: dict = {}
-    items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, seed=seed, length_filter=LengthFilter(),
-                          stats=stats)
+    items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, burstiness=setup.burstiness, seed=seed,
+                          length_filter=LengthFilter(), stats=stats)
     trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
     stats["long"] = set()
     if setup.long_share > 0:
@@ -164,7 +170,10 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
     shape, profile = SCALES[setup.scale]
     trace, stats = trace_for(setup, rate, seed)
     kw = dict(setup.engine)
-    engine = simulated_engine(config_only_model(shape), REPO / profile, scheduling_policy=policy, **kw)
+    if setup.profiler_error == (1.0, 1.0):
+        engine = simulated_engine(config_only_model(shape), REPO / profile, scheduling_policy=policy, **kw)
+    else:
+        engine = misprofiled_engine(config_only_model(shape), REPO / profile, setup.profiler_error, policy, kw)
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
@@ -176,6 +185,36 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
             "swap_misses": kv.num_swap_misses, "drops": kv.num_drops,
             "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
     return out
+
+
+def misprofiled_engine(model: Path, profile: Path, error: tuple[float, float], policy: str, kw: dict):
+    """A simulated engine whose scheduler reads the profile's t_init x error[0] and t_dec x error[1] while its
+    executor costs iterations by the true profile."""
+    import tempfile
+
+    from engine.simulation import simulated_engine
+    from scheduler.cost_model import ProfiledCostModel
+
+    data = json.loads(profile.read_text())
+    true_cost = ProfiledCostModel.from_dict(data)
+    data["prefill"]["seconds"] = [x * error[0] for x in data["prefill"]["seconds"]]
+    data["decode"]["seconds"] = [[x * error[1] for x in row] for row in data["decode"]["seconds"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        scaled = Path(tmp) / profile.name
+        scaled.write_text(json.dumps(data))
+        engine = simulated_engine(model, scaled, scheduling_policy=policy, **kw)
+    engine.executor.cost = true_cost  # the machine runs at its true speed; only the scheduler's numbers are off
+    return engine
+
+
+# Setup fields added after results were cached: left out of the cache key at their defaults, so a setup that does
+# not use them keeps its key.
+_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0)}
+
+
+def setup_key(setup: Setup) -> dict:
+    """The setup's fields as the cache key names them."""
+    return {k: v for k, v in asdict(setup).items() if not (k in _KEY_DEFAULTS and v == _KEY_DEFAULTS[k])}
 
 
 # -- the cache and the pool ----------------------------------------------------------------------------------------
@@ -193,7 +232,8 @@ class Runner:
         self.wall = 0.0
 
     def _key(self, setup: Setup, policy: str, rate: float, seed: int) -> Path:
-        text = json.dumps([asdict(setup), policy, round(rate, 9), seed, self.version], sort_keys=True, default=str)
+        text = json.dumps([setup_key(setup), policy, round(rate, 9), seed, self.version], sort_keys=True,
+                          default=str)
         return self.cache / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
 
     def many(self, points: Sequence[tuple[Setup, str, float, int]]) -> list[dict]:

@@ -230,3 +230,51 @@ def test_windowed_metrics_report_itl_and_the_short_requests_alone(sim_model):
     assert m["p95_ttft_s"] == quantile(sorted(o.metrics.ttft_s for o in counted), 0.95)
     tpot = sorted((o.metrics.e2e_s - o.metrics.ttft_s) / 5 for o in counted)
     assert m["p95_tpot_s"] == pytest.approx(quantile(tpot, 0.95)) and m["p95_tpot_s"] != m["p95_ttft_s"]
+
+
+def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
+    """Burstiness and profiler error are in the key only when set: a plain setup's cached results keep their key."""
+    from dataclasses import asdict
+
+    from steady_state import Runner, Setup, setup_key
+
+    plain = asdict(Setup())
+    del plain["burstiness"], plain["profiler_error"]
+    assert setup_key(Setup()) == plain
+    assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
+    assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
+    runner = Runner(jobs=1, cache=tmp_path, version="v")
+    keys = {runner._key(s, "fcfs", 1.0, 0) for s in (Setup(), Setup(burstiness=0.5), Setup(profiler_error=(1.2, 1.0)))}
+    assert len(keys) == 3
+
+
+def test_a_bursty_setup_draws_gamma_arrivals_of_the_same_requests(tmp_path):
+    from steady_state import Setup, trace_for
+
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("input_tokens,output_tokens\n" + "".join(f"{10 + i % 50},{5 + i % 70}\n" for i in range(500)))
+
+    def gaps_cv(trace):
+        gaps = [b[0] - a[0] for a, b in zip(trace, trace[1:])]
+        mean = sum(gaps) / len(gaps)
+        return (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+
+    poisson, _ = trace_for(Setup(n=400, dataset_path=str(csv)), 2.0, 1)
+    bursty, _ = trace_for(Setup(n=400, dataset_path=str(csv), burstiness=0.25), 2.0, 1)
+    assert [t[1:] for t in poisson] == [t[1:] for t in bursty]
+    assert 0.8 < gaps_cv(poisson) < 1.25 and 1.5 < gaps_cv(bursty) < 3  # CV 1 and 1 / sqrt(0.25) = 2, sampled
+
+
+def test_a_misprofiled_engine_schedules_by_the_scaled_costs_and_runs_at_the_true_ones(sim_model):
+    from steady_state import misprofiled_engine
+
+    from scheduler.cost_model import ProfiledCostModel
+
+    model, profile = sim_model
+    true = ProfiledCostModel.from_json(profile)
+    eng = misprofiled_engine(Path(model), Path(profile), (1.2, 0.8), "skip-join-mlfq", {"num_device_blocks": 100})
+    assert eng.cost_model.t_init(100) == pytest.approx(1.2 * true.t_init(100))
+    assert eng.cost_model.t_dec(4, 100) == pytest.approx(0.8 * true.t_dec(4, 100))
+    assert eng.executor.cost.t_init(100) == pytest.approx(true.t_init(100))
+    res = run_trace(eng, [(0.0, 20, 5), (0.1, 30, 4)])
+    assert len(res.outputs) == 2
