@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--io-prompts", type=int, default=120)
     ap.add_argument("--io-spread", type=float, default=0.5, help="Fig. 14: lengths uniform over [1 - s, 1 + s] x "
                                                                   "their mean")
-    ap.add_argument("--fig15-device-blocks", type=int, default=None, help="default: the profile's capacity")
     ap.add_argument("--no-live", action="store_true", help="skip the live measurements")
     ap.add_argument("--live-prompts", type=int, default=30, help="requests per rate in the live sweep")
     for ds, rates in LIVE_RATES.items():
@@ -129,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--overload-prompts", type=int, default=1500, help="requests per point of the overload, "
                     "ablation and alpha sections")
-    ap.add_argument("--ablation-load", type=float, default=1.0, help="load of the ENST ablation (x capacity)")
     ap.add_argument("--steady-prompts", type=int, default=3000, help="requests per point of the capacity section")
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")

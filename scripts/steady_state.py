@@ -72,6 +72,10 @@ class Setup:
     # A mis-profiled deployment: the scheduler reads t_init x the first and t_dec x the second (quanta, skip-join's
     # entry, ENST) while the simulated machine runs at the profile's true speed.
     profiler_error: tuple[float, float] = (1.0, 1.0)
+    # The proactive planner's order of jobs (memory/proactive.py offloads the idle job ranked last and uploads the
+    # host job ranked first): "enst" (the scheduler's estimated next scheduled time, the paper's), "lru" (idle
+    # longest: offloaded first, uploaded first) or "random" (ablations).
+    planner_ranking: str = "enst"
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -174,6 +178,8 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
         engine = simulated_engine(config_only_model(shape), REPO / profile, scheduling_policy=policy, **kw)
     else:
         engine = misprofiled_engine(config_only_model(shape), REPO / profile, setup.profiler_error, policy, kw)
+    if setup.planner_ranking != "enst":
+        rank_planner(engine, setup.planner_ranking)
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
@@ -182,7 +188,7 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
     out |= {"policy": policy, "rate": rate, "seed": seed, "wall_s": wall, "requests": len(trace),
             "dropped_by_filter": stats["dropped"], "dataset_items": stats["read"], "long_prompts": len(stats["long"]),
             "offloads": kv.num_offloads, "uploads": kv.num_uploads,
-            "swap_misses": kv.num_swap_misses, "drops": kv.num_drops,
+            "swap_misses": kv.num_swap_misses, "drops": kv.num_drops, "thrash": kv.num_thrash,
             "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
     return out
 
@@ -207,9 +213,27 @@ def misprofiled_engine(model: Path, profile: Path, error: tuple[float, float], p
     return engine
 
 
+def rank_planner(engine, kind: str, seed: int = 0) -> None:
+    """Make the engine's proactive planner rank jobs by `kind` ("lru" or "random") instead of the scheduler's ENST
+    (the scheduler itself is unchanged)."""
+    if kind == "lru":  # the job idle longest goes first to the host and comes back first
+        def rank(job, now):
+            return -job.last_scheduled_time
+    elif kind == "random":  # a fresh draw per job and tick
+        rng = random.Random(seed)
+        keys: dict[str, float] = {}
+
+        def rank(job, now):
+            return keys.setdefault(f"{job.job_id}@{engine.kv.tick}", rng.random())
+    else:
+        raise ValueError(f"unknown planner ranking {kind!r}")
+    plan = engine.kv.plan
+    engine.kv.plan = lambda batch, estimated_wait, now: plan(batch, rank, now)
+
+
 # Setup fields added after results were cached: left out of the cache key at their defaults, so a setup that does
 # not use them keeps its key.
-_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0)}
+_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst"}
 
 
 def setup_key(setup: Setup) -> dict:

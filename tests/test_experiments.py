@@ -239,13 +239,14 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     from steady_state import Runner, Setup, setup_key
 
     plain = asdict(Setup())
-    del plain["burstiness"], plain["profiler_error"]
+    del plain["burstiness"], plain["profiler_error"], plain["planner_ranking"]
     assert setup_key(Setup()) == plain
     assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
     assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
     runner = Runner(jobs=1, cache=tmp_path, version="v")
-    keys = {runner._key(s, "fcfs", 1.0, 0) for s in (Setup(), Setup(burstiness=0.5), Setup(profiler_error=(1.2, 1.0)))}
-    assert len(keys) == 3
+    keys = {runner._key(s, "fcfs", 1.0, 0) for s in (Setup(), Setup(burstiness=0.5), Setup(profiler_error=(1.2, 1.0)),
+                                                      Setup(planner_ranking="lru"))}
+    assert len(keys) == 4
 
 
 def test_a_bursty_setup_draws_gamma_arrivals_of_the_same_requests(tmp_path):
@@ -278,3 +279,27 @@ def test_a_misprofiled_engine_schedules_by_the_scaled_costs_and_runs_at_the_true
     assert eng.executor.cost.t_init(100) == pytest.approx(true.t_init(100))
     res = run_trace(eng, [(0.0, 20, 5), (0.1, 30, 4)])
     assert len(res.outputs) == 2
+
+
+@pytest.mark.parametrize("kind", ["lru", "random"])
+def test_the_planner_ranking_replaces_enst_for_the_planner_alone(sim_model, kind):
+    from steady_state import rank_planner
+
+    model, profile = sim_model
+    eng = simulated_engine(model, profile, num_device_blocks=100, scheduling_policy="skip-join-mlfq")
+    seen = []
+    inner = eng.kv.plan
+
+    def spy(batch, estimated_wait, now):
+        seen.append(estimated_wait)
+        return inner(batch, estimated_wait, now)
+
+    eng.kv.plan = spy
+    rank_planner(eng, kind)
+    run_trace(eng, [(0.0, 20, 5), (0.1, 30, 4)])
+    assert seen and all(rank is not eng.scheduler.estimated_wait for rank in seen)
+    if kind == "lru":
+        job = type("J", (), {"last_scheduled_time": 3.0})()
+        assert seen[0](job, 0.0) == -3.0
+    with pytest.raises(ValueError, match="unknown planner ranking"):
+        rank_planner(eng, "enst2")
