@@ -51,6 +51,9 @@ DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 MIN_REQUESTS = 3000
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
+# Output-length buckets of the per-token latency split ([lo, hi) tokens): windowed_metrics' "mean_per_token_s_out<lo>"
+# and "n_out<lo>".
+OUTPUT_BUCKETS = ((1, 8), (8, 32), (32, 128), (128, 512), (512, 1 << 30))
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,12 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
     finished_in = sum(1 for o in outputs if lo <= o.metrics.finished_time <= hi)
     itl = [g for o in counted for g in o.metrics.itl_s]
     short = [o for o in counted if int(o.request_id) not in long]
+    by_length: dict[str, float] = {}
+    for low, high in OUTPUT_BUCKETS:
+        bucket = [o.metrics.e2e_s / len(o.outputs[0].token_ids) for o in counted
+                  if low <= len(o.outputs[0].token_ids) < high]
+        by_length[f"mean_per_token_s_out{low}"] = statistics.fmean(bucket) if bucket else math.nan
+        by_length[f"n_out{low}"] = len(bucket)
     return {
         "counted": len(counted),
         "mean_per_token_s": statistics.fmean(per_token),
@@ -162,6 +171,7 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
         "short_p99_ttft_s": quantile([o.metrics.ttft_s for o in short], 0.99),
         "generated_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outputs
                                       if lo <= o.metrics.finished_time <= hi) / (hi - lo) if hi > lo else 0.0,
+        **by_length,
     }
 
 

@@ -232,6 +232,25 @@ def test_windowed_metrics_report_itl_and_the_short_requests_alone(sim_model):
     assert m["p95_tpot_s"] == pytest.approx(quantile(tpot, 0.95)) and m["p95_tpot_s"] != m["p95_ttft_s"]
 
 
+def test_windowed_metrics_split_the_per_token_latency_by_output_length(sim_model):
+    import math
+
+    from steady_state import windowed_metrics
+
+    model, profile = sim_model
+    trace = [(i * 0.5, 40, (3, 20, 40, 200)[i % 4]) for i in range(21)]
+    res = run_trace(simulated_engine(model, profile, num_device_blocks=2000, scheduling_policy="fcfs"), trace)
+    m = windowed_metrics(res.outputs, [t for t, _, _ in trace])
+    counted = [o for o in res.outputs if 1.0 <= o.metrics.arrival_time <= 9.0]
+    for lo, want in ((1, 3), (8, 20), (32, 40), (128, 200)):
+        mine = [o for o in counted if len(o.outputs[0].token_ids) == want]
+        assert m[f"n_out{lo}"] == len(mine) > 0
+        assert m[f"mean_per_token_s_out{lo}"] == pytest.approx(sum(o.metrics.e2e_s / want for o in mine) / len(mine))
+    assert m["n_out512"] == 0 and math.isnan(m["mean_per_token_s_out512"])
+    assert sum(m[f"n_out{lo}"] for lo in (1, 8, 32, 128, 512)) == m["counted"]
+    assert m["served_rate"] > 0 and m["window_s"] == pytest.approx(8.0)
+
+
 def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     """Burstiness and profiler error are in the key only when set: a plain setup's cached results keep their key."""
     from dataclasses import asdict
