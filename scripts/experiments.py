@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-prompts", type=int, default=2000, help="requests per point of the long-trace search")
     ap.add_argument("--io-total", type=int, default=1024)
     ap.add_argument("--io-load", type=float, default=1.5)
-    ap.add_argument("--io-prompts", type=int, default=120)
     ap.add_argument("--io-spread", type=float, default=0.5, help="Fig. 14: lengths uniform over [1 - s, 1 + s] x "
                                                                   "their mean")
     ap.add_argument("--no-live", action="store_true", help="skip the live measurements")

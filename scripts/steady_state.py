@@ -79,6 +79,10 @@ class Setup:
     # host job ranked first): "enst" (the scheduler's estimated next scheduled time, the paper's), "lru" (idle
     # longest: offloaded first, uploaded first) or "random" (ablations).
     planner_ranking: str = "enst"
+    # Synthetic lengths instead of the dataset (Fig. 14): (mean total tokens, input:output ratio, spread), each
+    # length uniform over [1 - spread, 1 + spread] x its mean (fastserve/bench/workload.py synthetic_lengths). As
+    # vLLM's random dataset, no length filter: the lengths are what was asked.
+    synthetic: tuple[int, float, float] | None = None
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -118,8 +122,15 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
     """The seed's trace, and the length filter's stats with "long": the indices of the requests whose prompt
     was replaced by a long one (setup.long_share; the draws do not depend on the rate)."""
     stats: dict = {}
-    items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, burstiness=setup.burstiness, seed=seed,
-                          length_filter=LengthFilter(), stats=stats)
+    if setup.synthetic is None:
+        items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, burstiness=setup.burstiness,
+                              seed=seed, length_filter=LengthFilter(), stats=stats)
+    else:
+        total, ratio, spread = setup.synthetic
+        lengths = {"input_len": total // 2, "output_len": total - total // 2, "range_ratio": spread,
+                   "io_ratio": ratio}
+        items = load_workload("synthetic", setup.n, rate=rate, burstiness=setup.burstiness, seed=seed,
+                              synthetic=lengths, stats=stats)
     trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
     stats["long"] = set()
     if setup.long_share > 0:
@@ -243,7 +254,7 @@ def rank_planner(engine, kind: str, seed: int = 0) -> None:
 
 # Setup fields added after results were cached: left out of the cache key at their defaults, so a setup that does
 # not use them keeps its key.
-_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst"}
+_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst", "synthetic": None}
 
 
 def setup_key(setup: Setup) -> dict:

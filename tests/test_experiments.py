@@ -258,7 +258,7 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     from steady_state import Runner, Setup, setup_key
 
     plain = asdict(Setup())
-    del plain["burstiness"], plain["profiler_error"], plain["planner_ranking"]
+    del plain["burstiness"], plain["profiler_error"], plain["planner_ranking"], plain["synthetic"]
     assert setup_key(Setup()) == plain
     assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
     assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
@@ -322,3 +322,18 @@ def test_the_planner_ranking_replaces_enst_for_the_planner_alone(sim_model, kind
         assert seen[0](job, 0.0) == -3.0
     with pytest.raises(ValueError, match="unknown planner ranking"):
         rank_planner(eng, "enst2")
+
+
+def test_a_synthetic_setup_splits_its_lengths_by_the_ratio_unfiltered():
+    """Fig. 14's workload: mean total 1,024 tokens split r:1, each length uniform over [0.5, 1.5] x its mean, the
+    same lengths at any rate, and no length filter (prompts over 1,024 tokens stay, as in vLLM's random dataset)."""
+    from steady_state import Setup, trace_for
+
+    trace, stats = trace_for(Setup(n=3000, synthetic=(1024, 16, 0.5)), 2.0, 0)
+    faster, _ = trace_for(Setup(n=3000, synthetic=(1024, 16, 0.5)), 5.0, 0)
+    assert len(trace) == 3000 and stats["dropped"] == 0
+    prompts, outputs = [p for _, p, _ in trace], [o for _, _, o in trace]
+    assert 482 <= min(prompts) and max(prompts) <= 1446 and max(prompts) > 1024
+    assert 30 <= min(outputs) and max(outputs) <= 90
+    assert abs(sum(prompts) / len(prompts) / (sum(outputs) / len(outputs)) - 16) < 1
+    assert [t[1:] for t in faster] == [t[1:] for t in trace] and faster[-1][0] < trace[-1][0]
