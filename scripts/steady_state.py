@@ -44,10 +44,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 from experiment_sections.common import SCALES, phase_latencies  # noqa: E402  (SCALES: name -> (model shape, profile))
 
 from engine.simulation import quantile  # noqa: E402  (the project's one quantile rule)
+from fastserve.bench.arrivals import speedup_for_rate  # noqa: E402
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
 
 DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
             "alpaca": REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv"}
+# Real arrival times (Setup.arrivals): the Azure LLM inference trace 2023's conversation service.
+ARRIVAL_TRACES = {"azure-conv": REPO.parent / "shared" / "datasets" / "azure_llm_trace_2023"
+                  / "AzureLLMInferenceTrace_conv.csv"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 MIN_REQUESTS = 3000
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
@@ -83,6 +87,10 @@ class Setup:
     # length uniform over [1 - spread, 1 + spread] x its mean (fastserve/bench/workload.py synthetic_lengths). As
     # vLLM's random dataset, no length filter: the lengths are what was asked.
     synthetic: tuple[int, float, float] | None = None
+    # Arrival times: None, a gamma process (Poisson at burstiness 1); or a trace of ARRIVAL_TRACES: n consecutive
+    # requests of it from request seed x n on, their times scaled to the point's mean rate (the gaps keep their
+    # shape), carrying the same lengths as the gamma run of the seed.
+    arrivals: str | None = None
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -132,6 +140,9 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
         items = load_workload("synthetic", setup.n, rate=rate, burstiness=setup.burstiness, seed=seed,
                               synthetic=lengths, stats=stats)
     trace = [(it.arrival_s, it.prompt_len, it.output_len) for it in items]
+    if setup.arrivals is not None:
+        times = trace_times(setup.arrivals, len(trace), seed, rate)
+        trace = [(t, p, o) for t, (_, p, o) in zip(times, trace)]
     stats["long"] = set()
     if setup.long_share > 0:
         rng = random.Random(seed + 1000)
@@ -141,6 +152,17 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
                 trace[i] = (arrival, prompt, max(1, min(out, 2048 - prompt)))
                 stats["long"].add(i)
     return trace, stats
+
+
+def trace_times(name: str, n: int, seed: int, rate: float) -> list[float]:
+    """Setup.arrivals: n consecutive arrival times of the trace from request seed x n on (wrapping around), made
+    relative to the first and scaled to a mean rate of `rate` req/s."""
+    raw = [it.arrival_s for it in load_workload(name, 10**9, path=ARRIVAL_TRACES[name])]
+    if len(raw) < n:
+        raise ValueError(f"{name} has {len(raw)} requests, fewer than the {n} asked")
+    start = (seed * n) % (len(raw) - n + 1)
+    window = raw[start:start + n]
+    return [(t - window[0]) / speedup_for_rate(window, rate) for t in window]
 
 
 def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] = frozenset()) -> dict:
@@ -254,7 +276,8 @@ def rank_planner(engine, kind: str, seed: int = 0) -> None:
 
 # Setup fields added after results were cached: left out of the cache key at their defaults, so a setup that does
 # not use them keeps its key.
-_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst", "synthetic": None}
+_KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst", "synthetic": None,
+                 "arrivals": None}
 
 
 def setup_key(setup: Setup) -> dict:

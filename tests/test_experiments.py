@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from bench_sim_vs_live import make_trace  # noqa: E402
-from experiment_sections.azure import interarrival_cv, speedup_for_rate  # noqa: E402
 from experiment_sections.common import (  # noqa: E402
     KVUsageTracker,
     clip_trace,
@@ -20,6 +19,7 @@ from experiment_sections.common import (  # noqa: E402
 )
 
 from engine.simulation import run_trace, simulated_engine  # noqa: E402
+from fastserve.bench.arrivals import interarrival_cv, speedup_for_rate  # noqa: E402
 from memory.kv_manager import blocks_needed  # noqa: E402
 
 
@@ -258,7 +258,8 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     from steady_state import Runner, Setup, setup_key
 
     plain = asdict(Setup())
-    del plain["burstiness"], plain["profiler_error"], plain["planner_ranking"], plain["synthetic"]
+    for name in ("burstiness", "profiler_error", "planner_ranking", "synthetic", "arrivals"):
+        del plain[name]
     assert setup_key(Setup()) == plain
     assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
     assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
@@ -337,3 +338,18 @@ def test_a_synthetic_setup_splits_its_lengths_by_the_ratio_unfiltered():
     assert 30 <= min(outputs) and max(outputs) <= 90
     assert abs(sum(prompts) / len(prompts) / (sum(outputs) / len(outputs)) - 16) < 1
     assert [t[1:] for t in faster] == [t[1:] for t in trace] and faster[-1][0] < trace[-1][0]
+
+
+@pytest.mark.datasets  # (the Azure 2023 trace and the lengths are in ../shared/datasets)
+def test_azure_arrivals_carry_the_gamma_runs_lengths_at_the_asked_mean_rate():
+    from steady_state import Setup, trace_for
+
+    plain, _ = trace_for(Setup(n=3000), 4.0, 1)
+    azure, _ = trace_for(Setup(n=3000, arrivals="azure-conv"), 4.0, 1)
+    other, _ = trace_for(Setup(n=3000, arrivals="azure-conv"), 4.0, 2)
+    assert [t[1:] for t in azure] == [t[1:] for t in plain]
+    times = [t for t, _, _ in azure]
+    assert times[0] == 0 and times == sorted(times)
+    assert (len(times) - 1) / times[-1] == pytest.approx(4.0)
+    assert times != [t for t, _, _ in plain]
+    assert [t for t, _, _ in other] != times  # another seed, another window of the trace

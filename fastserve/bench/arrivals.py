@@ -7,7 +7,8 @@ What this is: seeded arrival times for `workload.py`, with vLLM benchmark_servin
     at 0 and request i after i gaps, as vLLM sends its first request at once; rate inf sends all at 0.
   * poisson_arrivals(n, rate) = gamma_arrivals(n, rate, 1).
   * trace_arrivals(timestamps, speedup): a trace's own times, made relative to its first request and
-    divided by `speedup` (2 = the same trace twice as fast).
+    divided by `speedup` (2 = the same trace twice as fast); speedup_for_rate finds the speedup that gives a mean
+    rate, and interarrival_cv measures how bursty a run of times is.
 What this is not: a scheduler of sends (loadgen.py sleeps until each time) or a dataset reader.
 """
 
@@ -53,3 +54,18 @@ def trace_arrivals(timestamps: Sequence[float], speedup: float = 1.0) -> list[fl
         if out[i] < out[i - 1]:
             raise ValueError(f"trace timestamps go backwards at index {i}")
     return out
+
+
+def speedup_for_rate(arrivals: Sequence[float], rate: float) -> float:
+    """The factor to divide trace arrival times by so that their mean rate, (n - 1) / (last - first), is `rate`."""
+    if len(arrivals) < 2 or arrivals[-1] <= arrivals[0]:
+        raise ValueError("need at least two arrivals spanning a positive time")
+    return rate / ((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+
+
+def interarrival_cv(arrivals: Sequence[float]) -> float:
+    """Coefficient of variation (stdev / mean) of the gaps between sorted arrivals: 1 for Poisson, 1/sqrt(b) for
+    gamma arrivals of burstiness b."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    mean = sum(gaps) / len(gaps)
+    return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean

@@ -5,27 +5,14 @@ ranking (registered in experiment_sections/__init__.py; each takes its Ctx):
   and random ranking, with the thrash count of each;
 - alpha: sensitivity to the starvation threshold (steady state, scripts/steady_state.py);
 - robustness: profiler error (t_init, t_dec off by 20%) and bursty arrivals;
-- kv_steady: proactive vs the fair reactive baseline (and recompute) at steady load below, at and past
-  capacity, with the requests split by length, which is where the gap between them comes from.
+- kv_steady: proactive vs both reactive baselines and recompute at steady load below, at and past capacity,
+  with the requests split by output length.
+Every one is measured the steady-state way (scripts/steady_state.py).
 """
 
 from __future__ import annotations
 
-from experiment_sections.common import MAIN, Ctx, clip_trace
-from fastserve.bench.workload import LengthFilter, load_workload
-
-# Capacity of FCFS serving OPT-13B on one A100 40GB (profiles/sim/opt-13b-a100-40gb-x1.json) on ShareGPT
-# lengths, req/s: the issue's measure (3.5 req/s is about 1.25x), checked by the served rates at 2x below.
-CAPACITY = 2.8
-PAPER = {"kv_overcommit": None, "starvation_factor": None}  # the overload remedies off, as the paper runs
-
-
-def sharegpt(ctx: Ctx, rate: float, n: int) -> list[tuple[float, int, int]]:
-    """As scripts/simulate.py reads it: n ShareGPT lengths through vLLM's length filter, Poisson at `rate`."""
-    items = load_workload("lengths", n, path=ctx.datasets["ShareGPT"], rate=rate, seed=ctx.args.seed,
-                          length_filter=LengthFilter())
-    return clip_trace(items, 2048)
-
+from experiment_sections.common import MAIN, Ctx
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
 RANKINGS = ("enst", "lru", "random")
