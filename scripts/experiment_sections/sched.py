@@ -12,6 +12,8 @@ Every one is measured the steady-state way (scripts/steady_state.py).
 
 from __future__ import annotations
 
+import math
+
 from experiment_sections.common import MAIN, Ctx
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ def section_kv_steady(ctx: Ctx) -> str:
     so its cached runs), the per-token latency split by output length (steady_state.OUTPUT_BUCKETS)."""
     import time
 
-    from steady_state import OUTPUT_BUCKETS, Runner, capacity, fmt, ratio_stat, stat, table
+    from steady_state import OUTPUT_BUCKETS, Runner, capacity, fmt, stat, table
 
     from experiment_sections.fig15 import kv_setup
 
@@ -207,7 +209,7 @@ def section_kv_steady(ctx: Ctx) -> str:
     for load in KV_LOADS:
         for kv in KV_POLICIES:
             d = data[kv][(load, "skip-join-mlfq")]
-            cells = [f"{fmt(stat(d[f'mean_per_token_s_out{lo}']))} ({stat(d[f'n_out{lo}']).mean:.0f})"
+            cells = [f"{fmt(stat(_present(d[f'mean_per_token_s_out{lo}'])))} ({stat(d[f'n_out{lo}']).mean:.0f})"
                      for lo, _ in OUTPUT_BUCKETS]
             lines.append(f"| {load:g}C | {kv} | " + " | ".join(cells) + " |")
     lines += ["", "Each baseline over proactive, per bucket (paired per seed; above 1: proactive is better):", "",
@@ -216,7 +218,8 @@ def section_kv_steady(ctx: Ctx) -> str:
         pro = data["proactive"][(load, "skip-join-mlfq")]
         for kv in KV_POLICIES[1:]:
             d = data[kv][(load, "skip-join-mlfq")]
-            cells = [fmt(ratio_stat(d[f"mean_per_token_s_out{lo}"], pro[f"mean_per_token_s_out{lo}"]))
+            cells = [fmt(stat(_present([a / b for a, b in zip(d[f"mean_per_token_s_out{lo}"],
+                                                              pro[f"mean_per_token_s_out{lo}"])])))
                      for lo, _ in OUTPUT_BUCKETS]
             lines.append(f"| {load:g}C | {kv} | " + " | ".join(cells) + " |")
     lines += ["", "What changed since this section's previous version (session 10 and before): it ran 1,500 requests "
@@ -231,3 +234,9 @@ def section_kv_steady(ctx: Ctx) -> str:
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
     return "\n".join(lines)
+
+
+def _present(values: list[float]) -> list[float]:
+    """The seeds' values less the NaN of a seed with no request in the bucket (vLLM's filter keeps outputs of 4+
+    tokens, so the shortest bucket can be empty)."""
+    return [v for v in values if v == v] or [math.nan]
