@@ -5,15 +5,14 @@ simulated at the paper's scale with roofline profiles, plus a small live measure
     python scripts/experiments.py --only fig5,fig14     # some figures; prints their sections, keeps the doc
     python scripts/experiments.py --no-live --num-prompts 200
 
-Sections: skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle
-(5 seeds, 95% intervals; scripts/steady_state.py), Fig. 1 (queueing share of latency under FCFS), Fig. 5
-(first-iteration vs decode cost), Fig. 8
-(peak KV memory, MLFQ vs FCFS), Fig. 12 (P95 per-token latency vs rate), Fig. 13 (goodput at 5x/10x/20x
-light-load SLOs, per phase), Fig. 14 (policies over input:output ratios), Fig. 15a/b (KV policies vs
-rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy (table), sim vs live
-(scripts/bench_sim_vs_live.py), and what the paper did not test (past capacity, the ENST ablation, alpha,
-profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), and chunked prefill with long
-prompts among short ones (budget vs ITL and served rate, the issue-25 goals).
+Sections: skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle (5
+seeds, 95% intervals; scripts/steady_state.py), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
+(first-iteration vs decode cost), Fig. 8 (KV memory in use, MLFQ vs FCFS, steady state), Fig. 12 (P95 per-token
+latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
+ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy
+(table), sim vs live (scripts/bench_sim_vs_live.py), and what the paper did not test (past capacity, the ENST
+ablation, alpha, profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), and chunked
+prefill with long prompts among short ones (budget vs ITL and served rate, the issue-25 goals).
 Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
 not measurements. The simulations are deterministic (seeded traces, virtual clock); the text of the document

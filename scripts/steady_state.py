@@ -41,7 +41,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from experiment_sections.common import SCALES, phase_latencies  # noqa: E402  (SCALES: name -> (model shape, profile))
+from experiment_sections.common import (  # noqa: E402  (SCALES: name -> (model shape, profile))
+    SCALES,
+    KVUsageTracker,
+    phase_latencies,
+)
 
 from engine.simulation import quantile  # noqa: E402  (the project's one quantile rule)
 from fastserve.bench.arrivals import speedup_for_rate  # noqa: E402
@@ -91,6 +95,8 @@ class Setup:
     # requests of it from request seed x n on, their times scaled to the point's mean rate (the gaps keep their
     # shape), carrying the same lengths as the gamma run of the seed.
     arrivals: str | None = None
+    # Record the KV blocks in use after every step (Fig. 8): run_point adds kv_usage's fields.
+    track_kv: bool = False
 
     def path(self) -> str:
         return self.dataset_path or str(DATASETS[self.dataset])
@@ -165,13 +171,21 @@ def trace_times(name: str, n: int, seed: int, rate: float) -> list[float]:
     return [(t - window[0]) / speedup_for_rate(window, rate) for t in window]
 
 
+def window(arrivals: Sequence[float]) -> tuple[float, float]:
+    """The counted window (lo, hi): the middle 80% of the arrival span."""
+    first, last = min(arrivals), max(arrivals)
+    return first + WINDOW[0] * (last - first), first + WINDOW[1] * (last - first)
+
+
 def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] = frozenset()) -> dict:
     """The steady-state metrics of a finished run: requests arriving in the middle 80% of the span count. ITL:
     every gap between a counted request's successive tokens. The short requests' metrics leave out the requests
-    in `long` (by request id, the trace index); with none long they are every counted request's."""
-    first, last = min(arrivals), max(arrivals)
-    lo, hi = first + WINDOW[0] * (last - first), first + WINDOW[1] * (last - first)
+    in `long` (by request id, the trace index); with none long they are every counted request's. Queueing
+    share (Fig. 1): the counted requests' time queued (waiting while not running, preempted time included) over
+    their end-to-end time, as SimulationResult.summary computes it over every request."""
+    lo, hi = window(arrivals)
     counted = [o for o in outputs if lo <= o.metrics.arrival_time <= hi]
+    counted_e2e = sum(o.metrics.e2e_s for o in counted)
     per_token = sorted(o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) for o in counted)
     ttft = sorted(o.metrics.ttft_s for o in counted)
     e2e = [o.metrics.e2e_s for o in outputs]  # starvation: over every request
@@ -194,6 +208,7 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
         **phase_latencies(counted),  # Fig. 13's phases: P95 TTFT, P95 time per output token after the first
         "p99_ttft_s": quantile(ttft, 0.99),
         "mean_e2e_s": statistics.fmean(o.metrics.e2e_s for o in counted),
+        "queueing_share": sum(o.metrics.queued_s for o in counted) / counted_e2e if counted_e2e else 0.0,
         "max_e2e_s": max(e2e),
         "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,
         "window_s": hi - lo,
@@ -208,8 +223,46 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
     }
 
 
+KV_BINS = 400  # points of kv_usage's series
+
+
+def kv_usage(times: Sequence[float], device: Sequence[int], host: Sequence[int], lo: float, hi: float,
+             bins: int = KV_BINS) -> dict:
+    """KV blocks in use (device + host tiers) after each step (a KVUsageTracker's record), summed up for a table
+    and a plot. A step's count holds until the next step (the last one's for good; none before the first).
+    kv_peak_blocks and kv_mean_blocks (weighted by time): over the counted window [lo, hi];
+    kv_run_peak_blocks and kv_peak_device_blocks: over the whole run; kv_series: [time, blocks] pairs, the
+    highest count holding in each of `bins` equal spans of the run."""
+    total = [d + h for d, h in zip(device, host)]
+    if not total:
+        return {"kv_peak_blocks": 0, "kv_mean_blocks": 0.0, "kv_run_peak_blocks": 0, "kv_peak_device_blocks": 0,
+                "kv_series": []}
+    ends = [*times[1:], max(hi, times[-1])]
+    peak, area = 0, 0.0
+    for t0, t1, n in zip(times, ends, total):
+        a, b = max(t0, lo), min(t1, hi)
+        if b >= a:  # holds during part of the window
+            peak = max(peak, n)
+            area += n * (b - a)
+    width = times[-1] / bins if times[-1] > 0 else 1.0
+    series: list[list[float]] = []
+    held = 0  # the count holding as a span starts: the last step's before it
+    i = 0
+    for k in range(bins):
+        start, end = k * width, (k + 1) * width
+        top = held if i >= len(times) or times[i] > start else 0  # held into the span, unless a step starts it
+        while i < len(times) and (times[i] < end or k == bins - 1):
+            held = total[i]
+            top = max(top, held)
+            i += 1
+        series.append([round(start, 3), top])
+    return {"kv_peak_blocks": peak, "kv_mean_blocks": area / (hi - lo) if hi > lo else float(peak),
+            "kv_run_peak_blocks": max(total), "kv_peak_device_blocks": max(device), "kv_series": series}
+
+
 def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
-    """One simulation; its windowed metrics plus KV counters and the wall time."""
+    """One simulation; its windowed metrics plus KV counters and the wall time (with setup.track_kv, kv_usage's
+    fields too)."""
     from make_tiny_model import config_only_model
 
     from engine.simulation import run_trace, simulated_engine
@@ -223,6 +276,7 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
         engine = misprofiled_engine(config_only_model(shape), REPO / profile, setup.profiler_error, policy, kw)
     if setup.planner_ranking != "enst":
         rank_planner(engine, setup.planner_ranking)
+    tracker = KVUsageTracker(engine) if setup.track_kv else None
     t = time.perf_counter()
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
@@ -233,6 +287,8 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
             "offloads": kv.num_offloads, "uploads": kv.num_uploads,
             "swap_misses": kv.num_swap_misses, "drops": kv.num_drops, "thrash": kv.num_thrash,
             "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
+    if tracker is not None:
+        out |= kv_usage(tracker.times, tracker.device, tracker.host, *window([a for a, _, _ in trace]))
     return out
 
 
@@ -277,7 +333,7 @@ def rank_planner(engine, kind: str, seed: int = 0) -> None:
 # Setup fields added after results were cached: left out of the cache key at their defaults, so a setup that does
 # not use them keeps its key.
 _KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranking": "enst", "synthetic": None,
-                 "arrivals": None}
+                 "arrivals": None, "track_kv": False}
 
 
 def setup_key(setup: Setup) -> dict:

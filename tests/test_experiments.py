@@ -258,15 +258,16 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     from steady_state import Runner, Setup, setup_key
 
     plain = asdict(Setup())
-    for name in ("burstiness", "profiler_error", "planner_ranking", "synthetic", "arrivals"):
+    for name in ("burstiness", "profiler_error", "planner_ranking", "synthetic", "arrivals", "track_kv"):
         del plain[name]
     assert setup_key(Setup()) == plain
     assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
     assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
+    assert setup_key(Setup(track_kv=True))["track_kv"] is True
     runner = Runner(jobs=1, cache=tmp_path, version="v")
     keys = {runner._key(s, "fcfs", 1.0, 0) for s in (Setup(), Setup(burstiness=0.5), Setup(profiler_error=(1.2, 1.0)),
-                                                      Setup(planner_ranking="lru"))}
-    assert len(keys) == 4
+                                                      Setup(planner_ranking="lru"), Setup(track_kv=True))}
+    assert len(keys) == 5
 
 
 def test_a_bursty_setup_draws_gamma_arrivals_of_the_same_requests(tmp_path):
@@ -353,3 +354,45 @@ def test_azure_arrivals_carry_the_gamma_runs_lengths_at_the_asked_mean_rate():
     assert (len(times) - 1) / times[-1] == pytest.approx(4.0)
     assert times != [t for t, _, _ in plain]
     assert [t for t, _, _ in other] != times  # another seed, another window of the trace
+
+
+def test_windowed_metrics_queueing_share_is_over_the_counted_requests(sim_model):
+    """Fig. 1's queueing share: the counted requests' time queued over their end-to-end time (one slot: the
+    requests wait their turn, so some of it is queueing)."""
+    from steady_state import window, windowed_metrics
+
+    model, profile = sim_model
+    trace = [(i * 0.01, 40, 8) for i in range(21)]
+    res = run_trace(simulated_engine(model, profile, num_device_blocks=200, scheduling_policy="fcfs",
+                                     max_num_seqs=1), trace)
+    lo, hi = window([t for t, _, _ in trace])
+    counted = [o for o in res.outputs if lo <= o.metrics.arrival_time <= hi]
+    m = windowed_metrics(res.outputs, [t for t, _, _ in trace])
+    share = sum(o.metrics.queued_s for o in counted) / sum(o.metrics.e2e_s for o in counted)
+    assert m["queueing_share"] == pytest.approx(share)
+    assert 0.5 < m["queueing_share"] < 1.0  # the later ones wait for all the earlier ones
+    assert m["queueing_share"] != pytest.approx(res.summary()["queueing_share"])  # not over every request
+
+
+def test_kv_usage_holds_each_steps_count_until_the_next():
+    """Blocks in use after steps at t = 0, 1, 2, 4 (device + host): over the window [0.5, 3] the counts 3 (0.5 s),
+    5 (1 s) and 9 (1 s) hold, and the 4-block start and the 1-block end lie outside it."""
+    from steady_state import kv_usage
+
+    u = kv_usage([0.0, 1.0, 2.0, 4.0], [3, 4, 6, 1], [0, 1, 3, 0], lo=0.5, hi=3.0, bins=4)
+    assert u["kv_peak_blocks"] == 9 and u["kv_run_peak_blocks"] == 9 and u["kv_peak_device_blocks"] == 6
+    assert u["kv_mean_blocks"] == pytest.approx((3 * 0.5 + 5 * 1 + 9 * 1) / 2.5)
+    assert u["kv_series"] == [[0.0, 3], [1.0, 5], [2.0, 9], [3.0, 9]]  # the highest count holding in each second
+    assert kv_usage([], [], [], 0.0, 1.0)["kv_peak_blocks"] == 0
+
+
+@pytest.mark.datasets  # (its trace is drawn from ../shared/datasets/sharegpt_lengths.csv)
+def test_run_point_with_kv_tracking_reports_the_usage_beside_the_same_metrics():
+    from steady_state import Setup, run_point
+
+    plain = run_point(Setup(n=60), "fcfs", 20.0, 0)
+    tracked = run_point(Setup(n=60, track_kv=True), "fcfs", 20.0, 0)
+    assert {k: v for k, v in tracked.items() if not k.startswith("kv_") and k != "wall_s"} == \
+        {k: v for k, v in plain.items() if k != "wall_s"}
+    assert 0 < tracked["kv_mean_blocks"] <= tracked["kv_peak_blocks"] <= tracked["kv_run_peak_blocks"]
+    assert len(tracked["kv_series"]) == 400 and max(n for _, n in tracked["kv_series"]) == tracked["kv_run_peak_blocks"]

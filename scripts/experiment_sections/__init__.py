@@ -33,8 +33,8 @@ SECTIONS: dict[str, str] = {
     "live_slo": "live_slo",
     "live": "live",
 }
-# Sections run before the others, whatever their place in the document: the SLO table gives the figures
-# their load scale (common.slo_table caches it, so it is computed once either way).
+# Sections run before the others, whatever their place in the document: the SLO table (common.slo_table caches it,
+# so it is computed once either way). It gave the figures their load scale; the slo section alone reads it now.
 RUN_FIRST = ("slo",)
 # Sections run after the others: the slowest (Fig. 15's reactive and recompute runs past the knee), so that with
 # --update every other section has landed before it starts.

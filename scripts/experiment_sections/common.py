@@ -1,6 +1,6 @@
 """What every section of `make experiments` shares: the scales and policies, the experiment context `Ctx`
-(arguments, traces, cached simulations), plotting helpers, the SLO search and the SLO table (which gives
-the figures their load scale), the KV capacity of a scale, and the tiny model's measured profile.
+(arguments, traces, cached simulations), plotting helpers, the SLO search and the SLO table (the slo section's),
+the KV capacity of a scale, and the tiny model's measured profile.
 
 The helpers SLOSearch/throughput_at_slo, phase_latencies, KVUsageTracker and clip_trace are
 tested in tests/test_experiments.py.
