@@ -455,9 +455,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
                                "decodes go first (--no-enable-chunked-prefill: prompts run whole); default: on "
                                "on CUDA, off on the CPU", None),
     "long_prefill_token_threshold": ("with chunked prefill, at most this many of one prompt's tokens in an "
-                                     "iteration (0: only --max-num-batched-tokens bounds a chunk); default: with "
-                                     "the picked budget, the chunk the job profile picks when --max-num-seqs "
-                                     "raised the budget above it, else 0", None),
+                                     "iteration (vLLM's flag; 0, the default: only --max-num-batched-tokens bounds "
+                                     "a chunk)", None),
     "max_model_len": ("context length (default: the model's)", None),
     "block_size": ("tokens per KV block", None),
     "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),

@@ -267,13 +267,6 @@ def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, ca
     the stall-safe chunk (stall_safe_chunk), then at least max_num_seqs (vLLM's rule: every sequence of a full
     batch can decode) and at most cap (but never below block_size). On the OPT-13B A100 40GB profile this is 256,
     the budget the simulator measured as the only one keeping P99 ITL under twice the median (docs/benchmarks.md,
-    "Chunked prefill: the token budget"). Where max_num_seqs raises it above the chunk, the chunk stays the most
-    one prompt may take of it (prefill_cap)."""
+    "Chunked prefill: the token budget")."""
     return max(block_size, min(cap, max(stall_safe_chunk(cost, block_size, cap), max_num_seqs)))
 
-
-def prefill_cap(cost: ProfiledCostModel, block_size: int, budget: int, cap: int) -> int:
-    """The default long_prefill_token_threshold with chunked prefill and the picked budget: the stall-safe chunk
-    when the budget is larger (raised to max_num_seqs), else 0 (the budget alone bounds a chunk)."""
-    chunk = stall_safe_chunk(cost, block_size, cap)
-    return chunk if chunk < budget else 0

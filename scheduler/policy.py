@@ -151,9 +151,7 @@ class SchedulerConfig:
     # False: a prompt runs whole or not at all (one too large for the budget runs alone).
     enable_chunked_prefill: bool = False
     # Chunked prefill: at most this many of one prompt's tokens in an iteration (vLLM's long_prefill_token_threshold),
-    # however much of the budget is left: the budget must hold a full batch's decodes (>= max_num_seqs), and at
-    # small batches a chunk that takes the rest of it stalls the streamed tokens longer than the picked chunk
-    # size does (scheduler/cost_model.py, stall_safe_chunk). 0: no cap but the budget.
+    # however much of the budget is left. 0: no cap but the budget.
     long_prefill_token_threshold: int = 0
     # Pipeline parallelism: with several batches in flight at once, one batch's jobs may hold at most this many
     # tokens of KV (the device's tokens / batches in flight, set by the engine), so the batch the next stage

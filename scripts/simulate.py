@@ -102,10 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=False,
                     help="split prompts that do not fit the rest of an iteration's budget (default: off, as the "
                          "live engine on the CPU; the live default on CUDA is on)")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                    help="with chunked prefill, at most this many of one prompt's tokens in an iteration (0: no "
-                         "cap; default: as the server: the profile's chunk where --max-num-seqs raised the picked "
-                         "budget above it, else 0)")
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                    help="with chunked prefill, at most this many of one prompt's tokens in an iteration (default 0: "
+                         "only the budget bounds a chunk)")
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
     d = EngineConfig()  # the server's defaults
     ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
