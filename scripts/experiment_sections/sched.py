@@ -61,7 +61,13 @@ def section_enst_ablation(ctx: Ctx) -> str:
               "at 1.0x of 2.8 req/s, every one counted, one seed, with the old cost model and the paper's overload "
               "rules (no admission bound on the started jobs' KV), where the host tier was used most; it read ENST "
               "0.119, LRU 0.127 (+7%), random 0.122 (+3%) s/token, with 16,713 of 16,734 uploads swap misses. "
-              "Offloads, uploads and thrash are per run (mean over seeds).", "",
+              "Offloads, uploads and thrash are per run (mean over seeds). Why the ranking moves nothing now: "
+              "under today's admission (new jobs start only while the started jobs' KV fits both tiers) and the "
+              "watermark of session 14, nearly every upload is still the scheduler's own pick (the swap-miss "
+              "column), so the planner's order decides only which idle job it offloads, and a random order's "
+              "extra offloads and thrash cost no latency because each copy takes less than a step "
+              "(docs/benchmarks.md, \"Skip-join at capacity\", part 8). The old run's +3-7% was one seed of a "
+              "short trace.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
@@ -170,7 +176,12 @@ def section_robustness(ctx: Ctx) -> str:
               "a point, every one counted, one seed, at 0.75x and 1.0x of 2.8 req/s, with the old cost model, no "
               "length filter and the defaults of its day (alpha 0.3 s, `--kv-overcommit 4`). It read skip-join / "
               "FCFS mean 0.80x at 0.75x and 0.44x at 1.0x with Poisson arrivals, 0.45-0.49x at 0.75x and 0.79-0.81x "
-              "at 1.0x with bursts, and profiler errors moved skip-join's mean by -32%..+3% at 1.0x (one seed).", "",
+              "at 1.0x with bursts, and profiler errors moved skip-join's mean by -32%..+3% at 1.0x (one seed). "
+              "Why it reads differently now: one seed of a 1,500-request trace at capacity is mostly that trace's "
+              "noise (at 1.0C the seeds' intervals here span 2-3x); a profile off by 20% shifts every quantum and "
+              "the skip-join entry queue by the same factor, so the order of jobs, which is what the scheduler "
+              "decides, barely moves. Bursts widen the intervals at and past capacity but leave skip-join's lead "
+              "over FCFS where it was.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
@@ -232,7 +243,11 @@ def section_kv_steady(ctx: Ctx) -> str:
               "compared proactive with the non-blocking reactive baseline and recompute only, and read reactive / "
               "proactive mean 1.01x at 0.75x, 0.57x at 1.0x and 0.77x at 1.5x (0.90x and 0.87x without the clipped "
               "prompts): proactive behind at and past capacity, most for the shortest outputs (1-7 tokens: 4.48 "
-              "against 0.83 s/token at 1.0x), which were mostly the clipped prompts.", "",
+              "against 0.83 s/token at 1.0x), which were mostly the clipped prompts. Why it reads differently now: "
+              "vLLM's filter drops those prompts; the proactive watermark counts only the blocks the batch adds "
+              "(session 14), so proactive no longer parks jobs the scheduler wants back; and the paper's blocking "
+              "baseline is in the table, which proactive beats most on the long outputs, whose jobs are swapped "
+              "most.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
