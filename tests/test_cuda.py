@@ -107,10 +107,10 @@ def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
 
 
 def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_model_dir):
-    """Issue 25's default: on where the model runs on CUDA, with the budget and prefill floor the job profile picks;
-    a prompt split under a small budget (and a prefill floor) gives the unchunked run's greedy tokens."""
+    """Issue 25's default: on where the model runs on CUDA, with the budget the job profile picks; a prompt split
+    under a small budget gives the unchunked run's greedy tokens."""
     from engine.config import UNCHUNKED_BATCHED_TOKENS
-    from scheduler.cost_model import chunk_budget, prefill_floor
+    from scheduler.cost_model import chunk_budget
 
     prompt = [2] + [(7 * i) % 2000 + 3 for i in range(700)]
     with LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", profile="analytic") as llm:
@@ -120,12 +120,9 @@ def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_
         assert cfg.max_num_batched_tokens == chunk_budget(engine.cost_model, engine.executor.block_size,
                                                           engine.config.max_num_seqs, UNCHUNKED_BATCHED_TOKENS)
         picked = cfg.max_num_batched_tokens
-        assert cfg.prefill_token_floor == prefill_floor(engine.cost_model, engine.executor.block_size, picked,
-                                                        UNCHUNKED_BATCHED_TOKENS)
     outs = {}
     for chunked in (True, False):
         with LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", profile="analytic",
-                 enable_chunked_prefill=chunked, max_num_batched_tokens=256 if chunked else None,
-                 prefill_token_floor=64 if chunked else None) as llm:
+                 enable_chunked_prefill=chunked, max_num_batched_tokens=256 if chunked else None) as llm:
             outs[chunked] = [o.outputs[0].token_ids for o in llm.generate([prompt] + PROMPTS, greedy())]
     assert outs[True] == outs[False] and picked >= 256
