@@ -457,10 +457,6 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "long_prefill_token_threshold": ("with chunked prefill, at most this many of one prompt's tokens in an "
                                      "iteration (vLLM's flag; 0, the default: only --max-num-batched-tokens bounds "
                                      "a chunk)", None),
-    "prefill_token_floor": ("with chunked prefill, the prompts of an iteration take at least this many tokens "
-                            "together even when a full batch's decodes fill --max-num-batched-tokens (the iteration "
-                            "then holds up to both); default: with the picked budget, the job profile's stall-safe "
-                            "chunk where --max-num-seqs raised the budget above it, else 0", None),
     "max_model_len": ("context length (default: the model's)", None),
     "block_size": ("tokens per KV block", None),
     "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),

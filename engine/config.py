@@ -54,12 +54,6 @@ class EngineConfig:
     # OPT-13B A100 80GB profile, a cap of the stall-safe chunk (128) under the picked budget (256) changed neither
     # P99 ITL nor throughput (docs/benchmarks.md, "Chunked prefill, session 19"), so none is picked.
     long_prefill_token_threshold: int = 0
-    # With chunked prefill, the prompts of an iteration take at least this many tokens together even when a full
-    # batch's decodes fill the budget (the iteration then holds up to budget + this; scheduler/policy.py,
-    # SchedulerConfig.prefill_token_floor). None (the default): with the picked budget, the job profile's
-    # stall-safe chunk where max_num_seqs raised the budget above it (scheduler/cost_model.py, prefill_floor), else
-    # 0; with an explicit --max-num-batched-tokens, 0.
-    prefill_token_floor: int | None = None
     # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
     # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
     # what follows its longest cached prefix.
@@ -132,8 +126,6 @@ class EngineConfig:
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        need(self.prefill_token_floor is None or self.prefill_token_floor >= 0,
-             f"prefill_token_floor must be >= 0, got {self.prefill_token_floor}")
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1")
         need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
              f"block_size must be a power of two <= 128, got {self.block_size}")
@@ -160,11 +152,8 @@ class EngineConfig:
     @property
     def sizing_batched_tokens(self) -> int:
         """The iteration size the executor sizes activation memory for (its warm-up forward), before the engine
-        picks a budget: max_num_batched_tokens plus an explicit prefill_token_floor (an iteration may hold both), or
-        UNCHUNKED_BATCHED_TOKENS, which no picked budget plus its floor exceeds."""
-        if self.max_num_batched_tokens is None:
-            return UNCHUNKED_BATCHED_TOKENS
-        return self.max_num_batched_tokens + (self.prefill_token_floor or 0)
+        picks a budget: max_num_batched_tokens, or UNCHUNKED_BATCHED_TOKENS, which no picked budget exceeds."""
+        return self.max_num_batched_tokens or UNCHUNKED_BATCHED_TOKENS
 
     @classmethod
     def field_names(cls) -> list[str]:

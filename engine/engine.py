@@ -39,7 +39,7 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
-from scheduler.cost_model import chunk_budget, prefill_floor
+from scheduler.cost_model import chunk_budget
 from scheduler.policy import ScheduleDecision
 
 log = logging.getLogger(__name__)
@@ -96,26 +96,20 @@ def overlaps_output(config: EngineConfig, executor: Executor) -> bool:
 
 
 def resolve_chunking(config: EngineConfig, device_type: str, cost: ProfiledCostModel,
-                     block_size: int) -> tuple[bool, int, int]:
-    """(chunked prefill on, max_num_batched_tokens, prefill_token_floor) as the engine runs them. Chunked prefill:
-    as configured, else on where the model runs on CUDA and off elsewhere: on this CPU chunking raised the tiny
-    model's P99 ITL and the simulator ("meta") keeps the unchunked runs its experiments were measured with
-    (docs/benchmarks.md, "Chunked prefill: the default"). The budget: as configured, else with chunking the one
-    the job profile picks (scheduler/cost_model.py chunk_budget), without it UNCHUNKED_BATCHED_TOKENS. The prefill
-    floor: as configured, else with chunking and the picked budget the profile's stall-safe chunk where
-    max_num_seqs raised the budget above it (prefill_floor), else 0."""
+                     block_size: int) -> tuple[bool, int]:
+    """(chunked prefill on, max_num_batched_tokens) as the engine runs them. Chunked prefill: as configured, else
+    on where the model runs on CUDA and off elsewhere: on this CPU chunking raised the tiny model's P99 ITL and
+    the simulator ("meta") keeps the unchunked runs its experiments were measured with (docs/benchmarks.md,
+    "Chunked prefill: the default"). The budget: as configured, else with chunking the one the job profile picks
+    (scheduler/cost_model.py chunk_budget), without it UNCHUNKED_BATCHED_TOKENS."""
     chunked = config.enable_chunked_prefill
     if chunked is None:
         chunked = device_type == "cuda"
     budget = config.max_num_batched_tokens
-    picked = budget is None
-    if picked:
+    if budget is None:
         budget = (chunk_budget(cost, block_size, config.max_num_seqs, UNCHUNKED_BATCHED_TOKENS) if chunked
                   else UNCHUNKED_BATCHED_TOKENS)
-    floor = config.prefill_token_floor
-    if floor is None:
-        floor = prefill_floor(cost, block_size, budget, UNCHUNKED_BATCHED_TOKENS) if chunked and picked else 0
-    return chunked, budget, floor
+    return chunked, budget
 
 
 class Engine:
@@ -132,18 +126,16 @@ class Engine:
         if config.enable_prefix_caching:
             self.kv.enable_prefix_caching(EnginePrefixSource(self._seq_of_job), config.prefix_caching_host_tier)
         self.cost_model = self._load_cost_model()
-        chunked, budget, floor = resolve_chunking(config, self.executor.device.type, self.cost_model,
-                                                  self.executor.block_size)
+        chunked, budget = resolve_chunking(config, self.executor.device.type, self.cost_model,
+                                           self.executor.block_size)
         prefill_limit = config.long_prefill_token_threshold
-        log.info("chunked prefill: %s; at most %d tokens per iteration%s%s", "on" if chunked else "off", budget,
-                 f" (+ up to {floor} when a full batch's decodes fill it)" if chunked and floor else "",
+        log.info("chunked prefill: %s; at most %d tokens per iteration%s", "on" if chunked else "off", budget,
                  f", {prefill_limit} of one prompt" if chunked and prefill_limit else "")
         self.scheduler = make_policy(
             SchedulerConfig(
                 policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=chunked, long_prefill_token_threshold=prefill_limit,
-                prefill_token_floor=floor,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
                 starvation_factor=config.starvation_factor, mlfq_ladder=config.mlfq_ladder,
                 starvation_age=config.starvation_age,

@@ -270,10 +270,3 @@ def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, ca
     "Chunked prefill: the token budget")."""
     return max(block_size, min(cap, max(stall_safe_chunk(cost, block_size, cap), max_num_seqs)))
 
-
-def prefill_floor(cost: ProfiledCostModel, block_size: int, budget: int, cap: int) -> int:
-    """The default prefill_token_floor with chunked prefill and the picked budget: the stall-safe chunk when
-    max_num_seqs raised the budget above it (a full batch's decodes could fill the budget and leave prompts a few
-    tokens an iteration), else 0."""
-    chunk = stall_safe_chunk(cost, block_size, cap)
-    return chunk if chunk < budget else 0

@@ -89,10 +89,6 @@ class FCFSPolicy(SchedulingPolicy):
         reserve = 0
         if self.config.enable_chunked_prefill:
             reserve = sum(1 for j in self._running if not j.in_flight and j.num_computed and j.num_new_tokens == 1)
-        # The prefill floor (SchedulerConfig.prefill_token_floor): the chunks' tokens so far, and what the floor has
-        # added to this iteration's budget.
-        floor = self.config.enable_chunked_prefill and self.config.prefill_token_floor
-        prefill = over = 0
         # 1. Running jobs grow, oldest first (a partly prefilled one by its next chunk); the newest gives way when
         # KV runs out.
         i = 0
@@ -104,8 +100,7 @@ class FCFSPolicy(SchedulingPolicy):
                 reserve -= 1  # its token is in the batch now, or it cannot run: kept for it no longer
             # The slot check matters when running jobs were skipped (not ready) and more joined.
             full = len(decision.batch) >= self.config.max_num_seqs
-            is_chunk = n > 1
-            n = self.chunk(n, tokens, len(decision.batch), max(0, reserve), prefill, over)
+            n = self.chunk(n, tokens, len(decision.batch), max(0, reserve))
             if full or not n:
                 i += 1
                 continue
@@ -134,15 +129,11 @@ class FCFSPolicy(SchedulingPolicy):
                 decision.batch.append(job)
                 job.num_scheduled = n
                 tokens += n
-                if floor and is_chunk:
-                    prefill += n
-                    over = self.extend_budget(tokens, max(0, reserve), over)
         # 2. Waiting jobs join in arrival order, unless memory just forced a preemption or a wait.
         while (not decision.preempted and not room_wait and self._waiting
                and len(decision.batch) < self.config.max_num_seqs):
             job = self._waiting[0]
-            is_chunk = job.num_new_tokens > 1
-            n = self.chunk(job.num_new_tokens, tokens, len(decision.batch), 0, prefill, over)
+            n = self.chunk(job.num_new_tokens, tokens, len(decision.batch))
             if not n:
                 break
             if not job.ready:
@@ -160,9 +151,6 @@ class FCFSPolicy(SchedulingPolicy):
             decision.batch.append(job)
             job.num_scheduled = n
             tokens += n
-            if floor and is_chunk:
-                prefill += n
-                over = self.extend_budget(tokens, 0, over)
         for job in decision.batch:
             if job.first_scheduled_time is None:
                 job.first_scheduled_time = now

@@ -153,11 +153,6 @@ class SchedulerConfig:
     # Chunked prefill: at most this many of one prompt's tokens in an iteration (vLLM's long_prefill_token_threshold),
     # however much of the budget is left. 0: no cap but the budget.
     long_prefill_token_threshold: int = 0
-    # Chunked prefill: the prompts of an iteration may take at least this many tokens together, even when the decodes
-    # of a full batch fill the budget; the iteration then holds up to budget + the floor. Without it a batch of
-    # max_num_seqs decodes under a budget of about max_num_seqs leaves prompts a few tokens an iteration past
-    # capacity, and new jobs enter slowly. 0: the budget alone.
-    prefill_token_floor: int = 0
     # Pipeline parallelism: with several batches in flight at once, one batch's jobs may hold at most this many
     # tokens of KV (the device's tokens / batches in flight, set by the engine), so the batch the next stage
     # frees is not the only one that can run: without it the most urgent jobs fill the whole device in one
@@ -173,8 +168,6 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.prefill_token_floor < 0:
-            raise ValueError(f"prefill_token_floor must be >= 0, got {self.prefill_token_floor}")
         if self.starvation_threshold is not None and not self.starvation_threshold > 0:
             raise ValueError(f"starvation_threshold must be > 0 seconds, got {self.starvation_threshold}")
         if self.starvation_factor is not None and not self.starvation_factor > 0:
@@ -248,30 +241,19 @@ class SchedulingPolicy(ABC):
         """The batched-token limit; a job too large for it runs alone rather than never."""
         return batch_len == 0 or tokens_so_far + job.num_new_tokens <= self.config.max_num_batched_tokens
 
-    def chunk(self, n: int, tokens_so_far: int, batch_len: int, reserve: int = 0, prefill_so_far: int = 0,
-              over: int = 0) -> int:
+    def chunk(self, n: int, tokens_so_far: int, batch_len: int, reserve: int = 0) -> int:
         """Tokens a job with n tokens to compute may compute in this iteration, after tokens_so_far of the
         batch's: n, or 0 when it must wait. Without chunked prefill: n if it fits the budget (or the batch is
         empty: a job too large runs alone). With it, a job of several tokens (a prompt, or the rest of one)
         takes what the budget has left after `reserve` tokens kept for decodes that come later in the walk (the
-        jobs that ran last iteration: they are not stalled behind a prompt), but at least what prefill_token_floor
-        leaves after the prefill_so_far tokens of the batch's chunks, at least one token when the batch is empty
-        (so the budget is never spent on nothing), and at most long_prefill_token_threshold when set. `over`: the
-        tokens the floor has already added to this iteration's budget (extend_budget)."""
+        jobs that ran last iteration: they are not stalled behind a prompt), at least one token when the batch
+        is empty (so the budget is never spent on nothing), and at most long_prefill_token_threshold when set."""
         config = self.config
-        budget = config.max_num_batched_tokens + over
+        budget = config.max_num_batched_tokens
         if n == 1 or not config.enable_chunked_prefill:
             return n if batch_len == 0 or tokens_so_far + n <= budget else 0
         room = budget - tokens_so_far - reserve
-        floor = config.prefill_token_floor - prefill_so_far
-        if room < floor:
-            room = floor
         if room < 1:
             room = 0 if batch_len else 1
         cap = config.long_prefill_token_threshold
         return min(n, room, cap) if cap else min(n, room)
-
-    def extend_budget(self, tokens: int, reserve: int, over: int) -> int:
-        """The tokens the prefill floor adds to the iteration's budget once its chunks and the decodes still to
-        come (reserve) hold `tokens` + reserve: what exceeds the budget, so that every reserved decode still fits."""
-        return max(over, tokens + reserve - self.config.max_num_batched_tokens)

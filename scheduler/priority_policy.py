@@ -229,9 +229,6 @@ class PriorityPolicy(SchedulingPolicy):
             decoders = {j for j in self._running if not j.in_flight and j.num_computed
                         and j.prompt_len + j.num_generated - j.num_computed == 1}
         reserve = len(decoders)
-        # The prefill floor (SchedulerConfig.prefill_token_floor): the chunks' tokens so far, and what the floor has
-        # added to this iteration's budget.
-        floor, prefill, over = chunked and self.config.prefill_token_floor, 0, 0
         size = 0  # jobs in the batch
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
@@ -240,10 +237,9 @@ class PriorityPolicy(SchedulingPolicy):
             context = job.prompt_len + job.num_generated
             done = job.num_computed  # (nothing before allocate changes it)
             n = context - done
-            is_chunk = chunked and n > 1
-            if is_chunk:
-                n = self.chunk(n, tokens, size, reserve, prefill, over)  # 0: no room left for a chunk
-            if (tokens + n > budget + over and size) or not n:
+            if chunked and n > 1:
+                n = self.chunk(n, tokens, size, reserve)  # 0: no room left for a chunk
+            if (tokens + n > budget and size) or not n:
                 if job.first_scheduled_time is None:  # fresh
                     over_budget += 1
                     gate.fresh = over_budget < max_seqs
@@ -312,13 +308,10 @@ class PriorityPolicy(SchedulingPolicy):
             elif decoders and job in decoders:
                 reserve -= 1
             tokens += n
-            if floor and is_chunk:
-                prefill += n
-                over = self.extend_budget(tokens, reserve, over)
             if kv_cap is not None:
                 kv_tokens += context
             size += 1
-            if size >= max_seqs or tokens >= budget + over:
+            if size >= max_seqs or tokens >= budget:
                 break
 
         decision = ScheduleDecision(batch=list(chosen))

@@ -105,9 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
                     help="with chunked prefill, at most this many of one prompt's tokens in an iteration (default 0: "
                          "only the budget bounds a chunk)")
-    ap.add_argument("--prefill-token-floor", type=int, default=None,
-                    help="with chunked prefill, the prompts of an iteration take at least this many tokens even "
-                         "when a full batch's decodes fill the budget (default: as the server)")
     none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
     d = EngineConfig()  # the server's defaults
     ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
@@ -232,7 +229,6 @@ def make_engine(args: argparse.Namespace, model: Path):
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             enable_chunked_prefill=args.enable_chunked_prefill,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
-                            prefill_token_floor=args.prefill_token_floor,
                             enable_prefix_caching=args.enable_prefix_caching,
                             starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
                             starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,

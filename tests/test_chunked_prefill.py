@@ -31,7 +31,6 @@ from scheduler.cost_model import (
     BUDGET_STALL_RATIO,
     ProfiledCostModel,
     chunk_budget,
-    prefill_floor,
     stall_safe_chunk,
 )
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
@@ -217,18 +216,17 @@ def reference_runs(small_checkpoint):
 
 
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
-@pytest.mark.parametrize("budget,cap,floor", [(1, 0, 0), (BS, 0, 0), (3, 0, 0), (7, 0, 0), (20, 0, 0), (20, 3, 0),
-                                              (2, 0, 3)])
-def test_engine_outputs_with_chunking_equal_outputs_without(reference_runs, budget, cap, floor, policy):
+@pytest.mark.parametrize("budget,cap", [(1, 0), (BS, 0), (3, 0), (7, 0), (20, 0), (20, 3)])
+def test_engine_outputs_with_chunking_equal_outputs_without(reference_runs, budget, cap, policy):
     model_dir, prompts, want = reference_runs
     engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-                          long_prefill_token_threshold=cap, prefill_token_floor=floor, scheduling_policy=policy)
+                          long_prefill_token_threshold=cap, scheduling_policy=policy)
     chunks_seen = []
     real_finish = engine.finish_step
 
     def finish(plan, result):  # record the partial prefills
         chunks_seen.extend(w.start_pos for w in plan.batch.seqs if not w.sample)
-        assert plan.batch.num_tokens <= budget + floor
+        assert plan.batch.num_tokens <= budget
         assert not cap or all(len(w.token_ids) <= cap for w in plan.batch.seqs)
         return real_finish(plan, result)
 
@@ -330,22 +328,20 @@ def test_an_urgent_request_preempts_a_prompt_between_its_chunks(small_checkpoint
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 1000),
-       budget=st.integers(1, 24), cap=st.sampled_from([0, 0, 1, 3, 8]), floor=st.sampled_from([0, 0, 2, 9]),
-       max_num_seqs=st.sampled_from([1, 2, 8]),
+       budget=st.integers(1, 24), cap=st.sampled_from([0, 0, 1, 3, 8]), max_num_seqs=st.sampled_from([1, 2, 8]),
        policy=st.sampled_from(["skip-join-mlfq", "fcfs", "mlfq"]),
        kv_policy=st.sampled_from(["recompute", "reactive", "proactive"]),
        evict_at=st.sets(st.integers(0, 30), max_size=8), urgent=st.none() | st.tuples(st.integers(0, 12),
                                                                                            st.integers(1, 20)),
        device_blocks=st.sampled_from([12, 20, 64]))
 def test_chunked_outputs_equal_unchunked_under_preemption_between_chunks(
-        small_checkpoint, lens, seed, budget, cap, floor, max_num_seqs, policy, kv_policy, evict_at,
-        urgent, device_blocks):
-    """Prompt lengths, budgets, per-prompt caps, prefill floors and preemption points drawn (run_with_preemption),
-    and a device cache small enough (12 blocks: 48 tokens) that memory preempts too: every request's greedy tokens
-    and logprobs (token and prompt) are its unchunked run's."""
+        small_checkpoint, lens, seed, budget, cap, max_num_seqs, policy, kv_policy, evict_at, urgent, device_blocks):
+    """Prompt lengths, budgets, per-prompt caps and preemption points drawn (run_with_preemption), and a device
+    cache small enough (12 blocks: 48 tokens) that memory preempts too: every request's greedy tokens and logprobs
+    (token and prompt) are its unchunked run's."""
     model_dir = small_checkpoint(SMALL_PRE_LN)
     engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-                          long_prefill_token_threshold=cap, prefill_token_floor=floor,
+                          long_prefill_token_threshold=cap,
                           max_num_seqs=max_num_seqs, scheduling_policy=policy, kv_policy=kv_policy,
                           num_host_blocks_override=64, num_gpu_blocks_override=device_blocks)
     done, _, _ = run_with_preemption(engine, prompts_of(lens, seed), evict_at, urgent, seed)
@@ -466,78 +462,28 @@ def test_the_picked_chunk_is_the_largest_whose_iteration_costs_at_most_twice_the
 def test_chunking_is_on_by_default_on_cuda_only_and_explicit_settings_win():
     cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-40gb-x1.json")
     default = EngineConfig()
-    assert resolve_chunking(default, "cuda", cost, 16) == (True, 256, 0)  # the chunk is the budget: no floor
-    assert resolve_chunking(default, "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)
-    assert resolve_chunking(default, "meta", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)  # the simulator
-    assert resolve_chunking(EngineConfig(enable_chunked_prefill=True), "cpu", cost, 16) == (True, 256, 0)
+    assert resolve_chunking(default, "cuda", cost, 16) == (True, 256)
+    assert resolve_chunking(default, "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)
+    assert resolve_chunking(default, "meta", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS)  # the simulator
+    assert resolve_chunking(EngineConfig(enable_chunked_prefill=True), "cpu", cost, 16) == (True, 256)
     assert resolve_chunking(EngineConfig(enable_chunked_prefill=False), "cuda", cost, 16) == (
-        False, UNCHUNKED_BATCHED_TOKENS, 0)
-    assert resolve_chunking(EngineConfig(max_num_batched_tokens=100), "cuda", cost, 16) == (True, 100, 0)
+        False, UNCHUNKED_BATCHED_TOKENS)
+    assert resolve_chunking(EngineConfig(max_num_batched_tokens=100), "cuda", cost, 16) == (True, 100)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         EngineConfig(max_num_batched_tokens=0)
 
 
-def test_a_budget_raised_to_max_num_seqs_gets_the_stall_safe_chunk_as_its_prefill_floor():
-    """On the 80GB profiles the stall-safe chunk is 128 and max_num_seqs 256 raises the budget to 256: a full batch's
-    decodes could fill it and leave prompts nothing. The picked floor is 128; the 40GB profile's budget is its chunk
-    (no floor); explicit settings win, and an explicit budget has none. The per-prompt cap stays off by default
-    (measured: no difference, docs/benchmarks.md, "Chunked prefill, session 19")."""
+def test_the_80gb_profiles_budget_is_max_num_seqs_above_their_stall_safe_chunk():
+    """On the 80GB profiles the stall-safe chunk is 128 and max_num_seqs 256 raises the budget to 256 (measured
+    against a per-prompt cap of 128 in docs/benchmarks.md, "Chunked prefill, session 19": no difference, so the
+    cap stays off by default, as vLLM's)."""
     cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-80gb-x1.json")
     assert stall_safe_chunk(cost, 16, UNCHUNKED_BATCHED_TOKENS) == 128
-    assert resolve_chunking(EngineConfig(), "cuda", cost, 16) == (True, 256, 128)
-    assert resolve_chunking(EngineConfig(max_num_seqs=64), "cuda", cost, 16) == (True, 128, 0)
-    assert resolve_chunking(EngineConfig(max_num_batched_tokens=512), "cuda", cost, 16) == (True, 512, 0)
-    assert resolve_chunking(EngineConfig(prefill_token_floor=32), "cuda", cost, 16) == (True, 256, 32)
-    assert resolve_chunking(EngineConfig(prefill_token_floor=0), "cuda", cost, 16) == (True, 256, 0)
-    assert resolve_chunking(EngineConfig(), "cpu", cost, 16) == (False, UNCHUNKED_BATCHED_TOKENS, 0)
-    assert prefill_floor(cost, 16, 128, UNCHUNKED_BATCHED_TOKENS) == 0
+    assert resolve_chunking(EngineConfig(), "cuda", cost, 16) == (True, 256)
+    assert resolve_chunking(EngineConfig(max_num_seqs=64), "cuda", cost, 16) == (True, 128)
     assert EngineConfig().long_prefill_token_threshold == 0
-    # the executor sizes activations for the largest iteration: an explicit budget plus an explicit floor
-    assert EngineConfig(max_num_batched_tokens=256, prefill_token_floor=128).sizing_batched_tokens == 384
-    assert EngineConfig().sizing_batched_tokens == UNCHUNKED_BATCHED_TOKENS
     with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
         EngineConfig(long_prefill_token_threshold=-1)
-    with pytest.raises(ValueError, match="prefill_token_floor must be >= 0"):
-        EngineConfig(prefill_token_floor=-1)
-
-
-@pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
-def test_the_prefill_floor_gives_a_prompt_room_beside_a_full_batch_of_decodes(small_checkpoint, policy):
-    """Eight requests decode under a budget of 8 (every one of them in the last batch); a long prompt then arrives.
-    Without the floor it gets at most the one token an empty batch grants (skip-join walks it first) while they
-    decode; with a floor of 5 it computes 5 tokens in the same iteration as all eight decodes (13 tokens), and its
-    output is the unchunked run's either way."""
-    model_dir = small_checkpoint(SMALL_PRE_LN)
-    short, long = prompts_of([3] * 8, 5), prompts_of([30], 6)[0]
-    decoding = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    done = {}
-    for floor in (0, 5):
-        engine = small_engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=9,
-                              prefill_token_floor=floor, scheduling_policy=policy)
-        for i, p in enumerate(short):
-            engine.add_request(f"s{i}", p, decoding)
-        while any(engine.requests[f"s{i}"].seqs[0].job.num_computed < 3 for i in range(8)):
-            engine.step()
-        engine.step()  # all eight decode in one batch: each keeps its token of the next budget
-        engine.add_request("long", long, PARAMS)
-        seen = []
-        real_finish = engine.finish_step
-
-        def finish(plan, result, seen=seen, real_finish=real_finish):
-            seen.append((plan.batch.num_tokens, len(plan.batch.seqs)))
-            return real_finish(plan, result)
-
-        engine.finish_step = finish
-        engine.step()
-        computed = engine.requests["long"].seqs[0].job.num_computed
-        if floor:
-            assert computed == floor and seen[-1] == (8 + floor, 9)
-        else:
-            assert computed <= 1 and seen[-1][0] <= 8
-        done[floor] = run_staggered(engine, {0: []})["long"]
-    want = reference_output(model_dir, long).outputs[0].token_ids
-    assert done[0].outputs[0].token_ids == done[5].outputs[0].token_ids == want
-    engine.kv.check_invariants()
 
 
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "fcfs"])
