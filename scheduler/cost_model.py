@@ -269,4 +269,3 @@ def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, ca
     the budget the simulator measured as the only one keeping P99 ITL under twice the median (docs/benchmarks.md,
     "Chunked prefill: the token budget")."""
     return max(block_size, min(cap, max(stall_safe_chunk(cost, block_size, cap), max_num_seqs)))
-
