@@ -6,8 +6,10 @@ OPT-13B on the A100 40GB profile, offered --rate req/s (4.0 = 1.69x FCFS's capac
 
     .venv/bin/python scripts/bench_chunked_saturation.py --seeds 0 1 2 --budgets 256 --policies skip-join-mlfq fcfs
 
-One line per (policy, budget, seed): generated tokens per second in the middle-80% window (the goal's measure),
-its ratio to unchunked on the same trace, the served rate and the KV manager's offloads and drops; then the
+One line per (policy, budget, seed): the tokens generated inside the middle-80% window by every request, per second
+(the goal's measure: steady_state's window_tokens_per_s), its ratio to unchunked on the same trace, the tokens of
+the requests that finished in the window per second (what this script measured before session 19: it depends on
+which requests a policy lets finish there), the served rate and the KV manager's offloads and drops; then the
 ratios' mean and min per (policy, budget).
 Results are cached as steady_state.Runner caches them (by parameters and simulation code version).
 """
@@ -25,6 +27,7 @@ from experiment_sections.chunked import mix_setup  # noqa: E402
 from steady_state import Runner  # noqa: E402
 
 GOAL = 0.97
+MEASURE = "window_tokens_per_s"  # every token generated inside the window, per second (steady_state.windowed_metrics)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,21 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     keys = [(p, b, s) for p in args.policies for b in budgets for s in args.seeds]
     res = dict(zip(keys, runner.many([(mix_setup(args.num_prompts, b), p, args.rate, s) for p, b, s in keys])))
     print(f"offered {args.rate:g} req/s, {args.num_prompts} requests, simulation code version {runner.version}")
-    print("| policy | budget | seed | tok/s (/ unchunked) | served req/s | offloads | drops |")
-    print("|---|---|---|---|---|---|---|")
+    print("| policy | budget | seed | tok/s (/ unchunked) | finished requests' tok/s (/ unchunked) | served req/s | "
+          "offloads | drops |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in args.policies:
         for b in budgets:
             for s in args.seeds:
                 r, u = res[(p, b, s)], res[(p, None, s)]
-                ratio = "" if b is None else f" ({r['generated_tokens_per_s'] / u['generated_tokens_per_s']:.3f})"
-                print(f"| {p} | {b or 'unchunked'} | {s} | {r['generated_tokens_per_s']:.1f}{ratio} | "
+                cells = []
+                for key in (MEASURE, "generated_tokens_per_s"):
+                    ratio = "" if b is None else f" ({r[key] / u[key]:.3f})"
+                    cells.append(f"{r[key]:.1f}{ratio}")
+                print(f"| {p} | {b or 'unchunked'} | {s} | {cells[0]} | {cells[1]} | "
                       f"{r['served_rate']:.3f} | {r['offloads']:,} | {r['drops']:,} |")
     for p in args.policies:
         for b in args.budgets:
-            ratios = [res[(p, b, s)]["generated_tokens_per_s"] / res[(p, None, s)]["generated_tokens_per_s"]
-                      for s in args.seeds]
+            ratios = [res[(p, b, s)][MEASURE] / res[(p, None, s)][MEASURE] for s in args.seeds]
             verdict = "met" if min(ratios) >= GOAL else "NOT met"
-            print(f"{p} budget {b} / unchunked, generated tok/s: mean {statistics.fmean(ratios):.3f}, "
+            print(f"{p} budget {b} / unchunked, tok/s in the window: mean {statistics.fmean(ratios):.3f}, "
                   f"min {min(ratios):.3f} over {len(ratios)} seeds (goal >= {GOAL} on every seed: {verdict})")
     return 0
 

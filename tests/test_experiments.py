@@ -249,6 +249,14 @@ def test_windowed_metrics_split_the_per_token_latency_by_output_length(sim_model
     assert m["n_out512"] == 0 and math.isnan(m["mean_per_token_s_out512"])
     assert sum(m[f"n_out{lo}"] for lo in (1, 8, 32, 128, 512)) == m["counted"]
     assert m["served_rate"] > 0 and m["window_s"] == pytest.approx(8.0)
+    # every token made inside the window, by any request, finished in it or not
+    times = []
+    for o in res.outputs:
+        t = o.metrics.first_token_time
+        times += [t] + [t + sum(o.metrics.itl_s[:i + 1]) for i in range(len(o.metrics.itl_s))]
+    assert len(times) == sum(len(o.outputs[0].token_ids) for o in res.outputs)
+    inside = sum(1.0 <= t <= 9.0 for t in times)
+    assert m["window_tokens_per_s"] == pytest.approx(inside / 8.0) and 0 < inside < len(times)
 
 
 def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
