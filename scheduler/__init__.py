@@ -11,6 +11,7 @@ from __future__ import annotations
 from scheduler.cost_model import ProfiledCostModel
 from scheduler.fcfs import FCFSPolicy
 from scheduler.fixed_priority import FixedPriorityPolicy
+from scheduler.gittins import GittinsPolicy
 from scheduler.job import Job
 from scheduler.mlfq import MLFQPolicy
 from scheduler.policy import CostModel, PolicyName, ScheduleDecision, SchedulerConfig, SchedulingPolicy
@@ -23,6 +24,7 @@ _POLICIES: dict[PolicyName, type[SchedulingPolicy]] = {
     PolicyName.MLFQ: MLFQPolicy,
     PolicyName.FIXED_PRIORITY: FixedPriorityPolicy,
     PolicyName.SRPT: SRPTPolicy,
+    PolicyName.GITTINS: GittinsPolicy,
 }
 
 
@@ -40,6 +42,7 @@ __all__ = [
     "CostModel",
     "FCFSPolicy",
     "FixedPriorityPolicy",
+    "GittinsPolicy",
     "Job",
     "MLFQPolicy",
     "PolicyName",

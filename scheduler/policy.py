@@ -31,6 +31,7 @@ class PolicyName(str, enum.Enum):
     MLFQ = "mlfq"
     FIXED_PRIORITY = "fixed-priority"
     SRPT = "srpt"  # oracle: simulation and tests only
+    GITTINS = "gittins"
 
 
 class CostModel(Protocol):

@@ -98,6 +98,11 @@ class Gate:
 
 
 class PriorityPolicy(SchedulingPolicy):
+    # A fresh job waits while a started job ahead of it in the order waits for KV (its KV on the host, moving,
+    # dropped, or no room for it): the started job's room comes first, as vLLM starts no prompt while a
+    # preempted sequence waits. Off: a fresh job that fits starts (it may take the room a started one needs).
+    fresh_waits_for_started: ClassVar[bool] = False
+
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
         self._running: dict[Job, None] = {}  # the batch of the last schedule(), in order
@@ -230,8 +235,11 @@ class PriorityPolicy(SchedulingPolicy):
                         and j.prompt_len + j.num_generated - j.num_computed == 1}
         reserve = len(decoders)
         size = 0  # jobs in the batch
+        hold = self.fresh_waits_for_started
         for job in self._walk(gate):
             if job in parked:  # (a started job: no gate to count)
+                if hold:
+                    gate.fresh = False
                 continue
             # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
             context = job.prompt_len + job.num_generated
@@ -250,17 +258,23 @@ class PriorityPolicy(SchedulingPolicy):
                 continue  # this batch holds its share of the device's KV: the next batch in flight takes it
             if not job.kv_ready:  # job.ready, in_flight being False
                 kv.note_blocked(job)
+                if hold and job.first_scheduled_time is not None:
+                    gate.fresh = False
                 continue
             if not done:  # no KV: admission counts its whole context, whatever the chunk (n) now
                 if context >= refused_from or not kv.may_start(job, context):
                     if context < refused_from:
                         refused_from = gate.no_kv_from = context
-                    if job.first_scheduled_time is None:
+                    if job.first_scheduled_time is None or hold:
                         gate.fresh = False
                     continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
+                if hold:
+                    gate.fresh = False
                 continue
             if exhausted and not kv.room_for(done + n):
+                if hold and job.first_scheduled_time is not None:
+                    gate.fresh = False
                 continue  # nothing left to evict and its whole KV does not fit the room left (make_room's answer)
             if not can_fit(job, n):
                 if not kv.may_evict_for(job):
@@ -268,6 +282,8 @@ class PriorityPolicy(SchedulingPolicy):
                         parked, ask = kv.parked_unfit(), False
                         if not refused:
                             gate.skip = parked
+                    if hold and job.first_scheduled_time is not None:
+                        gate.fresh = False
                     continue
                 room = victims.make_room(job, n, kv)
                 parked, ask = (), True
@@ -276,6 +292,8 @@ class PriorityPolicy(SchedulingPolicy):
                     gate.skip = ()
                 if not room:
                     refused = True
+                    if hold and job.first_scheduled_time is not None:
+                        gate.fresh = False
                     # From here on every job parked on the host is passed over (above); each is started, ready
                     # and holds KV, so none of the checks before that one acts on it: the walk may leave it out.
                     gate.skip = on_host
@@ -299,6 +317,8 @@ class PriorityPolicy(SchedulingPolicy):
                 self._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
             ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
+                if hold and job.first_scheduled_time is not None:
+                    gate.fresh = False
                 continue
             chosen[job] = None
             job.num_scheduled = n

@@ -482,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=MIN_REQUESTS)
     ap.add_argument("--loads", default="0.5,0.8,1.0,1.5,2.0")
     ap.add_argument("--policies", default="fcfs,skip-join-mlfq,srpt")
+    ap.add_argument("--subject", default="skip-join-mlfq", help="policies (comma-separated) whose paired ratios "
+                    "to the oracle and to FCFS are printed")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--capacity-seeds", type=int, default=3)
     ap.add_argument("--engine", action="append", default=[], help="NAME=VALUE passed to the simulated engine "
@@ -503,7 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     data = table(runner, setup, loads, policies, range(args.seeds), cap["C"])
-    print(markdown(setup, cap, data, loads, policies))
+    subjects = args.subject.split(",")
+    print(markdown(setup, cap, data, loads, policies, subject=subjects[0]))
+    for subject in subjects[1:]:
+        print("\n" + markdown(setup, cap, data, loads, policies, subject=subject).split("\n\n", 2)[-1])
     print(f"\n{runner.runs} simulations, {time.perf_counter() - t0:.0f} s wall")
     if args.json:
         args.json.write_text(json.dumps({"capacity": cap, "data": {f"{k[0]}|{k[1]}": v for k, v in data.items()}},

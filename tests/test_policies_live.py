@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.engine import Engine
 
 PINNED_PROFILE = str(Path(__file__).parent / "data" / "tiny_profile.json")
-POLICIES = ["fcfs", "skip-join-mlfq", "mlfq", "fixed-priority"]
+POLICIES = ["fcfs", "skip-join-mlfq", "mlfq", "fixed-priority", "gittins"]
 
 # Ten requests: (prompt length, max_tokens, the step at which it arrives).
 WORKLOAD = [(3, 12, 0), (40, 6, 0), (7, 20, 1), (18, 9, 2), (1, 15, 2),
@@ -86,10 +86,10 @@ def test_greedy_outputs_do_not_depend_on_the_policy(tiny_model_dir, reference, p
     assert_all_blocks_free(engine)
     stats = engine.scheduler_stats()
     assert stats.policy == policy and stats.num_jobs == 0
-    assert sum(stats.queue_lengths) == 0 and (stats.queue_lengths == []) == (policy in ("fcfs", "fixed-priority"))
+    assert sum(stats.queue_lengths) == 0 and (stats.queue_lengths == []) == (policy in ("fcfs", "fixed-priority", "gittins"))
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "skip-join-mlfq"])
+@pytest.mark.parametrize("policy", ["fcfs", "skip-join-mlfq", "gittins"])
 def test_greedy_outputs_survive_eviction_and_recompute(tiny_model_dir, reference, policy):
     # 18 blocks of 4 tokens: the longest request (55 + 7 tokens) fits alone, but not beside the others.
     # Starvation promotion off, so which jobs get evicted depends on profiled costs, not the wall clock.

@@ -1,0 +1,235 @@
+"""Gittins-index scheduling: a non-clairvoyant order that adapts to the output lengths this server has served.
+
+Why: least attained service (every MLFQ, skip-join included) is the right order when the longer a job has run,
+the longer it is likely to run on (ShareGPT's heavy tail). When output lengths are alike (Fig. 14's uniform
+rows) the opposite holds: a started job is nearer its end than a new one, and preempting it for a newcomer
+delays both; past capacity it spreads the server over ever more started jobs and finishes fewer of them
+(docs/experiments.md, Fig. 14: skip-join 1.6-4.5x the best baseline there, served 0.45-0.83x FCFS's). The
+Gittins index is the order that minimizes mean (weighted) response time in an M/G/1 queue when sizes are
+unknown but their distribution is known (Gittins 1989; Scully, Harchol-Balter and Scheller-Wolf, SOAP, 2018):
+it is least attained service under decreasing hazard rates and run-to-completion under increasing ones. Here
+the distribution is learned from the output lengths of the jobs the server has finished; no job's own output
+length is read (Job.true_output_len is the SRPT oracle's alone).
+
+Rule, on the engine's clock, every cost profiled:
+- A job's work is its remaining prefill P (t_init of the prompt, times the share of it not computed or
+  cached) plus one decode share d per output token after the first (the first comes with the prefill);
+  d = t_dec(b, 512) / b, b the batch size running at the last refresh (max_num_seqs before one).
+- The output length L (tokens, >= 1) has the empirical distribution of the last HISTORY finished jobs. A job
+  that has generated g tokens has the index
+      G = max over thresholds t > g (lengths seen) of
+          E[1{L <= t} / L | L > g]  /  (P + d * E[min(L, t) - max(g, 1) | L > g])
+  the best ratio of what finishing within a budget is worth (1 / L: the objective is mean per-token latency)
+  to the work that budget costs. Higher runs first; ties in arrival order. A job past every length seen has
+  index 0 (last; age promotion bounds its wait).
+- Until MIN_HISTORY jobs have finished there is no distribution: G = 1 / (P + d * (g + 1)), shortest remaining
+  prefill first, then least attained service (what skip-join's entry and ladder do).
+- The distribution is refreshed at MIN_HISTORY finished jobs, then every REFRESH_EVERY; every job is re-ranked.
+- A fresh job waits while a started job ahead of it waits for KV (PriorityPolicy.fresh_waits_for_started): a
+  started job near its end is not held on the host while newcomers take the device.
+- Age promotion (starvation_age k, as skip-join's; None = off): a job whose time in the system exceeds k x the
+  mean time in the system (jobs held / completion rate over the last AGE_WINDOW completions: Little's law) goes
+  ahead of every other job of its request class, oldest first.
+- Request classes (Job.priority, lower first) come first. Batch formation, eviction and the preempted list:
+  priority_policy.py; the ranks: KeyedPriorityPolicy (a dynamic key, re-ranked for the jobs a step ran, and for
+  every job at a refresh).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from scheduler.job import Job
+from scheduler.policy import CostModel, PolicyName, SchedulerConfig
+from scheduler.priority_policy import KeyedPriorityPolicy
+from scheduler.skip_join_mlfq import AGE_MIN_COMPLETIONS, AGE_WINDOW
+
+HISTORY = 2000  # finished jobs whose output lengths make the distribution
+MIN_HISTORY = 32  # finished jobs before the first distribution
+REFRESH_EVERY = 128  # finished jobs between refreshes
+DECODE_CONTEXT = 512  # the context length at which the decode share d is priced
+RERANK_BLOCK = 1024  # fresh jobs re-ranked per array operation at a refresh
+STARVING_KEY = -1e18  # key offset of age-promoted jobs (oldest first within it)
+
+
+class GittinsPolicy(KeyedPriorityPolicy):
+    name = PolicyName.GITTINS
+    dynamic_key = True  # a job's index moves as it generates
+    fresh_waits_for_started = True
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
+        self._lengths: deque[int] = deque(maxlen=HISTORY)
+        self._since_refresh = 0
+        self._d = self._decode_share(config.max_num_seqs)
+        self._table: np.ndarray | None = None  # index of a job with no prefill left, by tokens generated
+        self._table_list: list[float] | None = None  # the same, as a list (read per job in the hot loop)
+        self._support: np.ndarray = np.zeros(0, dtype=np.int64)  # output lengths seen (the thresholds t)
+        # Over k = 0..longest: S(k) = P(L > k); the weighted survival, sum over l > k of P(L = l) / l; and the
+        # expected decode work, sum over 1 <= j < k of S(j) (the first token comes with the prefill).
+        self._surv_arr = self._wsurv_arr = self._cum = np.zeros(0)
+        self._wsurv_t = self._cum_t = np.zeros(0)  # the last two at each threshold t of the support
+        self._starving: set[Job] = set()
+        self._completions: deque[float] = deque(maxlen=AGE_WINDOW)
+        self._by_arrival: deque[Job] = deque()
+        self._now = 0.0
+        self.num_promotions = 0  # age promotions
+
+    # -- the index -------------------------------------------------------------------------------------------
+    def _decode_share(self, batch: int) -> float:
+        batch = max(1, batch)
+        return max(self.cost.t_dec(batch, DECODE_CONTEXT) / batch, 1e-9)
+
+    def _prefill_left(self, job: Job) -> float:
+        if job.num_generated:
+            return 0.0
+        left = job.prompt_len - max(job.num_computed, job.num_cached_prompt_tokens)
+        if left <= 0:
+            return 0.0
+        return self.cost.t_init(job.prompt_len) * left / job.prompt_len
+
+    def index(self, job: Job) -> float:
+        """The job's Gittins index (higher runs first), 1/s."""
+        g, p = job.num_generated, self._prefill_left(job)
+        if self._table is None:
+            return 1.0 / (p + self._d * (g + 1))
+        if p == 0.0 and g >= 1:
+            return float(self._table[g]) if g < len(self._table) else 0.0
+        return float(self._index_with_prefill(np.array([p]), g)[0])
+
+    def _index_with_prefill(self, prefill: np.ndarray, g: int) -> np.ndarray:
+        """Indices of jobs with `prefill` seconds of prefill left and g (0 or 1) tokens generated."""
+        surv, wsurv, cum = self._surv_arr, self._wsurv_arr, self._cum
+        g = min(g, len(surv) - 1)
+        mask = self._support > g
+        if surv[g] <= 0 or not mask.any():
+            return np.zeros(len(prefill))
+        done = (wsurv[g] - self._wsurv_t[mask]) / surv[g]
+        work = (self._cum_t[mask] - cum[max(g, 1)]) / surv[g] * self._d
+        ratio = done[None, :] / (prefill[:, None] + work[None, :] + 1e-12)
+        return ratio.max(axis=1)
+
+    def _refresh(self) -> None:
+        lengths = np.asarray(self._lengths, dtype=np.int64)
+        lmax = int(lengths.max())
+        counts = np.bincount(lengths, minlength=lmax + 1).astype(np.float64) / len(lengths)
+        surv = 1.0 - np.cumsum(counts)  # S(k) = P(L > k), k = 0..lmax
+        surv[surv < 1e-12] = 0.0
+        # What finishing a job of length l is worth: 1 / l, so the index orders for mean per-token latency (the
+        # mean of e2e / output tokens, the paper's metric); a weight of 1 would order for mean latency.
+        weight = counts / np.maximum(np.arange(lmax + 1), 1)
+        wsurv = weight[::-1].cumsum()[::-1] - weight  # sum over l > k of weight(l)
+        wsurv[wsurv < 1e-15] = 0.0
+        cum = np.concatenate(([0.0], np.cumsum(surv)))  # cum[k] = sum_{j<k} S(j)
+        cum = cum - cum[1]  # sum_{1 <= j < k} S(j) (the first token comes with the prefill)
+        self._surv_arr, self._wsurv_arr, self._cum = surv, wsurv, cum
+        support = np.flatnonzero(counts)
+        self._support, self._wsurv_t, self._cum_t = support, wsurv[support], cum[support]
+        # Started jobs with no prefill left: one row per g = 1..lmax-1, the best threshold t in the support above g.
+        table = np.zeros(lmax + 1)
+        gs = np.arange(1, lmax)
+        if len(gs):
+            done = wsurv[gs][:, None] - self._wsurv_t[None, :]
+            work = (self._cum_t[None, :] - cum[gs][:, None]) * self._d
+            valid = (support[None, :] > gs[:, None]) & (surv[gs][:, None] > 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(valid, done / np.where(work > 0, work, np.inf), 0.0)
+            table[1:lmax] = ratio.max(axis=1)
+        self._table, self._table_list = table, table.tolist()
+        self._rerank()
+
+    def _rerank(self) -> None:
+        """Every job's index moved: re-sort the fresh list now, the started list at the next tick."""
+        if self._fresh:
+            fresh, starving = self._fresh, self._starving
+            # Every fresh job has generated nothing: its index depends on its prefill alone, computed for all of
+            # them at once (thousands wait past capacity), a block of rows at a time.
+            prefill = np.array([self._prefill_left(job) for job in fresh])
+            index = np.concatenate([self._index_with_prefill(prefill[i:i + RERANK_BLOCK], 0)
+                                    for i in range(0, len(fresh), RERANK_BLOCK)])
+            ranks = [(job.priority, STARVING_KEY + job.arrival_time if job in starving else -float(x), self._seq[job])
+                     for job, x in zip(fresh, index)]
+            order = sorted(zip(ranks, fresh))
+            self._fresh = [job for _, job in order]
+            self._fresh_ranks = [rank for rank, _ in order]
+            for rank, job in order:
+                self._fixed_rank[job] = rank
+        self._tick_rank = {}
+        self._sorted = False
+        self._positions = None
+
+    def _key(self, job: Job) -> float:
+        if job in self._starving:
+            return STARVING_KEY + job.arrival_time
+        g, table = job.num_generated, self._table_list
+        if g and table is not None:  # started, prefill done: the table (the tick re-ranks each job of the batch)
+            return -table[g] if g < len(table) else 0.0
+        return -self.index(job)
+
+    # -- learning from finished jobs ---------------------------------------------------------------------------
+    def remove(self, job: Job) -> None:
+        held = job in self._seq
+        super().remove(job)
+        if not held:
+            return
+        self._starving.discard(job)
+        if self.config.starvation_age is not None:
+            self._completions.append(self._now)
+        if job.finished and job.num_generated >= 1:
+            self._lengths.append(job.num_generated)
+            self._since_refresh += 1
+            if (self._table is None and len(self._lengths) >= MIN_HISTORY) or (
+                    self._table is not None and self._since_refresh >= REFRESH_EVERY):
+                self._since_refresh = 0
+                running = len(self._running)
+                if running:
+                    self._d = self._decode_share(running)
+                self._refresh()
+
+    def add(self, job: Job, now: float) -> None:
+        super().add(job, now)
+        if self.config.starvation_age is not None:
+            self._by_arrival.append(job)
+
+    # -- age promotion ---------------------------------------------------------------------------------------
+    def _before_schedule(self, now: float) -> None:
+        self._now = now
+        if self._by_arrival:
+            self._promote_by_age(now)
+        super()._before_schedule(now)
+
+    def _promote_by_age(self, now: float) -> None:
+        done = self._completions
+        if len(done) < AGE_MIN_COMPLETIONS or now <= done[0]:
+            return
+        limit = self.config.starvation_age * len(self._seq) * (now - done[0]) / len(done)
+        queue = self._by_arrival
+        while queue and (queue[0] not in self._seq or now - queue[0].arrival_time > limit):
+            job = queue.popleft()
+            if job not in self._seq:
+                continue
+            self._starving.add(job)
+            job.num_promotions += 1
+            self.num_promotions += 1
+            if job.first_scheduled_time is None:  # fresh: its rank is fixed while fresh; place it anew
+                i = self._fresh_index(job)
+                del self._fresh[i], self._fresh_ranks[i]
+                rank = (job.priority, self._key(job), self._seq[job])
+                self._fixed_rank[job] = rank
+                k = bisect.bisect_right(self._fresh_ranks, rank)
+                self._fresh.insert(k, job)
+                self._fresh_ranks.insert(k, rank)
+            else:
+                if self._tick_rank is not None:
+                    self._tick_rank.pop(job, None)
+                self._sorted = False
+            self._positions = None
+
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        super().on_step_done(batch, now, cost)
+        for job in batch:
+            job.service_total += cost

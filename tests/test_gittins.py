@@ -1,0 +1,167 @@
+"""The Gittins-index policy (scheduler/gittins.py): its index against a hand computation, the order it learns from
+finished jobs (least attained service on a heavy tail, run-to-completion on alike lengths), that it reads no job's
+own output length, that a fresh job waits behind a started one that waits for KV, and age promotion.
+
+Costs (tests/scheduler_sim.make_cost): t_init(L) = L / 8 s, t_dec = 1 s at any batch size.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler import GittinsPolicy, Job, PolicyName, SchedulerConfig, make_policy
+from scheduler.gittins import MIN_HISTORY
+from tests.scheduler_sim import FakeKV, make_cost
+
+COST = make_cost()
+
+
+def policy(**kw) -> GittinsPolicy:
+    kw.setdefault("max_prompt_len", 64)
+    kw.setdefault("starvation_threshold", None)
+    kw.setdefault("starvation_age", None)
+    kw.setdefault("max_num_seqs", 4)
+    return GittinsPolicy(SchedulerConfig(**kw), COST)
+
+
+def job(job_id: str, prompt_len: int = 8, arrival: float = 0.0, generated: int = 0) -> Job:
+    j = Job(job_id, prompt_len, 4096, arrival)
+    if generated:  # started: its prompt computed, `generated` tokens out
+        j.num_generated, j.num_computed, j.first_scheduled_time = generated, prompt_len + generated - 1, arrival
+    return j
+
+
+def learn(p: GittinsPolicy, lengths: list[int], now: float = 0.0) -> None:
+    """Finish one job per length (the history the policy may learn from)."""
+    for i, n in enumerate(lengths):
+        j = job(f"done{i}-{len(p._lengths)}", arrival=now)
+        p.add(j, now)
+        j.num_generated, j.finished = n, True
+        p.remove(j)
+
+
+def order(p: GittinsPolicy, jobs: list[Job], now: float = 0.0) -> list[str]:
+    for j in jobs:
+        p.add(j, now)
+    p._before_schedule(now)
+    return [j.job_id for j in p._priority_order()]
+
+
+def test_make_policy_builds_it() -> None:
+    assert type(make_policy(SchedulerConfig(policy="gittins"), COST)) is GittinsPolicy
+    assert PolicyName("gittins") is PolicyName.GITTINS
+
+
+def test_the_index_is_the_hand_computed_one() -> None:
+    """Lengths 1 or 10, half each. A started job with 1 token out (no prefill left) finishes at 10 or has
+    finished: conditioned on L > 1 it is L = 10, worth 1/10, for 9 more decode shares d."""
+    p = policy()
+    learn(p, [1, 10] * (MIN_HISTORY // 2))
+    d = p._d
+    assert d == pytest.approx(COST.t_dec(4, 512) / 4)
+    started = job("s", generated=1)
+    assert p.index(started) == pytest.approx((1 / 10) / (9 * d))
+    # A fresh 8-token prompt (P = 1 s): thresholds t = 1 (worth 1/2 * 1/1, work P) and t = 10 (worth 1/2 + 1/20,
+    # work P + 9 d / 2); the index is the better of the two.
+    fresh = job("f", prompt_len=8)
+    assert p.index(fresh) == pytest.approx(max(0.5 / 1.0, 0.55 / (1.0 + 4.5 * d)))
+    # Past every length seen: last.
+    assert p.index(job("old", generated=10)) == 0.0
+
+
+def test_before_any_history_it_is_shortest_prefill_then_least_attained() -> None:
+    p = policy()
+    got = order(p, [job("long-prompt", 64), job("short-prompt", 8), job("ran-5", generated=5),
+                    job("ran-1", generated=1)])
+    # d = t_dec(4, 512) / 4 = 0.25 s: a started job with 5 tokens out (index 1 / 6d) goes after an 8-token prompt
+    # (1 / (1 s + d)); one with 1 token out (1 / 2d) before it.
+    assert got == ["ran-1", "short-prompt", "ran-5", "long-prompt"]
+
+
+def test_on_a_heavy_tail_it_is_least_attained_service() -> None:
+    """80% of jobs end at 2 tokens, 20% at 500: a job that has passed 2 is a long one, so it goes after a newcomer
+    and after a job that may still be short (inverting to most-attained-first fails this)."""
+    p = policy()
+    learn(p, [2] * 80 + [500] * 20)
+    got = order(p, [job("ran-50", generated=50), job("ran-1", generated=1), job("new", prompt_len=8)])
+    assert got.index("ran-1") < got.index("ran-50")
+    assert got.index("new") < got.index("ran-50")
+
+
+def test_on_alike_lengths_a_started_job_finishes_first() -> None:
+    """Every job ends between 90 and 110 tokens: the further a job is, the sooner it ends, so it keeps its place
+    ahead of jobs that have done less and of a newcomer (least attained service, skip-join's order, fails this)."""
+    p = policy()
+    learn(p, list(range(90, 111)) * 3)
+    got = order(p, [job("ran-10", generated=10), job("new", prompt_len=8), job("ran-95", generated=95),
+                    job("ran-50", generated=50)])
+    assert got == ["ran-95", "ran-50", "ran-10", "new"]
+
+
+def test_it_learns_only_from_finished_jobs_and_never_reads_a_true_length() -> None:
+    p = policy()
+    for i in range(3 * MIN_HISTORY):  # aborted (not finished): no history
+        j = job(f"a{i}")
+        p.add(j, 0.0)
+        j.num_generated = 7
+        p.remove(j)
+    assert p._table is None
+    # Identical jobs but for the true output length the SRPT oracle reads: the same index.
+    learn(p, [2] * 40 + [300] * 10)
+    a, b = job("a", generated=3), job("b", generated=3)
+    a.true_output_len, b.true_output_len = 4, 4000
+    assert p.index(a) == p.index(b)
+
+
+def test_the_distribution_is_refreshed_and_every_job_reranked() -> None:
+    """History first says long jobs are the exception (least attained first), then that lengths are alike (run to
+    completion): a started job's place flips after enough new finished jobs."""
+    p = policy()
+    learn(p, [2] * 80 + [500] * 20)
+    assert order(p, [job("ran-1", generated=1), job("ran-300", generated=300)]) == ["ran-1", "ran-300"]
+    waiting = [job(f"w{n}", prompt_len=n) for n in (64, 8, 30, 1)]
+    for j in waiting:
+        p.add(j, 0.0)
+    learn(p, [400] * 2000)  # the window (HISTORY) now holds only these
+    p._before_schedule(0.0)
+    assert [j.job_id for j in p._priority_order()][:2] == ["ran-300", "ran-1"]
+    # The waiting jobs were re-ranked at the refresh (all at once) as each one's own index says.
+    assert p._fresh_ranks == sorted((j.priority, -p.index(j), p._seq[j]) for j in waiting)
+    assert [j.job_id for j in p._fresh] == ["w1", "w8", "w30", "w64"]
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_fresh_job_waits_while_a_started_job_ahead_waits_for_its_kv(waits: bool, monkeypatch) -> None:
+    """The started job (ahead in the order) is not ready: its KV is moving. Under the rule no fresh job takes the
+    device meanwhile; with the rule off (as skip-join runs) the fresh job that fits starts."""
+    p = policy()
+    monkeypatch.setattr(GittinsPolicy, "fresh_waits_for_started", waits)
+    started, fresh = job("started", generated=1), job("fresh", prompt_len=8)
+    p.add(started, 0.0)
+    p.add(fresh, 0.0)
+    started.kv_ready = False
+    kv = FakeKV(num_blocks=1000)  # room to spare
+    batch = [j.job_id for j in p.schedule(1.0, kv).batch]
+    assert batch == ([] if waits else ["fresh"])
+    started.kv_ready = True  # landed: both run
+    kv.held[started] = kv.blocks(started.num_computed)
+    assert sorted(j.job_id for j in p.schedule(2.0, kv).batch) == ["fresh", "started"]
+
+
+def test_age_promotion_puts_the_oldest_first() -> None:
+    """A long prompt that shorter ones keep passing runs first once it is older than k x the mean time in the
+    system (jobs held / completion rate); with age promotion off it stays last."""
+    for age, first in ((1.0, "old-long"), (None, "young-short")):
+        p = policy(starvation_age=age)
+        p._now = 0.0
+        for i in range(40):  # 40 completions over 40 s: 1 job/s
+            p._now = float(i + 1)
+            learn(p, [5], now=float(i))
+        old = job("old-long", prompt_len=64, arrival=0.0)
+        young = job("young-short", prompt_len=8, arrival=99.0)
+        p.add(old, 0.0)
+        p.add(young, 99.0)
+        # 2 jobs held at 1 job/s: mean time in the system 2 s; the old one has been here 100 s.
+        p._before_schedule(100.0)
+        assert next(iter(p._priority_order())).job_id == first
+        assert p.num_promotions == (1 if age else 0)
