@@ -134,6 +134,7 @@ def tick_times(policy: SchedulingPolicy, cost: CostModel, warmup: int, ticks: in
             job.num_computed = job.context_len
             job.num_generated += 1
             if job.num_generated >= job.max_new_tokens:  # finished: a new request takes its place
+                job.finished = True  # (what the engine sets: a policy that learns from finished jobs sees it)
                 policy.remove(job)
                 arrivals += 1
                 policy.add(new_job(rng, f"new{arrivals}", now), now)
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--starvation-age", type=none_or_float, default=defaults.starvation_age,
                    help="age promotion, or 'none' (default: the engine's, %(default)s)")
     p.add_argument("--mlfq-ladder", default=defaults.mlfq_ladder, choices=MLFQ_LADDERS)
+    p.add_argument("--policies", default="skip-join-mlfq,fcfs", help="comma-separated policies to time "
+                   "(e.g. add gittins)")
     args = p.parse_args(argv)
 
     llm = LLM(model=args.model, profile=args.profile, kv_policy="recompute", num_gpu_blocks_override=256)
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'policy':<16}{'median ms':>10}{'best ms':>9}{'median/step':>13}{'best/step':>11}"
               f"   median ms of schedule / cost / done   batch")
         worst = 0.0
-        for name in ("skip-join-mlfq", "fcfs"):
+        for name in args.policies.split(","):
             policy = loaded_policy(name, cost, waiting, args.running, args.seed, args.starvation_threshold,
                                    args.starvation_factor, args.mlfq_ladder, args.starvation_age)
             t = tick_times(policy, cost, args.warmup, args.ticks)
