@@ -25,8 +25,12 @@ Rule, on the engine's clock, every cost profiled:
 - Until MIN_HISTORY jobs have finished there is no distribution: G = 1 / (P + d * (g + 1)), shortest remaining
   prefill first, then least attained service (what skip-join's entry and ladder do).
 - The distribution is refreshed at MIN_HISTORY finished jobs, then every REFRESH_EVERY; every job is re-ranked.
-- A fresh job waits while a started job ahead of it waits for KV (PriorityPolicy.fresh_waits_for_started): a
-  started job near its end is not held on the host while newcomers take the device.
+- Where the learned index rises with service (a job at the median length outranks one with one token out: alike
+  lengths), a fresh job waits while a started job ahead of it waits for KV (PriorityPolicy.fresh_waits_for_started):
+  started jobs near their end are not held on the host while newcomers take the device, which past capacity
+  spread the server over ever more started jobs and finished fewer. Where it falls (heavy tails: ShareGPT,
+  Alpaca) the rule is off, as for skip-join: there it only delayed new long prompts (P99 TTFT at 1.5C 13-262 s
+  against 2.8-3 s without it).
 - Age promotion (starvation_age k, as skip-join's; None = off): a job whose time in the system exceeds k x the
   mean time in the system (jobs held / completion rate over the last AGE_WINDOW completions: Little's law) goes
   ahead of every other job of its request class, oldest first.
@@ -59,7 +63,7 @@ STARVING_KEY = -1e18  # key offset of age-promoted jobs (oldest first within it)
 class GittinsPolicy(KeyedPriorityPolicy):
     name = PolicyName.GITTINS
     dynamic_key = True  # a job's index moves as it generates
-    fresh_waits_for_started = True
+    fresh_waits_for_started = False  # until the learned index says a started job is nearer its end (_refresh)
 
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
@@ -140,6 +144,10 @@ class GittinsPolicy(KeyedPriorityPolicy):
                 ratio = np.where(valid, done / np.where(work > 0, work, np.inf), 0.0)
             table[1:lmax] = ratio.max(axis=1)
         self._table, self._table_list = table, table.tolist()
+        # The batch rule follows the index: where a job halfway through (the median length) outranks one that has
+        # just started, started jobs are the nearer to finishing, and their room comes before a new job's.
+        median = int(np.median(lengths))
+        self.fresh_waits_for_started = bool(lmax > 1 and table[min(median, lmax - 1)] > table[1])
         self._rerank()
 
     def _rerank(self) -> None:

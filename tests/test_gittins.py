@@ -98,6 +98,15 @@ def test_on_alike_lengths_a_started_job_finishes_first() -> None:
     assert got == ["ran-95", "ran-50", "ran-10", "new"]
 
 
+def test_the_batch_rule_is_on_where_started_jobs_are_nearer_their_end() -> None:
+    """Fresh jobs wait behind started ones that wait for KV only where the learned index rises with service."""
+    alike, heavy, none = policy(), policy(), policy()
+    learn(alike, list(range(90, 111)) * 3)
+    learn(heavy, [2] * 80 + [500] * 20)
+    assert alike.fresh_waits_for_started and not heavy.fresh_waits_for_started
+    assert not none.fresh_waits_for_started  # no history: skip-join's way
+
+
 def test_it_learns_only_from_finished_jobs_and_never_reads_a_true_length() -> None:
     p = policy()
     for i in range(3 * MIN_HISTORY):  # aborted (not finished): no history
@@ -131,11 +140,11 @@ def test_the_distribution_is_refreshed_and_every_job_reranked() -> None:
 
 
 @pytest.mark.parametrize("waits", [True, False])
-def test_a_fresh_job_waits_while_a_started_job_ahead_waits_for_its_kv(waits: bool, monkeypatch) -> None:
+def test_a_fresh_job_waits_while_a_started_job_ahead_waits_for_its_kv(waits: bool) -> None:
     """The started job (ahead in the order) is not ready: its KV is moving. Under the rule no fresh job takes the
     device meanwhile; with the rule off (as skip-join runs) the fresh job that fits starts."""
     p = policy()
-    monkeypatch.setattr(GittinsPolicy, "fresh_waits_for_started", waits)
+    p.fresh_waits_for_started = waits  # (what the learned index sets: test_the_batch_rule_is_on_where...)
     started, fresh = job("started", generated=1), job("fresh", prompt_len=8)
     p.add(started, 0.0)
     p.add(fresh, 0.0)
