@@ -91,7 +91,10 @@ def section_fig14(ctx: Ctx) -> str:
               "read FCFS / skip-join 0.52-0.95x (skip-join behind FCFS in every row) and FCFS or fixed priority "
               "best in every row. The lengths of a row spread only 0.5x-1.5x around their mean, far from ShareGPT's "
               "heavy tail, so the service a job has received says little about what it has left; least attained "
-              "service (every MLFQ) preempts it for newer jobs, which delays both.", "",
+              "service (every MLFQ) preempts it for newer jobs, which delays both. Session 20 (2026-12-05) added the "
+              "gittins column; every other column is the same to the last digit as session 19's run (code version "
+              "23dc38d2b61ca33e): the rule that came with it (a fresh job waits behind a started one that waits "
+              "for KV) is off for the other policies.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
