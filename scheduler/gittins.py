@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -236,8 +235,3 @@ class GittinsPolicy(KeyedPriorityPolicy):
                     self._tick_rank.pop(job, None)
                 self._sorted = False
             self._positions = None
-
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        super().on_step_done(batch, now, cost)
-        for job in batch:
-            job.service_total += cost

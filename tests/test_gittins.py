@@ -174,3 +174,13 @@ def test_age_promotion_puts_the_oldest_first() -> None:
         p._before_schedule(100.0)
         assert next(iter(p._priority_order())).job_id == first
         assert p.num_promotions == (1 if age else 0)
+
+
+def test_a_step_is_charged_once() -> None:
+    """service_total (telemetry) counts each step's cost once, as for every priority policy."""
+    p = policy()
+    j = job("a")
+    p.add(j, 0.0)
+    batch = p.schedule(0.0, FakeKV(num_blocks=100)).batch
+    p.on_step_done(batch, 1.5, 1.5)
+    assert batch == [j] and j.service_total == 1.5
