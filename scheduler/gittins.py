@@ -49,7 +49,6 @@ import numpy as np
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
 from scheduler.priority_policy import KeyedPriorityPolicy
-from scheduler.skip_join_mlfq import AGE_MIN_COMPLETIONS, AGE_WINDOW
 
 HISTORY = 2000  # finished jobs whose output lengths make the distribution
 MIN_HISTORY = 32  # finished jobs before the first distribution
@@ -77,7 +76,6 @@ class GittinsPolicy(KeyedPriorityPolicy):
         self._surv_arr = self._wsurv_arr = self._cum = np.zeros(0)
         self._wsurv_t = self._cum_t = np.zeros(0)  # the last two at each threshold t of the support
         self._starving: set[Job] = set()
-        self._completions: deque[float] = deque(maxlen=AGE_WINDOW)
         self._by_arrival: deque[Job] = deque()
         self._now = 0.0
         self.num_promotions = 0  # age promotions
@@ -210,10 +208,9 @@ class GittinsPolicy(KeyedPriorityPolicy):
         super()._before_schedule(now)
 
     def _promote_by_age(self, now: float) -> None:
-        done = self._completions
-        if len(done) < AGE_MIN_COMPLETIONS or now <= done[0]:
+        limit = self.age_limit(now)
+        if limit is None:
             return
-        limit = self.config.starvation_age * len(self._seq) * (now - done[0]) / len(done)
         queue = self._by_arrival
         while queue and (queue[0] not in self._seq or now - queue[0].arrival_time > limit):
             job = queue.popleft()

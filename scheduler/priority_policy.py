@@ -69,7 +69,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from abc import abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from itertools import filterfalse
 from operator import itemgetter
@@ -82,6 +82,8 @@ START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of wait
 
 
 NEVER = 1 << 62  # Gate.no_kv_from when no job is refused that way
+AGE_WINDOW = 256  # completions whose rate estimates the mean time in the system (age promotion)
+AGE_MIN_COMPLETIONS = 32  # no age promotion before this many completions
 
 
 class Gate:
@@ -110,6 +112,7 @@ class PriorityPolicy(SchedulingPolicy):
         self._classes: Counter[int] = Counter()  # request class -> unfinished jobs
         self.started_by_priority: Counter[int] = Counter()  # request class -> jobs started (first run)
         self.start_wait_ema = 0.0  # W: recent wait from arrival to first run (engine clock), an EMA
+        self._completions: deque[float] = deque(maxlen=AGE_WINDOW)  # engine times of the last completions (age)
         self._fresh_lens: list[int] = []  # prompt lengths of the jobs that never ran, sorted (the smallest first)
         # Started jobs whose KV an eviction of schedule() dropped (num_computed 0), kept by their context then (it
         # cannot grow before they run again), until they are given room (allocate) or leave: only allocate or the
@@ -201,6 +204,16 @@ class PriorityPolicy(SchedulingPolicy):
 
     def has_work(self) -> bool:
         return bool(self._classes)
+
+    def age_limit(self, now: float) -> float | None:
+        """Age promotion's threshold: starvation_age x the mean time in the system (jobs held / completion rate
+        over the last AGE_WINDOW completions, which a subclass records); None while there are too few completions
+        to say."""
+        done = self._completions
+        if len(done) < AGE_MIN_COMPLETIONS or now <= done[0]:
+            return None
+        rate = len(done) / (now - done[0])
+        return self.config.starvation_age * sum(self._classes.values()) / rate
 
     def estimated_wait(self, job: Job, now: float) -> float:
         return 0.0 if job in self._running else self._wait_estimate(job, now)

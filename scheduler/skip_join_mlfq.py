@@ -113,8 +113,6 @@ from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
 STARVING = -(1 << 30)  # the band of age-promoted jobs: before every request class
-AGE_WINDOW = 256  # completions whose rate estimates the mean time in the system (age promotion)
-AGE_MIN_COMPLETIONS = 32  # no age promotion before this many completions
 
 
 def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
@@ -181,7 +179,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._starving: list[tuple[float, int, tuple[Job, ...]]] = []  # heap: (last_scheduled_time, seq, jobs)
         # Age promotion: jobs in arrival order (popped once old enough), and the last completions' times.
         self._by_arrival: deque[Job] = deque()
-        self._completions: deque[float] = deque(maxlen=AGE_WINDOW)
         self._now = 0.0
         self._fresh_starving: list[tuple[float, int, Job]] = []  # heap of arrivals: (arrival, seq, job)
         # Starving jobs left in Q1 because their class was the most urgent present; should a more urgent
@@ -458,15 +455,6 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if promoted:
             self.num_promotions += promoted
             self._queue_waits = None
-
-    def age_limit(self, now: float) -> float | None:
-        """Age promotion's threshold: starvation_age x the mean time in the system (jobs held / completion rate
-        over the last AGE_WINDOW completions); None while there are too few completions to say."""
-        done = self._completions
-        if len(done) < AGE_MIN_COMPLETIONS or now <= done[0]:
-            return None
-        rate = len(done) / (now - done[0])
-        return self.config.starvation_age * sum(self._classes.values()) / rate
 
     def _promote_by_age(self, now: float) -> int:
         """Move every job older than age_limit() to the STARVING band (oldest first); it runs to completion."""
