@@ -442,9 +442,9 @@ def table(runner: Runner, setup: Setup, loads: Sequence[float], policies: Sequen
 
 
 def markdown(setup: Setup, cap: dict, data: dict, loads: Sequence[float], policies: Sequence[str],
-             reference: str = "srpt", subject: str = "skip-join-mlfq") -> str:
+             reference: str = "srpt", subjects: Sequence[str] = ("skip-join-mlfq",)) -> str:
     """A table: per load and policy, mean/P95/P99 per-token latency, P99 TTFT, max e2e and served rate, with
-    the subject's paired ratios to the reference and to FCFS."""
+    each subject's paired ratios to the reference and to FCFS."""
     lines = [f"Capacity C = {cap['C']:.3f} req/s (FCFS served under a {cap['offered']:.2f} req/s offer; "
              f"seeds {', '.join(f'{c:.3f}' for c in cap['per_seed'])}).", "",
              "| load | policy | mean s/token | P95 | P99 | P99 TTFT s | max e2e s | served req/s |",
@@ -456,7 +456,7 @@ def markdown(setup: Setup, cap: dict, data: dict, loads: Sequence[float], polici
                          f"{fmt(stat(d['p95_per_token_s']))} | {fmt(stat(d['p99_per_token_s']))} | "
                          f"{fmt(stat(d['p99_ttft_s']))} | "
                          f"{fmt(stat(d['max_e2e_s']))} | {fmt(stat(d['served_rate']), 4)} |")
-    if subject in policies:
+    for subject in (name for name in subjects if name in policies):
         lines += ["", f"Paired ratios of {subject} (per seed, mean ± 95% interval):", "",
                   "| load | mean / " + reference + " | P95 / " + reference + " | served / FCFS | max e2e / FCFS max |"
                   " P99 / FCFS P99 |", "|---|---|---|---|---|---|"]
@@ -505,10 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     policies = args.policies.split(",")
     data = table(runner, setup, loads, policies, range(args.seeds), cap["C"])
-    subjects = args.subject.split(",")
-    print(markdown(setup, cap, data, loads, policies, subject=subjects[0]))
-    for subject in subjects[1:]:
-        print("\n" + markdown(setup, cap, data, loads, policies, subject=subject).split("\n\n", 2)[-1])
+    print(markdown(setup, cap, data, loads, policies, subjects=args.subject.split(",")))
     print(f"\n{runner.runs} simulations, {time.perf_counter() - t0:.0f} s wall")
     if args.json:
         args.json.write_text(json.dumps({"capacity": cap, "data": {f"{k[0]}|{k[1]}": v for k, v in data.items()}},
