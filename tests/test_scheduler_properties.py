@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from scheduler import Job, PolicyName, SchedulerConfig, SkipJoinMLFQPolicy, make_policy
 from scheduler.cost_model import ProfiledCostModel
+from scheduler.gittins import MIN_HISTORY, STARVING_KEY
 from tests.scheduler_sim import FakeKV, Spec, Tick, make_cost, simulate
 
 COST = make_cost(decode_at_batch_8=2.0)
@@ -181,24 +182,38 @@ CONTEXT_COST = ProfiledCostModel.from_dict({
 
 
 @SETTINGS
-@given(setups(policies=(PolicyName.FIXED_PRIORITY, PolicyName.SRPT)), st.booleans(), st.integers(0, 2**32))
-def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flaky: bool, seed: int) -> None:
-    """Fixed priority and SRPT keep ranks, positions and wait estimates cached between changes (SRPT
-    re-ranks only the jobs a step ran); on every tick the walk must be every held job sorted by
-    (class, key, arrival) computed afresh, and each waiting job's estimate (its place in that order, in
-    batches of max_num_seqs, times one decode step at its context) must match; fixed priority's also as each
-    job arrives."""
+@given(setups(policies=(PolicyName.FIXED_PRIORITY, PolicyName.SRPT, PolicyName.GITTINS)), st.booleans(),
+       st.integers(0, 2**32), st.booleans())
+def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flaky: bool, seed: int,
+                                                                     learned: bool) -> None:
+    """Fixed priority, SRPT and gittins keep ranks, positions and wait estimates cached between changes (SRPT
+    and gittins re-rank only the jobs a step ran; gittins every job at a refresh of its table and a promoted one);
+    on every tick the walk must be every held job sorted by (class, key, arrival) computed afresh, and each
+    waiting job's estimate (its place in that order, in batches of max_num_seqs, times one decode step at its
+    context) must match; fixed priority's also as each job arrives."""
     config, specs, kv = setup
     policy = make_policy(config, CONTEXT_COST)
-    srpt = config.policy is PolicyName.SRPT
+    srpt = config.policy is not PolicyName.FIXED_PRIORITY  # a dynamic key: SRPT's or gittins'
     arrival: dict[Job, int] = {}
     arrivals = itertools.count()
     running: list[Job] = []  # the last tick's batch
+    if learned and config.policy is PolicyName.GITTINS:  # a history of finished jobs: its index read from the table
+        lengths = random.Random(seed)
+        for i in range(MIN_HISTORY):
+            done = Job(f"history{i}", 8, 4096, 0.0)
+            policy.add(done, 0.0)
+            done.num_generated, done.finished = lengths.randint(1, 12), True
+            policy.remove(done)
+        assert policy._table is not None
 
     def check() -> None:
         for job in [j for j in arrival if j.finished]:
             del arrival[job]
-        key = (lambda j: j.remaining_tokens()) if srpt else (lambda j: j.prompt_len)
+        if config.policy is PolicyName.GITTINS:  # its index from the job's state and the learned table
+            def key(j: Job) -> float:
+                return STARVING_KEY + j.arrival_time if j in policy._starving else -policy.index(j)
+        else:
+            key = (lambda j: j.remaining_tokens()) if srpt else (lambda j: j.prompt_len)
         order = sorted(arrival, key=lambda j: (j.priority, key(j), arrival[j]))
         assert policy.jobs == order
         seqs = config.max_num_seqs
