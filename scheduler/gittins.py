@@ -12,9 +12,14 @@ the distribution is learned from the output lengths of the jobs the server has f
 length is read (Job.true_output_len is the SRPT oracle's alone).
 
 Rule, on the engine's clock, every cost profiled:
-- A job's work is its remaining prefill P (t_init of the prompt, times the share of it not computed or
-  cached) plus one decode share d per output token after the first (the first comes with the prefill);
-  d = t_dec(b, 512) / b, b the batch size running at the last refresh (max_num_seqs before one).
+- A job's work is its remaining prefill P plus one decode share d per output token after the first (the first
+  comes with the prefill); d = t_dec(b, 512) / b, b the batch size running at the last refresh (max_num_seqs
+  before one). A prompt runs inside a batch, as the engine runs it (scheduler/cost_model.py): P = d (its share
+  of the step) + what its n tokens not yet computed or cached add to a step of b decoders,
+  batch_cost([n], b x 512) - batch_cost([], b x 512). (It was t_init(n), the prompt alone: a full pass over
+  the weights, 20-50 decode shares for a 20-token prompt on OPT-13B, which ranked fresh jobs below started
+  ones; on Alpaca at 2x capacity one seed of three then read 1.8x skip-join's mean, new jobs waiting at the
+  door: P99 TTFT 22 s. docs/benchmarks.md, "A learned order".)
 - The output length L (tokens, >= 1) has the empirical distribution of the last HISTORY finished jobs. A job
   that has generated g tokens has the index
       G = max over thresholds t > g (lengths seen) of
@@ -67,7 +72,9 @@ class GittinsPolicy(KeyedPriorityPolicy):
         super().__init__(config, cost)
         self._lengths: deque[int] = deque(maxlen=HISTORY)
         self._since_refresh = 0
-        self._d = self._decode_share(config.max_num_seqs)
+        self._batch = max(1, config.max_num_seqs)  # the batch size the work is priced at (the running one)
+        self._d = self._decode_share(self._batch)
+        self._prefill_memo: dict[int, float] = {}  # prompt tokens -> prefill work at self._batch
         self._table: np.ndarray | None = None  # index of a job with no prefill left, by tokens generated
         self._table_list: list[float] | None = None  # the same, as a list (read per job in the hot loop)
         self._support: np.ndarray = np.zeros(0, dtype=np.int64)  # output lengths seen (the thresholds t)
@@ -91,7 +98,12 @@ class GittinsPolicy(KeyedPriorityPolicy):
         left = job.prompt_len - max(job.num_computed, job.num_cached_prompt_tokens)
         if left <= 0:
             return 0.0
-        return self.cost.t_init(job.prompt_len) * left / job.prompt_len
+        work = self._prefill_memo.get(left)
+        if work is None:  # a prompt rides in a batch: its share of the step, plus what its tokens add to the step
+            decoders = [DECODE_CONTEXT] * self._batch
+            added = self.cost.batch_cost([left], decoders) - self.cost.batch_cost([], decoders)
+            work = self._prefill_memo[left] = self._d + max(0.0, added)
+        return work
 
     def index(self, job: Job) -> float:
         """The job's Gittins index (higher runs first), 1/s."""
@@ -192,7 +204,9 @@ class GittinsPolicy(KeyedPriorityPolicy):
                 self._since_refresh = 0
                 running = len(self._running)
                 if running:
+                    self._batch = running
                     self._d = self._decode_share(running)
+                    self._prefill_memo = {}
                 self._refresh()
 
     def add(self, job: Job, now: float) -> None:

@@ -61,20 +61,40 @@ def test_the_index_is_the_hand_computed_one() -> None:
     assert d == pytest.approx(COST.t_dec(4, 512) / 4)
     started = job("s", generated=1)
     assert p.index(started) == pytest.approx((1 / 10) / (9 * d))
-    # A fresh 8-token prompt (P = 1 s): thresholds t = 1 (worth 1/2 * 1/1, work P) and t = 10 (worth 1/2 + 1/20,
-    # work P + 9 d / 2); the index is the better of the two.
+    # A fresh 8-token prompt: this profile's pass over the weights costs 1 s whatever the tokens, so the prompt adds
+    # nothing to a step of 4 decoders (t_init(8) = 1 s is that pass) and its work is its share of the step, P = d.
+    # Thresholds t = 1 (worth 1/2 * 1/1, work P) and t = 10 (worth 1/2 + 1/20, work P + 9 d / 2): the better.
     fresh = job("f", prompt_len=8)
-    assert p.index(fresh) == pytest.approx(max(0.5 / 1.0, 0.55 / (1.0 + 4.5 * d)))
+    assert p._prefill_left(fresh) == pytest.approx(d)
+    assert p.index(fresh) == pytest.approx(max(0.5 / d, 0.55 / (d + 4.5 * d)))
     # Past every length seen: last.
     assert p.index(job("old", generated=10)) == 0.0
 
 
+def test_a_prompt_is_priced_as_it_runs_in_a_batch_not_alone() -> None:
+    """t_init(L) = L / 8 s; t_dec(b) = F(b) = 1 + (b - 1) / 7 s: a step of b decoders passes the weights once, each
+    token adding 1/7 s. At b = 4 (d = t_dec(4) / 4 = 10/28 s) a prompt of L tokens adds F(4 + L) - F(4) = L/7 s of
+    tokens and t_init(L) - F(L) of its own attention: 8 tokens add 8/7 - 1 = 1/7 s, so P = 10/28 + 4/28 = 0.5 s
+    (alone it would cost t_init(8) = 1 s); 64 tokens add 64/7 - 2 = 50/7 s, P = 7.5 s (alone 8 s). A prompt
+    with 56 of its 64 tokens computed is priced by the 8 left."""
+    p = GittinsPolicy(SchedulerConfig(max_prompt_len=64, max_num_seqs=4, starvation_threshold=None,
+                                      starvation_age=None), make_cost(decode_at_batch_8=2.0))
+    assert p._d == pytest.approx(10 / 28)
+    assert p._prefill_left(job("short", 8)) == pytest.approx(0.5)
+    assert p._prefill_left(job("long", 64)) == pytest.approx(7.5)
+    part = job("part", 64)
+    part.num_computed = 56
+    assert p._prefill_left(part) == pytest.approx(0.5)
+
+
 def test_before_any_history_it_is_shortest_prefill_then_least_attained() -> None:
     p = policy()
-    got = order(p, [job("long-prompt", 64), job("short-prompt", 8), job("ran-5", generated=5),
+    got = order(p, [job("long-prompt", 64), job("short-prompt", 12), job("ran-5", generated=5),
                     job("ran-1", generated=1)])
-    # d = t_dec(4, 512) / 4 = 0.25 s: a started job with 5 tokens out (index 1 / 6d) goes after an 8-token prompt
-    # (1 / (1 s + d)); one with 1 token out (1 / 2d) before it.
+    # d = t_dec(4, 512) / 4 = 0.25 s; a 12-token prompt adds its attention, t_init(12) - F(12) = 1.5 - 1 s, to a
+    # step (this profile's pass over the weights costs 1 s whatever the tokens), so P = d + 0.5 s: a started job
+    # with 5 tokens out (index 1 / 6d = 0.67) goes after it (1 / (P + d) = 1); one with 1 token out (1 / 2d = 2)
+    # before it; the 64-token prompt (P = d + 7 s) last.
     assert got == ["ran-1", "short-prompt", "ran-5", "long-prompt"]
 
 
@@ -128,7 +148,7 @@ def test_the_distribution_is_refreshed_and_every_job_reranked() -> None:
     p = policy()
     learn(p, [2] * 80 + [500] * 20)
     assert order(p, [job("ran-1", generated=1), job("ran-300", generated=300)]) == ["ran-1", "ran-300"]
-    waiting = [job(f"w{n}", prompt_len=n) for n in (64, 8, 30, 1)]
+    waiting = [job(f"w{n}", prompt_len=n) for n in (64, 16, 30, 9)]
     for j in waiting:
         p.add(j, 0.0)
     learn(p, [400] * 2000)  # the window (HISTORY) now holds only these
@@ -136,7 +156,7 @@ def test_the_distribution_is_refreshed_and_every_job_reranked() -> None:
     assert [j.job_id for j in p._priority_order()][:2] == ["ran-300", "ran-1"]
     # The waiting jobs were re-ranked at the refresh (all at once) as each one's own index says.
     assert p._fresh_ranks == sorted((j.priority, -p.index(j), p._seq[j]) for j in waiting)
-    assert [j.job_id for j in p._fresh] == ["w1", "w8", "w30", "w64"]
+    assert [j.job_id for j in p._fresh] == ["w9", "w16", "w30", "w64"]
 
 
 @pytest.mark.parametrize("waits", [True, False])
