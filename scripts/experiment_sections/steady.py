@@ -15,7 +15,8 @@ from steady_state import Runner, Setup, capacity, fmt, markdown, ratio_stat, sta
 from experiment_sections.common import Ctx
 
 LOADS = (0.5, 0.8, 1.0, 1.5, 2.0)
-MAIN_POLICIES = ("fcfs", "skip-join-mlfq", "srpt")
+MAIN_POLICIES = ("fcfs", "skip-join-mlfq", "gittins", "srpt")
+SUBJECTS = ("skip-join-mlfq", "gittins")  # the default, and the opt-in learned order (scheduler/gittins.py)
 PREVIOUS = (("mlfq_ladder", "prefill"), ("starvation_threshold", 0.3), ("starvation_age", None),
             ("kv_overcommit", 4.0))  # the defaults before issue 24 (with the starvation factor 1, still the default)
 OTHER_SETUPS = (("opt-13b", "alpaca"), ("opt-13b-80gb", "sharegpt"), ("opt-66b", "sharegpt"), ("opt-175b", "sharegpt"))
@@ -53,21 +54,23 @@ def section_capacity(ctx: Ctx) -> str:
              "ladder, age promotion 3, no alpha; new jobs start while the started jobs' KV fits both tiers less an "
              "eighth of the device; with pipeline parallelism a batch holds at most its share of the device's KV; "
              "skip-join MLFQ's docstring).", "",
-             markdown(main, cap, data, LOADS, MAIN_POLICIES), "", CHANGED, ""]
-    lines += ["Goals (issue 24) against these numbers:", "", "| load | mean / oracle (goal) | P95 / oracle | served / "
-              "FCFS (>= 0.98) | max e2e / FCFS max (<= 2) | P99 / FCFS P99 (<= 1) |", "|---|---|---|---|---|---|"]
+             markdown(main, cap, data, LOADS, MAIN_POLICIES, subjects=SUBJECTS), "", CHANGED, ""]
+    lines += ["Goals (issue 24) against these numbers:", "", "| load | policy | mean / oracle (goal) | P95 / oracle | "
+              "served / FCFS (>= 0.98) | max e2e / FCFS max (<= 2) | P99 / FCFS P99 (<= 1) |",
+              "|---|---|---|---|---|---|---|"]
+    mark = lambda st, lim: f"{fmt(st)} {'met' if lim is None or st.mean <= lim else 'NOT met'}"  # noqa: E731
     for load in LOADS:
-        s, o, f = data[(load, "skip-join-mlfq")], data[(load, "srpt")], data[(load, "fcfs")]
-        goal = GOALS.get(load)
-        mean = ratio_stat(s["mean_per_token_s"], o["mean_per_token_s"])
-        p95 = ratio_stat(s["p95_per_token_s"], o["p95_per_token_s"])
-        served = ratio_stat(s["served_rate"], f["served_rate"])
-        e2e = ratio_stat(s["max_e2e_s"], f["max_e2e_s"])
-        p99 = ratio_stat(s["p99_per_token_s"], f["p99_per_token_s"])
-        mark = lambda st, lim: f"{fmt(st)} {'met' if lim is None or st.mean <= lim else 'NOT met'}"  # noqa: E731
-        lines.append(f"| {load:g}C | {mark(mean, goal)} ({goal or '-'}) | {mark(p95, goal)} | "
-                     f"{fmt(served, 4)} {'met' if served.mean >= 0.98 else 'NOT met'} | {mark(e2e, 2.0)} | "
-                     f"{mark(p99, 1.0)} |")
+        for subject in SUBJECTS:
+            s, o, f = data[(load, subject)], data[(load, "srpt")], data[(load, "fcfs")]
+            goal = GOALS.get(load)
+            mean = ratio_stat(s["mean_per_token_s"], o["mean_per_token_s"])
+            p95 = ratio_stat(s["p95_per_token_s"], o["p95_per_token_s"])
+            served = ratio_stat(s["served_rate"], f["served_rate"])
+            e2e = ratio_stat(s["max_e2e_s"], f["max_e2e_s"])
+            p99 = ratio_stat(s["p99_per_token_s"], f["p99_per_token_s"])
+            lines.append(f"| {load:g}C | {subject} | {mark(mean, goal)} ({goal or '-'}) | {mark(p95, goal)} | "
+                         f"{fmt(served, 4)} {'met' if served.mean >= 0.98 else 'NOT met'} | {mark(e2e, 2.0)} | "
+                         f"{mark(p99, 1.0)} |")
     lines += ["", f"The previous defaults (the paper's prefill ladder, alpha 0.3 s with the starvation factor 1, "
               f"`--kv-overcommit 4`; C measured again for them: {prev_cap['C']:.3f} req/s), same traces:", "",
               "| load | mean s/token | P95 | P99 | mean / oracle | served / FCFS |", "|---|---|---|---|---|---|"]
@@ -77,21 +80,24 @@ def section_capacity(ctx: Ctx) -> str:
         lines.append(f"| {load:g}C | {fmt(stat(p['mean_per_token_s']))} | {fmt(stat(p['p95_per_token_s']))} | "
                      f"{fmt(stat(p['p99_per_token_s']))} | {vs_oracle} | "
                      f"{fmt(ratio_stat(p['served_rate'], f['served_rate']), 4)} |")
-    lines += ["", f"Other setups, skip-join against FCFS ({len(other_seeds)} seeds; the goal: no worse than FCFS on "
-              "any row, within the interval):", ""]
+    lines += ["", f"Other setups, skip-join and gittins against FCFS ({len(other_seeds)} seeds; the goal: no worse "
+              "than FCFS on any row, within the interval):", ""]
     for scale, dataset in OTHER_SETUPS:
         setup = Setup(scale, dataset, ctx.args.steady_prompts)
         c = capacity(runner, setup, range(2))
-        d = table(runner, setup, LOADS, ("fcfs", "skip-join-mlfq"), other_seeds, c["C"])
+        d = table(runner, setup, LOADS, ("fcfs",) + SUBJECTS, other_seeds, c["C"])
         lines += [f"**{scale}, {dataset}**: C = {c['C']:.3f} req/s.", "",
-                  "| load | FCFS mean s/token | skip-join | skip-join / FCFS mean | P95 / FCFS P95 | served / FCFS |",
-                  "|---|---|---|---|---|---|"]
+                  "| load | policy | FCFS mean s/token | policy's | / FCFS mean | P95 / FCFS P95 | served / FCFS |",
+                  "|---|---|---|---|---|---|---|"]
         for load in LOADS:
-            s, f = d[(load, "skip-join-mlfq")], d[(load, "fcfs")]
-            r = ratio_stat(s["mean_per_token_s"], f["mean_per_token_s"])
-            lines.append(f"| {load:g}C | {fmt(stat(f['mean_per_token_s']))} | {fmt(stat(s['mean_per_token_s']))} | "
-                         f"{fmt(r)} | {fmt(ratio_stat(s['p95_per_token_s'], f['p95_per_token_s']))} | "
-                         f"{fmt(ratio_stat(s['served_rate'], f['served_rate']), 4)} |")
+            f = d[(load, "fcfs")]
+            for subject in SUBJECTS:
+                s = d[(load, subject)]
+                r = ratio_stat(s["mean_per_token_s"], f["mean_per_token_s"])
+                lines.append(f"| {load:g}C | {subject} | {fmt(stat(f['mean_per_token_s']))} | "
+                             f"{fmt(stat(s['mean_per_token_s']))} | {fmt(r)} | "
+                             f"{fmt(ratio_stat(s['p95_per_token_s'], f['p95_per_token_s']))} | "
+                             f"{fmt(ratio_stat(s['served_rate'], f['served_rate']), 4)} |")
         lines.append("")
     lines.append(f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
                  f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
