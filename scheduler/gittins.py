@@ -72,9 +72,7 @@ class GittinsPolicy(KeyedPriorityPolicy):
         super().__init__(config, cost)
         self._lengths: deque[int] = deque(maxlen=HISTORY)
         self._since_refresh = 0
-        self._batch = max(1, config.max_num_seqs)  # the batch size the work is priced at (the running one)
-        self._d = self._decode_share(self._batch)
-        self._prefill_memo: dict[int, float] = {}  # prompt tokens -> prefill work at self._batch
+        self._price_at(config.max_num_seqs)  # until a refresh prices the work at the batch size running then
         self._table: np.ndarray | None = None  # index of a job with no prefill left, by tokens generated
         self._table_list: list[float] | None = None  # the same, as a list (read per job in the hot loop)
         self._support: np.ndarray = np.zeros(0, dtype=np.int64)  # output lengths seen (the thresholds t)
@@ -88,9 +86,14 @@ class GittinsPolicy(KeyedPriorityPolicy):
         self.num_promotions = 0  # age promotions
 
     # -- the index -------------------------------------------------------------------------------------------
-    def _decode_share(self, batch: int) -> float:
+    def _price_at(self, batch: int) -> None:
+        """Price the work at a step of `batch` decoders of DECODE_CONTEXT tokens: the step, the decode share d (a
+        decoder's share of the step), and no prefill priced yet."""
         batch = max(1, batch)
-        return max(self.cost.t_dec(batch, DECODE_CONTEXT) / batch, 1e-9)
+        self._decoders = [DECODE_CONTEXT] * batch
+        self._step = self.cost.t_dec(batch, DECODE_CONTEXT)  # = batch_cost([], self._decoders)
+        self._d = max(self._step / batch, 1e-9)
+        self._prefill_memo: dict[int, float] = {}  # prompt tokens left -> prefill work
 
     def _prefill_left(self, job: Job) -> float:
         if job.num_generated:
@@ -100,8 +103,7 @@ class GittinsPolicy(KeyedPriorityPolicy):
             return 0.0
         work = self._prefill_memo.get(left)
         if work is None:  # a prompt rides in a batch: its share of the step, plus what its tokens add to the step
-            decoders = [DECODE_CONTEXT] * self._batch
-            added = self.cost.batch_cost([left], decoders) - self.cost.batch_cost([], decoders)
+            added = self.cost.batch_cost([left], self._decoders) - self._step
             work = self._prefill_memo[left] = self._d + max(0.0, added)
         return work
 
@@ -204,9 +206,7 @@ class GittinsPolicy(KeyedPriorityPolicy):
                 self._since_refresh = 0
                 running = len(self._running)
                 if running:
-                    self._batch = running
-                    self._d = self._decode_share(running)
-                    self._prefill_memo = {}
+                    self._price_at(running)
                 self._refresh()
 
     def add(self, job: Job, now: float) -> None:
