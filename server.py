@@ -490,6 +490,9 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "async_output_processing": ("launch the next step before decoding this step's text and building its "
                                 "outputs, which then overlap the next step's compute (same outputs; not with "
                                 "pipeline parallelism)", None),
+    "async_scheduling": ("schedule and queue step k+1 while step k computes, with placeholders for the tokens "
+                         "step k samples (vLLM's --async-scheduling): the scheduler leaves the step's critical path; "
+                         "same tokens, the schedule may differ; tp = pp = 1 only", None),
     "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "
                       "CUDA, with one tensor-parallel rank; on CPU every step is eager anyway)", None),
 }

@@ -28,6 +28,10 @@ class SequenceWork:
     # written, nothing is sampled (a seeded generator is not advanced) and its SequenceResult is a placeholder.
     sample: bool = True
     prompt_len: int | None = None  # the request's prompt length (None: start_pos + len(token_ids) - num_generated)
+    # Async scheduling: token_ids' last entry is PENDING_TOKEN, the token this sequence samples in the step launched
+    # just before this one; the executor puts it in (and at the end of output_token_ids, when they are sent)
+    # before computing this step.
+    fill_last: bool = False
 
 
 @dataclass
@@ -40,6 +44,7 @@ class ModelBatch:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
+PENDING_TOKEN = -2  # SequenceWork.token_ids' last entry while the token is in flight (fill_last)
 NOT_SAMPLED = -1  # SequenceResult.token_id of a sequence that computed a chunk without sampling
 
 

@@ -101,6 +101,14 @@ class EngineConfig:
     # Off by default: on the 2-core CPU it takes 2/3 of the engine's work off the critical path but no gain in
     # the step's period could be measured (docs/benchmarks.md, "Issue 26, control plane ... async output").
     async_output_processing: bool = False
+    # Async scheduling (vLLM V1's --async-scheduling): step k+1 is scheduled and queued while step k computes, so
+    # the scheduler, the KV manager and building the batch leave the step's critical path. A job of step k runs in
+    # step k+1 with a placeholder for the token step k samples; the executor puts the token in before it computes
+    # step k+1. What does not depend on tokens is known when step k is launched (its KV positions, its charge to
+    # the scheduler, the jobs that end by length); a job that ends by EOS, a stop token or a stop string at step k
+    # runs once more in step k+1, whose token is dropped. Same tokens as the synchronous engine; the schedule may
+    # differ (a step is charged when launched). Includes async output processing. tp = pp = 1 only.
+    async_scheduling: bool = False
     max_queued_requests: int | None = None
 
     def __post_init__(self) -> None:
@@ -148,6 +156,11 @@ class EngineConfig:
         need(self.reserved_blocks >= 0, "reserved_blocks must be >= 0")
         need(self.kv_overcommit is None or self.kv_overcommit >= 1, "kv_overcommit must be >= 1 (or none)")
         need(self.max_queued_requests is None or self.max_queued_requests >= 0, "max_queued_requests must be >= 0")
+        need(not self.async_scheduling or world == 1,
+             "async_scheduling needs tensor_parallel_size and pipeline_parallel_size 1 (pipeline stages overlap "
+             "their steps already)")
+        need(not self.async_scheduling or self.kv_policy != "reactive-blocking",
+             "async_scheduling does not work with kv_policy reactive-blocking (a step that waits for its copies)")
 
     @property
     def sizing_batched_tokens(self) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import BatchResult, ModelBatch, SequenceWork
+from engine.batch import PENDING_TOKEN, BatchResult, ModelBatch, SequenceWork
 from engine.clock import WallClock
 from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig, builtin_model_dir
 from engine.errors import ValidationError
@@ -89,10 +89,20 @@ class SchedulerStats:
 
 
 def overlaps_output(config: EngineConfig, executor: Executor) -> bool:
-    """Whether complete_step publishes a step's outputs after launching the next (async output processing): as
-    configured, but not in the simulator (its virtual clock would move between a step's end and its outputs) nor
-    with several steps in flight (pipeline stages overlap their steps already)."""
-    return config.async_output_processing and not executor.simulated and executor.max_in_flight == 1
+    """Whether complete_step publishes a step's outputs after launching the next (async output processing, which
+    async scheduling includes): as configured, but not in the simulator (its virtual clock would move between a
+    step's end and its outputs) nor with several steps in flight (pipeline stages overlap their steps already)."""
+    return ((config.async_output_processing or config.async_scheduling) and not executor.simulated
+            and executor.max_in_flight == 1)
+
+
+def check_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
+    """Whether steps are scheduled ahead (EngineConfig.async_scheduling); ValueError where it was asked for and
+    the executor cannot fill a step's placeholders from the step before (worker processes, the simulator)."""
+    if config.async_scheduling and not executor.supports_async_scheduling:
+        raise ValueError(f"async_scheduling needs the in-process executor (tp = pp = 1, a real model); "
+                         f"{type(executor).__name__} cannot run it")
+    return config.async_scheduling
 
 
 def resolve_chunking(config: EngineConfig, device_type: str, cost: ProfiledCostModel,
@@ -147,6 +157,11 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.in_flight: deque[tuple[StepPlan, Future[BatchResult]]] = deque()  # submitted, oldest first
+        # Async scheduling: one step computes while the next is decided and queued behind it (steps in flight: 2)
+        self.async_scheduling = check_async_scheduling(config, self.executor)
+        self._depth = 2 if self.async_scheduling else self.executor.max_in_flight
+        self._release_later: list[SequenceState] = []  # ended while a launched step still writes their KV
+        self._last_step_end = 0.0  # when the last committed step's results came in (clock)
         # reactive-blocking: the decision that waits for the copies it started (its jobs keep their num_scheduled:
         # nothing schedules or reads them until it runs)
         self._held: ScheduleDecision | None = None
@@ -343,7 +358,9 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or steps still in flight (async scheduling runs one more step of a request
+        that ended by EOS; its KV is freed when that step completes)."""
+        return bool(self.requests) or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
         """Launch steps while the executor has room (one, or up to pp with pipeline parallelism), then wait for
@@ -352,9 +369,11 @@ class Engine:
         return self.complete_step() if self.in_flight else []
 
     def launch_steps(self) -> None:
-        """Schedule and submit steps while fewer than executor.max_in_flight are running. A job in a step that
-        has not completed is not schedulable (job.in_flight), so the next step takes other pending jobs."""
-        while len(self.in_flight) < self.executor.max_in_flight:
+        """Schedule and submit steps while fewer than executor.max_in_flight are running (pipeline parallelism: a
+        job in a step that has not completed is not schedulable, job.in_flight, so the next step takes other
+        pending jobs), or, with async scheduling, while fewer than two are: the next step is decided from the
+        launched one's known effects (_advance_launched) and queued behind it."""
+        while len(self.in_flight) < self._depth:
             plan = self.schedule_step()
             if plan is None:
                 return
@@ -364,6 +383,30 @@ class Engine:
                 self._end_in_flight(plan)
                 raise
             self.in_flight.append((plan, future))
+            if self.async_scheduling:
+                self._advance_launched(plan)
+
+    def _advance_launched(self, plan: StepPlan) -> None:
+        """Async scheduling: what a launched step does to its jobs that needs none of its tokens, done at launch
+        so that the next step can be decided while this one computes. The KV positions it computes; one more
+        token for each sequence it samples (seq.num_pending until commit_step appends the token; the next step
+        computes it from a placeholder the executor fills); the jobs that end at this step by length leave the
+        scheduler now (their KV is freed when the step completes); the step's profiled cost is charged to the
+        others, at its launch time (the synchronous engine charges at its end)."""
+        charged = []
+        max_len = self.max_model_len
+        for seq, work in zip(plan.seqs, plan.batch.seqs):
+            job = seq.job
+            job.num_scheduled = 0
+            job.num_computed = work.start_pos + len(work.token_ids)
+            if work.sample:
+                job.num_generated += 1
+                seq.num_pending += 1
+                if job.num_generated >= seq.request.params.max_tokens or job.prompt_len + job.num_generated >= max_len:
+                    self.scheduler.remove(job)  # (its last token: it ends at this step whatever the token)
+                    continue
+            charged.append(job)
+        self.scheduler.on_step_done(charged, plan.start_time, plan.cost)
 
     def complete_step(self) -> list[RequestOutput]:
         """Wait for the oldest step in flight and finish it. ExecutorDeadError (a worker died) propagates: no
@@ -394,10 +437,15 @@ class Engine:
             outputs = self.publish_step(committed)
         return outputs
 
-    @staticmethod
-    def _end_in_flight(plan: StepPlan) -> None:
+    def _end_in_flight(self, plan: StepPlan) -> None:
+        if not self.async_scheduling:
+            for seq in plan.seqs:
+                seq.job.in_flight = False
+            return
         for seq in plan.seqs:
-            seq.job.in_flight = False
+            seq.job.kv_busy -= 1
+        if self._release_later:
+            self._free_released()
 
     def schedule_step(self) -> StepPlan | None:
         now = self.clock.now()
@@ -433,7 +481,10 @@ class Engine:
                 if caching:
                     s.request.num_cached_tokens = kv.cached_tokens(s.job.job_id)
             metrics.swap_wait_s += kv.note_scheduled(s.job, now)  # the wait on a copy after the pick (memory/)
-            s.job.in_flight = True
+            if self.async_scheduling:
+                s.job.kv_busy += 1
+            else:
+                s.job.in_flight = True
         return StepPlan(decision, batch, seqs, now, cost)
 
     def _take_held_decision(self) -> ScheduleDecision | None:
@@ -453,7 +504,13 @@ class Engine:
         a, b = job.num_computed, job.prompt_len + generated  # compute positions a .. b-1 (b: job.context_len)
         if 0 < job.num_scheduled < b - a:  # a chunk of a prefill (or of a recompute): no token sampled after it
             b = a + job.num_scheduled
-        tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:b] + seq.output_ids[: max(0, b - pl)]
+        pending = seq.num_pending  # async scheduling: its last token is sampled by the step in flight
+        if pending:
+            if b - a != 1:
+                raise RuntimeError(f"job {job.job_id}: a token in flight but {b - a} positions to compute")
+            tokens = [PENDING_TOKEN]  # the executor puts the step before's token in (SequenceWork.fill_last)
+        else:
+            tokens = seq.output_ids[a - pl : b - pl] if a >= pl else prompt[a:b] + seq.output_ids[: max(0, b - pl)]
         want_plp = params.prompt_logprobs is not None and generated == 0 and a < pl
         history = params.uses_history
         return SequenceWork(
@@ -470,6 +527,7 @@ class Engine:
             None if params.seed is None else params.sequence_seed(seq.index),  # seed
             b == job.context_len,  # sample
             pl,  # prompt_len
+            bool(pending),  # fill_last
         )
 
     def finish_step(self, plan: StepPlan, result: BatchResult) -> list[RequestOutput]:
@@ -484,16 +542,24 @@ class Engine:
         untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = [] if defer_text else None
         touched: dict[str, RequestState] = {}
         advanced: dict[str, RequestState] = {}  # requests that got a token (a chunk alone gives the client nothing)
+        ahead = self.async_scheduling
+        # With async scheduling the step was launched while the one before it computed: it ran from that one's end
+        begin = max(plan.start_time, self._last_step_end) if ahead else plan.start_time
         for seq, work, res in zip(plan.seqs, plan.batch.seqs, result.results):
             req = seq.request
             if seq.finish_reason is not None:  # aborted while the step ran (seq.finished)
                 continue
             if req.request_id not in touched:
-                req.metrics.executing_s += end - plan.start_time
+                req.metrics.executing_s += end - begin
                 touched[req.request_id] = req
             if res.prompt_logprobs is not None and req.prompt_logprobs is None:
                 self._add_prompt_logprobs(seq, res.prompt_logprobs, work.start_pos)
             job = seq.job
+            if ahead:  # positions, counts and charge advanced at launch (_advance_launched)
+                if work.sample:
+                    self._append_token(seq, res, end, untexted, counted=True)
+                    advanced[req.request_id] = req
+                continue
             if job.num_scheduled and job.num_computed + job.num_scheduled < job.prompt_len + job.num_generated:
                 job.num_computed += job.num_scheduled  # a chunk of a prefill: its KV is cached, nothing sampled
             else:
@@ -501,9 +567,11 @@ class Engine:
                 advanced[req.request_id] = req
             job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
-        self.scheduler.on_step_done([s.job for s in plan.seqs if s.finish_reason is None], end, plan.cost)
+        if not ahead:
+            self.scheduler.on_step_done([s.job for s in plan.seqs if s.finish_reason is None], end, plan.cost)
         self.num_steps += 1
         self.last_batch_size = len(plan.seqs)
+        self._last_step_end = end
         return CommittedStep(end, advanced, untexted or [], defer_text)
 
     def publish_step(self, committed: CommittedStep) -> list[RequestOutput]:
@@ -524,15 +592,23 @@ class Engine:
         return [out for rid in ids if (out := self.fail(rid, message)) is not None]
 
     def _append_token(self, seq: SequenceState, res, now: float,
-                      untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = None
-                      ) -> None:
+                      untexted: list[tuple[SequenceState, int, tuple[str, int | None] | None]] | None = None,
+                      counted: bool = False) -> None:
+        """counted: the job's positions and token count were advanced when the step was launched (async
+        scheduling): the token only joins the sequence."""
         job, req, params = seq.job, seq.request, seq.request.params
-        context = job.prompt_len + job.num_generated  # (job.context_len, inlined: once per job every step)
-        job.num_computed = context
         token = res.token_id
-        seq.output_ids.append(token)
-        job.num_generated += 1
-        context += 1
+        if counted:
+            seq.num_pending -= 1
+            seq.output_ids.append(token)
+            generated = len(seq.output_ids)
+            context = job.prompt_len + generated
+        else:
+            context = job.prompt_len + job.num_generated  # (job.context_len, inlined: once per job every step)
+            job.num_computed = context
+            seq.output_ids.append(token)
+            generated = job.num_generated = job.num_generated + 1
+            context += 1
         if seq.logprobs is not None and res.logprobs is not None:
             seq.logprobs.append(res.logprobs)
         metrics = req.metrics
@@ -546,7 +622,7 @@ class Engine:
             ending = ("stop", token)
         elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
             ending = ("stop", None)
-        elif job.num_generated >= params.max_tokens or context >= self.max_model_len:
+        elif generated >= params.max_tokens or context >= self.max_model_len:
             ending = ("length", None)
         old_len = len(seq.text)
         if params.detokenize:
@@ -555,7 +631,7 @@ class Engine:
             else:
                 self._decode_text(seq, token, ending)
         # As vLLM: no stop string counts before min_tokens tokens exist.
-        stopped = (bool(params.stop_strings) and job.num_generated >= params.min_tokens
+        stopped = (bool(params.stop_strings) and generated >= params.min_tokens
                    and seq.check_stop_strings(old_len))
         if not stopped and ending is not None:
             seq.finish(*ending)
@@ -586,10 +662,28 @@ class Engine:
             seq.prompt_logprobs_so_far = None
 
     def _release(self, seq: SequenceState) -> None:
+        if seq.job.kv_busy:  # async scheduling: a launched step still writes its KV; freed once none does
+            self.scheduler.remove(seq.job)
+            self._release_later.append(seq)
+            return
         self.kv.free(seq.job.job_id)
         self.executor.release([seq.job.job_id])
         self.scheduler.remove(seq.job)
         self._seq_of_job.pop(seq.job.job_id, None)
+
+    def _free_released(self) -> None:
+        """Free the KV of the ended sequences no launched step writes any more. Positions computed from a token
+        the engine never took in (the step before failed, or the request was aborted first) are not named for
+        the prefix cache."""
+        waiting = []
+        for seq in self._release_later:
+            job = seq.job
+            if job.kv_busy:
+                waiting.append(seq)
+                continue
+            job.num_computed = min(job.num_computed, job.prompt_len + len(seq.output_ids))
+            self._release(seq)
+        self._release_later = waiting
 
     def _finish_request(self, req: RequestState, now: float | None = None) -> RequestOutput:
         m = req.metrics

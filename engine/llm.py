@@ -93,4 +93,6 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+        while self.engine.in_flight and not self.engine.requests:  # (async scheduling: a step past an EOS)
+            self.engine.step()
         return [finished[st.request_id] for st in states]

@@ -30,6 +30,7 @@ class SequenceState:
     stop_reason: str | int | None = None
     error: str | None = None
     prompt_logprobs_so_far: list | None = None  # prompt logprobs of the chunks computed so far (chunked prefill)
+    num_pending: int = 0  # tokens sampled by launched steps and not in output_ids yet (async scheduling)
 
     @property
     def finished(self) -> bool:

@@ -370,6 +370,8 @@ class KVManager:
         """Give the job's device blocks back: drop them now (recompute, or host full), or start an offload
         whose blocks free when the copy completes (poll). Never waits. An upload in flight cannot be
         recalled: its device blocks free when it lands, and the job stays on the host."""
+        if job.kv_busy:
+            raise RuntimeError(f"evict({job.job_id}): a launched step still writes its KV (async scheduling)")
         kv = self._jobs.get(job.job_id)
         job.kv_pinned = False
         if kv is None or not kv.device or kv.residency is Residency.OFFLOADING or kv.cancel_upload:
@@ -481,7 +483,8 @@ class KVManager:
         for e in resident:
             if e.residency is not Residency.DEVICE or jobs.get(e.job.job_id) is not e:
                 gone.append(e)  # left the device, or freed: forgotten until it comes back
-            elif e.device and not e.job.in_flight and e.job.job_id not in exclude and e.transfer_tick != tick:
+            elif (e.device and not e.job.in_flight and not e.job.kv_busy and e.job.job_id not in exclude
+                  and e.transfer_tick != tick):
                 found.append(e)
         for e in gone:
             del resident[e]
@@ -796,7 +799,7 @@ class KVManager:
         for jid, kv in list(self._jobs.items()):
             job = kv.job
             if (not kv.host_prefix or kv.residency is not Residency.DEVICE or kv.transfer is not None
-                    or job.in_flight or job.first_scheduled_time is not None):
+                    or job.in_flight or job.kv_busy or job.first_scheduled_time is not None):
                 continue
             self._register_full(kv)
             self.device.free(jid, kv.device)

@@ -114,6 +114,8 @@ class FCFSPolicy(SchedulingPolicy):
             fits = kv.can_fit(job, n)
             while not fits and not kv.wait_for_room(job, n):
                 victim = self._victim(i)
+                if victim is None:  # (async scheduling: every candidate's KV is being written) it waits
+                    break
                 self._preempt(victim, kv, decision)
                 if victim is job:
                     break
@@ -157,10 +159,13 @@ class FCFSPolicy(SchedulingPolicy):
             job.last_scheduled_time = now
         return decision
 
-    def _victim(self, start: int) -> Job:
+    def _victim(self, start: int) -> Job | None:
         """The newest job of the least urgent class among running jobs not yet given room this tick
-        (self._running[start:], which holds the job asking)."""
-        rest = [job for job in self._running[start:] if not job.in_flight]  # the asking job is not in flight
+        (self._running[start:], which holds the job asking), leaving out jobs whose KV a launched step writes
+        (in flight in a pipeline stage, or kv_busy with async scheduling); None if every one is such a job."""
+        rest = [job for job in self._running[start:] if not job.in_flight and not job.kv_busy]
+        if not rest:
+            return None
         worst = max(job.priority for job in rest)
         return next(job for job in reversed(rest) if job.priority == worst)
 

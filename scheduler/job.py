@@ -42,6 +42,10 @@ class Job:
     # memory/ sets it; only another such job may evict it (_Victims), so every upload on demand ends in a step.
     kv_pinned: bool = False
     in_flight: bool = False  # in a step that has not completed (the engine sets it; pipeline parallelism)
+    # Async scheduling (the engine's async_scheduling): steps launched and not completed that write this job's KV.
+    # The job stays schedulable (the next step may take it), but its KV may not be moved or dropped: no eviction,
+    # no offload, no free until it is 0 again.
+    kv_busy: int = 0
     finished: bool = False
 
     # Telemetry.

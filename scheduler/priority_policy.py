@@ -412,7 +412,8 @@ class _Victims:
         # capacity most started jobs are one or the other)
         started = filterfalse(self._policy._dropped.__contains__, self._policy._started_jobs())
         held = [j for j in filterfalse(on_host.__contains__, started)
-                if j.kv_ready and not j.in_flight and j.num_computed > 0 and j not in chosen]  # (j.ready, inlined)
+                if j.kv_ready and not j.in_flight and not j.kv_busy and j.num_computed > 0
+                and j not in chosen]  # (j.ready, inlined; kv_busy: a launched step writes its KV)
         if kv.victims_by_priority:
             return sorted(held, key=rank, reverse=True)
         return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)

@@ -126,3 +126,17 @@ def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_
                  enable_chunked_prefill=chunked, max_num_batched_tokens=256 if chunked else None) as llm:
             outs[chunked] = [o.outputs[0].token_ids for o in llm.generate([prompt] + PROMPTS, greedy())]
     assert outs[True] == outs[False] and picked >= 256
+
+
+def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(tiny_model_dir):
+    """Issue 26's control plane on the device: step k+1 queued while step k runs (CUDA graphs for its decode
+    steps), its placeholders filled from step k's tokens: the greedy tokens of the synchronous engine."""
+    params = [greedy(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), greedy(logprobs=1)]
+    outs = {}
+    for ahead in (False, True):
+        with LLM(model=str(tiny_model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=256,
+                 profile="analytic", async_scheduling=ahead) as llm:
+            assert llm.engine.async_scheduling == ahead
+            outs[ahead] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 3, params * 3)]
+            assert llm.engine.kv.device.num_free == llm.engine.kv.device.num_blocks
+    assert outs[True] == outs[False]

@@ -35,6 +35,9 @@ class Executor(ABC):
     dtype: torch.dtype
     simulated: bool = False  # True: costs come from a profile on a virtual clock, no model runs
     max_in_flight: int = 1  # batches that may run at once (pipeline stages)
+    # Fills a step's placeholders (SequenceWork.fill_last) from the tokens of the step submitted before it, so the
+    # engine may queue a step before the one ahead of it has finished (EngineConfig.async_scheduling)
+    supports_async_scheduling: bool = False
 
     @abstractmethod
     def submit(self, batch: ModelBatch) -> Future[BatchResult]:

@@ -43,7 +43,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
 
 
+def fill_pending_tokens(batch: ModelBatch, last_tokens: dict[str, int]) -> None:
+    """Async scheduling: put into each placeholder (SequenceWork.fill_last) the token its sequence sampled in the
+    step run just before this one (steps run in the order submitted, on one thread). A sequence missing there
+    had that step fail: it has ended, and this step's result for it is dropped, so any valid id will do."""
+    for work in batch.seqs:
+        if work.fill_last:
+            token = last_tokens.get(work.job_id, 0)
+            work.token_ids[-1] = token
+            if work.params.uses_history:
+                work.output_token_ids.append(token)
+
+
 class LocalExecutor(Executor):
+    supports_async_scheduling = True
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -90,6 +104,7 @@ class LocalExecutor(Executor):
             self.runner.capture_decode_graphs()  # before serving: no capture in the middle of traffic
         self._thread: ThreadPoolExecutor | None = None  # started on first use, again after shutdown()
         self._closed = False  # close(): the device memory is released, no step can run
+        self._last_tokens: dict[str, int] = {}  # job id -> token sampled by the last step (async scheduling)
         self._gpu = describe_cuda_device(0, 0, 0, self.device)  # rank 0 of a 1 x 1 layout; None on CPU
 
     @property
@@ -115,9 +130,12 @@ class LocalExecutor(Executor):
 
     def _run(self, batch: ModelBatch) -> BatchResult:
         start = time.perf_counter()
+        last, self._last_tokens = self._last_tokens, {}  # (a step that fails leaves none for the next)
+        fill_pending_tokens(batch, last)
         inputs = self.runner.prepare(batch)
         hidden = self.runner.forward(inputs)
         results = self.runner.sample(hidden, inputs, batch)
+        self._last_tokens = {w.job_id: r.token_id for w, r in zip(batch.seqs, results) if w.sample}
         return BatchResult(results, time.perf_counter() - start)
 
     def shutdown(self) -> None:
