@@ -1,8 +1,9 @@
-"""A step's wall time against the executor's compute time, at tp = pp = 1 (issue 26's control-plane item),
-synchronous against async output processing (EngineConfig.async_output_processing), interleaved.
+"""A step's wall time against the executor's compute time, at tp = pp = 1 (issue 26's control-plane item):
+synchronous, async output processing (EngineConfig.async_output_processing) and async scheduling
+(EngineConfig.async_scheduling), interleaved.
 
     .venv/bin/python scripts/bench_control_plane.py [--model DIR] [--batch 32,256] [--steps 40] [--repeats 3]
-        [--modes sync,async] [--device cuda]
+        [--modes sync,async-output,async-scheduling] [--device cuda]
 
 Starts an LLM in process (LocalExecutor), puts `batch` requests in (8-token prompts, greedy, ignore_eos), makes
 the engine emit every running request's snapshot each step (as the server's AsyncEngine does) and times every
@@ -11,16 +12,19 @@ forward + sample in the step thread) and the engine's parts: schedule_step (sche
 ModelBatch), commit_step (tokens into requests, stop checks, releases, the scheduler's bookkeeping) and
 publish_step (detokenizing, output snapshots).
 
-sync: step k+1 is scheduled after step k is finished, so everything but execute_s is on the critical path.
-async: complete_step launches step k+1 right after committing step k, and publishes step k while step k+1
+sync: step k+1 is scheduled after step k is finished, so everything but execute_s is on the critical path. async-
+output: complete_step launches step k+1 right after committing step k, and publishes step k while step k+1
 computes, so publish_step leaves the critical path; scheduling, committing and the hand-off to and from the step
-thread stay on it. "outside compute" = wall - execute: what the engine adds to each step. "executor idle" is
-the critical path itself, read in the step thread: from the end of step k's compute to the start of step k+1's
-(what a GPU would wait for: the hand-offs, and whatever the engine does between the two). The modes alternate
-(sync, async, async, sync, ...) so that a change in the machine's load hits both; each row is one run.
+thread stay on it. async-scheduling: step k+1 is scheduled and queued in the step thread while step k computes (its
+jobs' tokens from placeholders the executor fills), and step k is committed and published while step k+1 computes:
+nothing of the engine is left between two steps' compute but the step thread taking the next one. "outside compute"
+= wall - execute: what the engine adds to each step. "executor idle" is the critical path itself, read in the step
+thread: from the end of step k's compute to the start of step k+1's (what a GPU would wait for: the hand-offs, and
+whatever the engine does between the two). The modes alternate (sync, async-output, async-scheduling, async-
+scheduling, async-output, sync, ...) so that a change in the machine's load hits both; each row is one run.
 --threads sets torch's intra-op threads (default: torch's, the cores): on CPU the step thread's compute and the
-engine thread share the cores, so with every core computing the overlap only moves work from one to the other
-(on a GPU the compute is the device's); --threads 1 leaves a core to the engine thread, as a GPU would.
+engine thread share the cores, so with every core computing the overlap only moves work from one to the other (on a
+GPU the compute is the device's); --threads 1 leaves a core to the engine thread, as a GPU would.
 """
 
 from __future__ import annotations
@@ -40,12 +44,17 @@ from engine import LLM, SamplingParams  # noqa: E402
 PARTS = ("schedule", "commit", "publish")
 
 
-def measure(model: str, batch: int, steps: int, device: str = "cpu", async_output: bool = False) -> dict:
+MODES = ("sync", "async-output", "async-scheduling")
+
+
+def measure(model: str, batch: int, steps: int, device: str = "cpu", mode: str = "sync") -> dict:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     llm = LLM(model=model, device=device, profile="analytic", max_num_seqs=batch, seed=0,
-              async_output_processing=async_output)
+              async_output_processing=mode == "async-output", async_scheduling=mode == "async-scheduling")
     engine = llm.engine
     engine.emit_running_outputs = True  # as the server's AsyncEngine: a snapshot of every advanced request a step
-    assert engine.overlaps_output == async_output
+    assert engine.overlaps_output == (mode != "sync") and engine.async_scheduling == (mode == "async-scheduling")
     times: dict[str, list[float]] = {"execute": [], **{p: [] for p in PARTS}}
     runs: list[tuple[float, float]] = []  # (start, end) of each step's compute, in the step thread
     executor_run = engine.executor._run
@@ -95,7 +104,7 @@ def measure(model: str, batch: int, steps: int, device: str = "cpu", async_outpu
     med = {k: statistics.median(r[k] for r in decode) for k in ("wall", "execute", *PARTS)}
     med["outside_execute"] = statistics.median(r["wall"] - r["execute"] for r in decode)
     med["idle"] = statistics.median(b[0] - a[1] for a, b in zip(runs[2:steps + 1], runs[3:steps + 2]))
-    return dict(batch=batch, steps=len(decode), mode="async" if async_output else "sync", **med)
+    return dict(batch=batch, steps=len(decode), mode=mode, **med)
 
 
 def main() -> None:
@@ -104,7 +113,7 @@ def main() -> None:
     ap.add_argument("--batch", default="32,256", help="decode batch sizes")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode per batch size, interleaved")
-    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
@@ -117,7 +126,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batch.split(",")):
         for rep in range(args.repeats):
             for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                r = measure(args.model, batch, args.steps, args.device, async_output=mode == "async")
+                r = measure(args.model, batch, args.steps, args.device, mode=mode)
                 ms = {k: v * 1e3 for k, v in r.items() if isinstance(v, float)}
                 print(f"| {batch} | {mode} | {ms['wall']:.2f} | {ms['execute']:.2f} | {ms['outside_execute']:.2f} | "
                       f"{ms['idle']:.2f} | {ms['schedule']:.2f} | {ms['commit']:.2f} | {ms['publish']:.2f} | "

@@ -26,6 +26,8 @@
 #   bench_attention  Triton vs torch attention at OPT-13B's shape, float16; fails past its tolerance  limit  60 s
 #   bench_gpu     decode vs the HBM floor (graphs/eager, per backend), prefill vs GEMM, swaps vs memcpy limit 120 s
 #   bench_engine  the engine vs transformers' generate, opt-125m shape, float16, --quick              limit  60 s
+#   control_plane a decode step's wall time vs the executor's compute, sync / async output / async
+#                 scheduling, on bench_engine's opt-125m-shaped model, batch 32 and 256             limit  90 s
 #
 #   bash scripts/device_check.sh            # PYTHON=... to use another interpreter than python3
 set -uo pipefail
@@ -67,5 +69,8 @@ dc_step bench_gpu 120 "$PY" scripts/bench_gpu.py --device cuda --json "$RES/benc
 
 dc_step bench_engine 60 "$PY" scripts/bench_engine.py --quick --device cuda --dtype float16 \
   --model "$WORK/models/opt-125m-random" --lengths tests/data/sharegpt_fig15_trace.json --json "$RES/bench_engine.json"
+
+dc_step control_plane 90 "$PY" scripts/bench_control_plane.py --device cuda --model "$WORK/models/opt-125m-random" \
+  --batch 32,256 --steps 20 --repeats 1
 
 dc_finish "$OUT/device_check.tar.gz"

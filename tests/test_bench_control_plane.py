@@ -1,5 +1,5 @@
 """scripts/bench_control_plane.py: a step's wall time against the executor's compute time (tp = pp = 1), in
-synchronous mode and with async output processing."""
+synchronous mode, with async output processing and with async scheduling."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_control_plane  # noqa: E402
 
 
-@pytest.mark.parametrize("async_output", [False, True])
-def test_measure_splits_a_decode_step_into_compute_and_the_engine_around_it(tiny_model_dir, async_output):
-    r = bench_control_plane.measure(str(tiny_model_dir), batch=4, steps=6, async_output=async_output)
-    assert r["batch"] == 4 and r["steps"] >= 4 and r["mode"] == ("async" if async_output else "sync")
+@pytest.mark.parametrize("mode", bench_control_plane.MODES)
+def test_measure_splits_a_decode_step_into_compute_and_the_engine_around_it(tiny_model_dir, mode):
+    r = bench_control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
+    assert r["batch"] == 4 and r["steps"] >= 4 and r["mode"] == mode
     assert 0 < r["execute"] <= r["wall"] and r["schedule"] > 0 and r["commit"] > 0 and r["publish"] > 0
     assert r["outside_execute"] > 0  # scheduling, committing and the hand-off to the step thread
     assert 0 < r["idle"] < r["wall"]  # the step thread waits between two steps' compute

@@ -109,7 +109,8 @@ def test_the_check_fails_at_once_without_a_gpu_and_still_archives_its_table(tmp_
     files = archived(tmp_path / "out/device_check.tar.gz")
     rows = table_rows(files["device_check/table.txt"])
     assert rows.pop("env")[0] == "FAIL"
-    assert list(rows) == ["kernels", "cuda_tests", "reference", "bench_attention", "bench_gpu", "bench_engine"]
+    assert list(rows) == ["kernels", "cuda_tests", "reference", "bench_attention", "bench_gpu", "bench_engine",
+                          "control_plane"]
     assert {r[0] for r in rows.values()} == {"SKIP"}
     env = json.loads(files["device_check/env.json"])
     assert env["cuda_available"] is False and env["pinned_torch"] == "2.13.0" and env["torch"]
@@ -135,11 +136,13 @@ def test_every_step_runs_in_order_and_reads_nothing_outside_the_repository(tmp_p
     steps = [line for line in lines if line != "-c import xdist"]
     assert [line.split()[0] for line in steps] == ["scripts/device_env.py", "-m", "-m", "-m",
                                                    "scripts/bench_attention.py", "scripts/bench_gpu.py",
-                                                   "scripts/bench_engine.py"]
+                                                   "scripts/bench_engine.py", "scripts/bench_control_plane.py"]
     kernels = steps[1].split()
     assert "--durations=0" in kernels and kernels[-1] == "tests/test_triton_kernels.py" and "-n" in kernels
     assert "tests/test_triton_kernels.py" not in steps[2] and "tests/test_cuda.py" in steps[2]
-    assert "--lengths tests/data/sharegpt_fig15_trace.json" in steps[-1]
+    assert "--lengths tests/data/sharegpt_fig15_trace.json" in steps[-2]
+    assert "--device cuda" in steps[-1] and steps[-1].split("--model ")[1].split()[0] == \
+        steps[-2].split("--model ")[1].split()[0]  # the model bench_engine wrote
     for line in steps:
         for arg in line.split():
             if "/" in arg:  # a path: in the repository (relative, no ..) or the check's scratch folder
@@ -147,7 +150,7 @@ def test_every_step_runs_in_order_and_reads_nothing_outside_the_repository(tmp_p
                 if not arg.startswith("/"):
                     assert (ROOT / arg).exists(), arg
     rows = table_rows(run.stdout)
-    assert len(rows) == 7 and {r[0] for r in rows.values()} == {"PASS"}
+    assert len(rows) == 8 and {r[0] for r in rows.values()} == {"PASS"}
     assert "budget 480 s" in run.stdout  # 8 minutes at most, so that a second run fits in a 15-minute lease
 
 
