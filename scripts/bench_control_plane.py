@@ -116,9 +116,14 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval seconds: how long a thread may hold the GIL while another waits "
+                         "(0: Python's default, 0.005)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     modes = args.modes.split(",")
     print("| batch | mode | step wall (ms) | executor compute (ms) | wall - compute (ms) | executor idle (ms) | "
           "schedule_step (ms) | commit_step (ms) | publish_step (ms) | outside compute |")
