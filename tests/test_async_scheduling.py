@@ -18,14 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
 from engine.batch import PENDING_TOKEN
 from engine.config import EngineConfig
 from memory.kv_manager import KVManager
 from memory.kv_policy import KVPolicy
 from scheduler import Job
 from tests.scheduler_sim import make_cost
-from tests.test_async_output import mixed_requests, probe, run  # noqa: F401 - probe: the module's fixture
+from tests.test_async_output import assert_disconnect_runs_agree, mixed_requests, probe, run, serve_and_disconnect  # noqa: F401 - probe: the module's fixture
 from tests.test_engine_outputs import PROMPTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -182,38 +181,11 @@ def test_an_abort_with_a_step_in_flight_frees_the_kv_when_the_step_is_done(tiny_
 
 
 def test_async_scheduling_over_the_async_engine_with_a_client_that_disconnects(tiny_model_dir):
-    async def serve(llm: LLM):
-        aengine = AsyncEngine(llm.engine)
-        await aengine.start()
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["\x00never"])
-        streams = aengine.add_requests([(f"r{i}", p, params) for i, p in enumerate(PROMPTS[:3])])
-        got: dict[str, list] = {}
-
-        async def read(stream):
-            async for out in stream:
-                got.setdefault(out.request_id, []).append(out)
-                if out.request_id == "r1" and len(got["r1"]) == 3:
-                    await stream.abort()
-                    return
-
-        await asyncio.gather(*(read(s) for s in streams))
-        for _ in range(200):  # the step queued behind the abort completes, then its KV is freed
-            if not llm.engine.in_flight:
-                break
-            await asyncio.sleep(0.01)
-        assert not llm.engine.requests and not llm.engine.in_flight
-        assert llm.engine.kv.device.num_free == llm.engine.kv.device.num_blocks
-        await aengine.shutdown()
-        return got
-
     results = {}
     for ahead in (False, True):
         with make_llm(tiny_model_dir, ahead) as llm:
-            results[ahead] = asyncio.run(serve(llm))
-    for rid in ("r0", "r2"):
-        assert results[True][rid][-1].outputs[0].token_ids == results[False][rid][-1].outputs[0].token_ids
-        assert results[True][rid][-1].outputs[0].text == results[False][rid][-1].outputs[0].text
-    assert len(results[True]["r1"]) == 3 and not results[True]["r1"][-1].finished
+            results[ahead] = asyncio.run(serve_and_disconnect(llm))
+    assert_disconnect_runs_agree(results)
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run(tiny_model_dir):
