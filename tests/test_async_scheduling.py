@@ -11,7 +11,6 @@ launched step writes is never evicted, offloaded or freed."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,8 +25,6 @@ from scheduler import Job
 from tests.scheduler_sim import make_cost
 from tests.test_async_output import assert_disconnect_runs_agree, mixed_requests, probe, run, serve_and_disconnect  # noqa: F401 - probe: the module's fixture
 from tests.test_engine_outputs import PROMPTS
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def make_llm(model_dir, ahead: bool, **kw) -> LLM:
@@ -188,7 +185,7 @@ def test_async_scheduling_over_the_async_engine_with_a_client_that_disconnects(t
     assert_disconnect_runs_agree(results)
 
 
-def test_async_scheduling_is_refused_where_it_cannot_run(tiny_model_dir):
+def test_async_scheduling_is_refused_where_it_cannot_run(flat_sim_model):
     with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size 1"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size 1"):
@@ -197,8 +194,7 @@ def test_async_scheduling_is_refused_where_it_cannot_run(tiny_model_dir):
         EngineConfig(async_scheduling=True, kv_policy="reactive-blocking")
     from engine.simulation import simulated_engine
     with pytest.raises(ValueError, match="in-process executor"):
-        simulated_engine(REPO / "models/opt-13b-config", REPO / "profiles/sim/opt-13b-a100-40gb-x1.json",
-                         async_scheduling=True)
+        simulated_engine(*flat_sim_model, num_device_blocks=64, async_scheduling=True)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
