@@ -16,6 +16,10 @@ import bench_control_plane  # noqa: E402
 def test_measure_splits_a_decode_step_into_compute_and_the_engine_around_it(tiny_model_dir, mode):
     r = bench_control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
     assert r["batch"] == 4 and r["steps"] >= 4 and r["mode"] == mode
-    assert 0 < r["execute"] <= r["wall"] and r["schedule"] > 0 and r["commit"] > 0 and r["publish"] > 0
-    assert r["outside_execute"] > 0  # scheduling, committing and the hand-off to the step thread
-    assert 0 < r["idle"] < r["wall"]  # the step thread waits between two steps' compute
+    assert r["execute"] > 0 and r["wall"] > 0 and r["schedule"] > 0 and r["commit"] > 0 and r["publish"] > 0
+    assert r["idle"] >= 0  # from one step's compute ending to the next one's starting, in the step thread
+    if mode == "sync":  # each step's compute lies inside its engine.step(): so do the medians
+        assert r["execute"] <= r["wall"] and r["outside_execute"] > 0  # scheduling, committing, the hand-off
+        assert r["idle"] > 0  # the step thread waits while the engine schedules and commits
+    # (With output processing or scheduling overlapped, a step commits the compute of the step before it: its
+    # wall time may be shorter than that compute, and the step thread's idle time is what the benchmark measures.)
