@@ -244,5 +244,6 @@ class GittinsPolicy(KeyedPriorityPolicy):
             else:
                 if self._tick_rank is not None:
                     self._tick_rank.pop(job, None)
+                    self._moved.append(job)
                 self._sorted = False
             self._positions = None

@@ -493,6 +493,7 @@ class KeyedPriorityPolicy(PriorityPolicy):
         # Dynamic key: the started jobs' current ranks, as of the last re-sort less the jobs a step ran since
         # (on_step_done: a dynamic key may change only for the jobs that ran); None before the first tick.
         self._tick_rank: dict[Job, tuple] | None = None
+        self._moved: list[Job] = []  # jobs taken out of _tick_rank since the re-sort (their rank may have moved)
         self._sorted = not self.dynamic_key  # _started_ranks are the current ranks (no step since the re-sort)
         self._counter = itertools.count()
         self._positions: dict[Job, int] | None = None  # cache: place in the started list
@@ -522,15 +523,16 @@ class KeyedPriorityPolicy(PriorityPolicy):
 
     def _merge(self, gate: Gate, started_ranks: list[tuple]) -> Iterator[Job]:
         started, fresh, fresh_ranks = self._started, self._fresh, self._fresh_ranks
+        ns, nf = len(started), len(fresh)  # (no job joins or leaves the lists during a walk)
         i = j = 0
-        while i < len(started):
-            if j < len(fresh) and gate.fresh and fresh_ranks[j] < started_ranks[i]:
+        while i < ns:
+            if j < nf and gate.fresh and fresh_ranks[j] < started_ranks[i]:
                 yield fresh[j]
                 j += 1
             else:
                 yield started[i]
                 i += 1
-        while j < len(fresh) and gate.fresh:
+        while j < nf and gate.fresh:
             yield fresh[j]
             j += 1
 
@@ -603,17 +605,28 @@ class KeyedPriorityPolicy(PriorityPolicy):
     def _before_schedule(self, now: float) -> None:
         if self.dynamic_key:
             if not self._sorted:
-                started = self._started
-                ranks = list(map(self._rank, started))
+                started, tick_rank = self._started, self._tick_rank
+                ranks = None
+                if tick_rank:  # re-rank only the jobs whose rank may have moved, read the rest in C
+                    for job in self._moved:
+                        if job in self._seq and job not in tick_rank:
+                            tick_rank[job] = self._rank(job)
+                    try:
+                        ranks = list(map(tick_rank.__getitem__, started))
+                    except KeyError:  # (a started job with no rank kept: rank them all)
+                        ranks = None
+                if ranks is None:  # the first tick, or every rank moved (GittinsPolicy's refresh)
+                    ranks = list(map(self._rank, started))
+                    tick_rank = self._tick_rank = dict(zip(started, ranks))
+                self._moved = []
                 # Sort the places by rank (tuples compared directly, not (rank, job) pairs: a level less of tuple
                 # comparison in each of the sort's ~n comparisons).
                 places = sorted(range(len(ranks)), key=ranks.__getitem__)
-                order = [started[i] for i in places]
+                order = list(map(started.__getitem__, places))
                 if order != started:  # (most ticks the jobs that ran keep their places)
                     self._started = order
                     self._positions = None
-                self._started_ranks = ranks = [ranks[i] for i in places]
-                self._tick_rank = dict(zip(order, ranks))
+                self._started_ranks = list(map(ranks.__getitem__, places))
                 self._sorted = True
 
     def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
@@ -625,6 +638,7 @@ class KeyedPriorityPolicy(PriorityPolicy):
             if self._tick_rank is not None:
                 for job in batch:
                     self._tick_rank.pop(job, None)
+                self._moved.extend(batch)
             self._sorted = False
 
     def _wait_estimate(self, job: Job, now: float) -> float:
