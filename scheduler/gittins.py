@@ -242,8 +242,6 @@ class GittinsPolicy(KeyedPriorityPolicy):
                 self._fresh.insert(k, job)
                 self._fresh_ranks.insert(k, rank)
             else:
-                if self._tick_rank is not None:
-                    self._tick_rank.pop(job, None)
-                    self._moved.append(job)
+                self._ranks_moved((job,))
                 self._sorted = False
             self._positions = None

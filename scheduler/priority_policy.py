@@ -617,7 +617,7 @@ class KeyedPriorityPolicy(PriorityPolicy):
                         ranks = None
                 if ranks is None:  # the first tick, or every rank moved (GittinsPolicy's refresh)
                     ranks = list(map(self._rank, started))
-                    tick_rank = self._tick_rank = dict(zip(started, ranks))
+                    self._tick_rank = dict(zip(started, ranks))
                 self._moved = []
                 # Sort the places by rank (tuples compared directly, not (rank, job) pairs: a level less of tuple
                 # comparison in each of the sort's ~n comparisons).
@@ -635,11 +635,16 @@ class KeyedPriorityPolicy(PriorityPolicy):
         for job in batch:  # their contexts grew (and a dynamic key moved): their wait estimates are stale
             waits.pop(job, None)
         if self.dynamic_key and batch:
-            if self._tick_rank is not None:
-                for job in batch:
-                    self._tick_rank.pop(job, None)
-                self._moved.extend(batch)
+            self._ranks_moved(batch)
             self._sorted = False
+
+    def _ranks_moved(self, jobs: Sequence[Job]) -> None:
+        """These started jobs' ranks may have moved (they ran, or were promoted): the next re-sort re-ranks them."""
+        tick_rank = self._tick_rank
+        if tick_rank is not None:
+            for job in jobs:
+                tick_rank.pop(job, None)
+            self._moved.extend(jobs)
 
     def _wait_estimate(self, job: Job, now: float) -> float:
         if self._positions is None:
