@@ -63,6 +63,62 @@ RERANK_BLOCK = 1024  # fresh jobs re-ranked per array operation at a refresh
 STARVING_KEY = -1e18  # key offset of age-promoted jobs (oldest first within it)
 
 
+class LearnedIndex:
+    """The Gittins index over the empirical distribution of a sample of output lengths, work priced at a decode
+    share d per token (the module docstring's formula)."""
+
+    def __init__(self, lengths: np.ndarray, d: float) -> None:
+        self.d = d
+        lmax = int(lengths.max())
+        counts = np.bincount(lengths, minlength=lmax + 1).astype(np.float64) / len(lengths)
+        surv = 1.0 - np.cumsum(counts)  # S(k) = P(L > k), k = 0..lmax
+        surv[surv < 1e-12] = 0.0
+        # What finishing a job of length l is worth: 1 / l, so the index orders for mean per-token latency (the
+        # mean of e2e / output tokens, the paper's metric); a weight of 1 would order for mean latency.
+        weight = counts / np.maximum(np.arange(lmax + 1), 1)
+        wsurv = weight[::-1].cumsum()[::-1] - weight  # sum over l > k of weight(l)
+        wsurv[wsurv < 1e-15] = 0.0
+        cum = np.concatenate(([0.0], np.cumsum(surv)))  # cum[k] = sum_{j<k} S(j)
+        cum = cum - cum[1]  # sum_{1 <= j < k} S(j) (the first token comes with the prefill)
+        # Over k = 0..longest: S(k) = P(L > k); the weighted survival, sum over l > k of P(L = l) / l; and the
+        # expected decode work, sum over 1 <= j < k of S(j); the last two also at each threshold t of the support.
+        self.surv, self.wsurv, self.cum = surv, wsurv, cum
+        support = np.flatnonzero(counts)
+        self.support, self.wsurv_t, self.cum_t = support, wsurv[support], cum[support]
+        # Started jobs with no prefill left: one row per g = 1..lmax-1, the best threshold t in the support above g.
+        table = np.zeros(lmax + 1)
+        gs = np.arange(1, lmax)
+        if len(gs):
+            done = wsurv[gs][:, None] - self.wsurv_t[None, :]
+            work = (self.cum_t[None, :] - cum[gs][:, None]) * d
+            valid = (support[None, :] > gs[:, None]) & (surv[gs][:, None] > 0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(valid, done / np.where(work > 0, work, np.inf), 0.0)
+            table[1:lmax] = ratio.max(axis=1)
+        self.table, self.table_list = table, table.tolist()
+
+    def started(self, g: int) -> float:
+        """The index of a job with g >= 1 tokens generated and no prefill left."""
+        return self.table_list[g] if g < len(self.table_list) else 0.0
+
+    def with_prefill(self, prefill: np.ndarray, g: int) -> np.ndarray:
+        """Indices of jobs with `prefill` seconds of prefill left and g (0 or 1) tokens generated."""
+        surv, wsurv, cum = self.surv, self.wsurv, self.cum
+        g = min(g, len(surv) - 1)
+        mask = self.support > g
+        if surv[g] <= 0 or not mask.any():
+            return np.zeros(len(prefill))
+        done = (wsurv[g] - self.wsurv_t[mask]) / surv[g]
+        work = (self.cum_t[mask] - cum[max(g, 1)]) / surv[g] * self.d
+        ratio = done[None, :] / (prefill[:, None] + work[None, :] + 1e-12)
+        return ratio.max(axis=1)
+
+    def rises_with_service(self, median: int) -> bool:
+        """Whether a job at the median length outranks one with one token out (alike lengths)."""
+        lmax = len(self.table) - 1
+        return bool(lmax > 1 and self.table[min(median, lmax - 1)] > self.table[1])
+
+
 class GittinsPolicy(KeyedPriorityPolicy):
     name = PolicyName.GITTINS
     dynamic_key = True  # a job's index moves as it generates
@@ -73,13 +129,8 @@ class GittinsPolicy(KeyedPriorityPolicy):
         self._lengths: deque[int] = deque(maxlen=HISTORY)
         self._since_refresh = 0
         self._price_at(config.max_num_seqs)  # until a refresh prices the work at the batch size running then
-        self._table: np.ndarray | None = None  # index of a job with no prefill left, by tokens generated
-        self._table_list: list[float] | None = None  # the same, as a list (read per job in the hot loop)
-        self._support: np.ndarray = np.zeros(0, dtype=np.int64)  # output lengths seen (the thresholds t)
-        # Over k = 0..longest: S(k) = P(L > k); the weighted survival, sum over l > k of P(L = l) / l; and the
-        # expected decode work, sum over 1 <= j < k of S(j) (the first token comes with the prefill).
-        self._surv_arr = self._wsurv_arr = self._cum = np.zeros(0)
-        self._wsurv_t = self._cum_t = np.zeros(0)  # the last two at each threshold t of the support
+        self._learned: LearnedIndex | None = None  # the index learned from self._lengths (None before MIN_HISTORY)
+        self._table_list: list[float] | None = None  # its started-job table, as a list (read per job in the hot loop)
         self._starving: set[Job] = set()
         self._by_arrival: deque[Job] = deque()
         self._now = 0.0
@@ -110,66 +161,41 @@ class GittinsPolicy(KeyedPriorityPolicy):
     def index(self, job: Job) -> float:
         """The job's Gittins index (higher runs first), 1/s."""
         g, p = job.num_generated, self._prefill_left(job)
-        if self._table is None:
+        learned = self._learned_for(job)
+        if learned is None:
             return 1.0 / (p + self._d * (g + 1))
         if p == 0.0 and g >= 1:
-            return float(self._table[g]) if g < len(self._table) else 0.0
-        return float(self._index_with_prefill(np.array([p]), g)[0])
+            return learned.started(g)
+        return float(learned.with_prefill(np.array([p]), g)[0])
 
-    def _index_with_prefill(self, prefill: np.ndarray, g: int) -> np.ndarray:
-        """Indices of jobs with `prefill` seconds of prefill left and g (0 or 1) tokens generated."""
-        surv, wsurv, cum = self._surv_arr, self._wsurv_arr, self._cum
-        g = min(g, len(surv) - 1)
-        mask = self._support > g
-        if surv[g] <= 0 or not mask.any():
-            return np.zeros(len(prefill))
-        done = (wsurv[g] - self._wsurv_t[mask]) / surv[g]
-        work = (self._cum_t[mask] - cum[max(g, 1)]) / surv[g] * self._d
-        ratio = done[None, :] / (prefill[:, None] + work[None, :] + 1e-12)
-        return ratio.max(axis=1)
+    def _learned_for(self, job: Job) -> LearnedIndex | None:
+        """The learned index that ranks this job (one for all jobs here; a subclass may condition it on the job)."""
+        return self._learned
+
+    def _fresh_indices(self, fresh: list[Job]) -> np.ndarray:
+        """The indices of fresh jobs (nothing generated: their prefill alone tells them apart), computed for all of
+        them at once (thousands wait past capacity), a block of rows at a time."""
+        prefill = np.array([self._prefill_left(job) for job in fresh])
+        learned = self._learned
+        if learned is None:
+            return 1.0 / (prefill + self._d)
+        return np.concatenate([learned.with_prefill(prefill[i:i + RERANK_BLOCK], 0)
+                               for i in range(0, len(fresh), RERANK_BLOCK)])
 
     def _refresh(self) -> None:
         lengths = np.asarray(self._lengths, dtype=np.int64)
-        lmax = int(lengths.max())
-        counts = np.bincount(lengths, minlength=lmax + 1).astype(np.float64) / len(lengths)
-        surv = 1.0 - np.cumsum(counts)  # S(k) = P(L > k), k = 0..lmax
-        surv[surv < 1e-12] = 0.0
-        # What finishing a job of length l is worth: 1 / l, so the index orders for mean per-token latency (the
-        # mean of e2e / output tokens, the paper's metric); a weight of 1 would order for mean latency.
-        weight = counts / np.maximum(np.arange(lmax + 1), 1)
-        wsurv = weight[::-1].cumsum()[::-1] - weight  # sum over l > k of weight(l)
-        wsurv[wsurv < 1e-15] = 0.0
-        cum = np.concatenate(([0.0], np.cumsum(surv)))  # cum[k] = sum_{j<k} S(j)
-        cum = cum - cum[1]  # sum_{1 <= j < k} S(j) (the first token comes with the prefill)
-        self._surv_arr, self._wsurv_arr, self._cum = surv, wsurv, cum
-        support = np.flatnonzero(counts)
-        self._support, self._wsurv_t, self._cum_t = support, wsurv[support], cum[support]
-        # Started jobs with no prefill left: one row per g = 1..lmax-1, the best threshold t in the support above g.
-        table = np.zeros(lmax + 1)
-        gs = np.arange(1, lmax)
-        if len(gs):
-            done = wsurv[gs][:, None] - self._wsurv_t[None, :]
-            work = (self._cum_t[None, :] - cum[gs][:, None]) * self._d
-            valid = (support[None, :] > gs[:, None]) & (surv[gs][:, None] > 0)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(valid, done / np.where(work > 0, work, np.inf), 0.0)
-            table[1:lmax] = ratio.max(axis=1)
-        self._table, self._table_list = table, table.tolist()
+        learned = self._learned = LearnedIndex(lengths, self._d)
+        self._table_list = learned.table_list
         # The batch rule follows the index: where a job halfway through (the median length) outranks one that has
         # just started, started jobs are the nearer to finishing, and their room comes before a new job's.
-        median = int(np.median(lengths))
-        self.fresh_waits_for_started = bool(lmax > 1 and table[min(median, lmax - 1)] > table[1])
+        self.fresh_waits_for_started = learned.rises_with_service(int(np.median(lengths)))
         self._rerank()
 
     def _rerank(self) -> None:
         """Every job's index moved: re-sort the fresh list now, the started list at the next tick."""
         if self._fresh:
             fresh, starving = self._fresh, self._starving
-            # Every fresh job has generated nothing: its index depends on its prefill alone, computed for all of
-            # them at once (thousands wait past capacity), a block of rows at a time.
-            prefill = np.array([self._prefill_left(job) for job in fresh])
-            index = np.concatenate([self._index_with_prefill(prefill[i:i + RERANK_BLOCK], 0)
-                                    for i in range(0, len(fresh), RERANK_BLOCK)])
+            index = self._fresh_indices(fresh)
             ranks = [(job.priority, STARVING_KEY + job.arrival_time if job in starving else -float(x), self._seq[job])
                      for job, x in zip(fresh, index)]
             order = sorted(zip(ranks, fresh))
@@ -201,8 +227,8 @@ class GittinsPolicy(KeyedPriorityPolicy):
         if job.finished and job.num_generated >= 1:
             self._lengths.append(job.num_generated)
             self._since_refresh += 1
-            if (self._table is None and len(self._lengths) >= MIN_HISTORY) or (
-                    self._table is not None and self._since_refresh >= REFRESH_EVERY):
+            if (self._learned is None and len(self._lengths) >= MIN_HISTORY) or (
+                    self._learned is not None and self._since_refresh >= REFRESH_EVERY):
                 self._since_refresh = 0
                 running = len(self._running)
                 if running:

@@ -273,9 +273,10 @@ def kv_usage(times: Sequence[float], device: Sequence[int], host: Sequence[int],
             "kv_run_peak_blocks": max(total), "kv_peak_device_blocks": max(device), "kv_series": series}
 
 
-def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
+def run_point(setup: Setup, policy: str, rate: float, seed: int, make_scheduler=None) -> dict:
     """One simulation; its windowed metrics plus KV counters and the wall time (with setup.track_kv, kv_usage's
-    fields too)."""
+    fields too). make_scheduler(engine), if given, returns the scheduling policy that replaces the engine's (a study's
+    own order, e.g. scripts/length_hint_ceiling.py's; not cached by Runner)."""
     from make_tiny_model import config_only_model
 
     from engine.simulation import run_trace, simulated_engine
@@ -289,6 +290,8 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
         engine = misprofiled_engine(config_only_model(shape), REPO / profile, setup.profiler_error, policy, kw)
     if setup.planner_ranking != "enst":
         rank_planner(engine, setup.planner_ranking)
+    if make_scheduler is not None:
+        engine.scheduler = make_scheduler(engine)
     tracker = KVUsageTracker(engine) if setup.track_kv else None
     t = time.perf_counter()
     result = run_trace(engine, trace)

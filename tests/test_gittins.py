@@ -134,7 +134,7 @@ def test_it_learns_only_from_finished_jobs_and_never_reads_a_true_length() -> No
         p.add(j, 0.0)
         j.num_generated = 7
         p.remove(j)
-    assert p._table is None
+    assert p._learned is None
     # Identical jobs but for the true output length the SRPT oracle reads: the same index.
     learn(p, [2] * 40 + [300] * 10)
     a, b = job("a", generated=3), job("b", generated=3)

@@ -204,7 +204,7 @@ def test_keyed_order_and_wait_estimates_equal_a_ranking_from_scratch(setup, flak
             policy.add(done, 0.0)
             done.num_generated, done.finished = lengths.randint(1, 12), True
             policy.remove(done)
-        assert policy._table is not None
+        assert policy._learned is not None
 
     def check() -> None:
         for job in [j for j in arrival if j.finished]:
