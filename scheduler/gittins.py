@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -67,7 +68,8 @@ class LearnedIndex:
     """The Gittins index over the empirical distribution of a sample of output lengths, work priced at a decode
     share d per token (the module docstring's formula)."""
 
-    def __init__(self, lengths: np.ndarray, d: float) -> None:
+    def __init__(self, lengths: np.ndarray, d: float, rows: Sequence[int] | None = None) -> None:
+        """rows: the g whose started-job index the table holds (None: every g; the others are left 0)."""
         self.d = d
         lmax = int(lengths.max())
         counts = np.bincount(lengths, minlength=lmax + 1).astype(np.float64) / len(lengths)
@@ -87,14 +89,15 @@ class LearnedIndex:
         self.support, self.wsurv_t, self.cum_t = support, wsurv[support], cum[support]
         # Started jobs with no prefill left: one row per g = 1..lmax-1, the best threshold t in the support above g.
         table = np.zeros(lmax + 1)
-        gs = np.arange(1, lmax)
+        gs = (np.arange(1, lmax) if rows is None
+              else np.array(sorted({g for g in rows if 1 <= g < lmax}), dtype=np.int64))
         if len(gs):
             done = wsurv[gs][:, None] - self.wsurv_t[None, :]
             work = (self.cum_t[None, :] - cum[gs][:, None]) * d
             valid = (support[None, :] > gs[:, None]) & (surv[gs][:, None] > 0)
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = np.where(valid, done / np.where(work > 0, work, np.inf), 0.0)
-            table[1:lmax] = ratio.max(axis=1)
+            table[gs] = ratio.max(axis=1)
         self.table, self.table_list = table, table.tolist()
 
     def started(self, g: int) -> float:
@@ -117,6 +120,16 @@ class LearnedIndex:
         """Whether a job at the median length outranks one with one token out (alike lengths)."""
         lmax = len(self.table) - 1
         return bool(lmax > 1 and self.table[min(median, lmax - 1)] > self.table[1])
+
+
+def index_rises_with_service(lengths: Sequence[int]) -> bool:
+    """Whether, over these output lengths, a job halfway through (at the median length) has a higher Gittins index
+    than one with one token out: lengths alike enough that a started job is the nearer to finishing (the gittins
+    order's batch rule, and skip-join's alike-lengths mode). Two rows of the index, not its whole table."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    median = int(np.median(arr))
+    lmax = int(arr.max())
+    return LearnedIndex(arr, 1.0, rows=(1, min(median, lmax - 1))).rises_with_service(median)
 
 
 class GittinsPolicy(KeyedPriorityPolicy):

@@ -17,3 +17,4 @@ from scheduler.skip_join_mlfq import SkipJoinMLFQPolicy
 class MLFQPolicy(SkipJoinMLFQPolicy):
     name = PolicyName.MLFQ
     skip_join = False
+    learns_length_shape = False  # the paper's naive MLFQ: the service ladder always

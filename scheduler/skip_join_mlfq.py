@@ -107,6 +107,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from itertools import filterfalse
 
+from scheduler.gittins import HISTORY, REFRESH_EVERY, index_rises_with_service
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
 from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
@@ -137,6 +138,9 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
 # Demotion needs service > quantum beyond float noise: six 0.1 s steps after 1.0 s are 1.6000000000000003 s,
 # which has not exceeded a 1.6 s quantum.
 QUANTUM_SLACK = 1 + 1e-9
+# Finished jobs before the alike-lengths mode may turn on (then checked every REFRESH_EVERY): the first to finish
+# are the short ones, and on ShareGPT 1 sample of 6 of 32 lengths reads alike; none of 200 samples of 128 did.
+ALIKE_MIN_HISTORY = 256
 
 class _Band:
     """One request class's queues: per level, started and fresh jobs in entry order. Jobs join at the
@@ -161,6 +165,7 @@ class _Band:
 class SkipJoinMLFQPolicy(PriorityPolicy):
     name = PolicyName.SKIP_JOIN_MLFQ
     skip_join = True  # False: every new job enters Q1 (naive MLFQ)
+    learns_length_shape = True  # the alike-lengths mode (off for naive MLFQ, a baseline)
 
     def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
         super().__init__(config, cost)
@@ -168,6 +173,13 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._limits = [q * QUANTUM_SLACK for q in self.quanta]  # demotion thresholds
         if config.starvation_factor is not None:  # the overload rules: the last queue keeps its order
             self._limits[-1] = math.inf
+        self._ladder_limits = self._limits
+        # The alike-lengths mode: the output lengths of finished jobs, and whether they say a started job is the
+        # nearer to finishing (then no demotion, and a fresh job waits behind a started one that waits for KV).
+        self._lengths: deque[int] = deque(maxlen=HISTORY)
+        self._since_check = 0
+        self.alike_lengths = False
+        self.num_mode_changes = 0
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
         # [b][a] = offsets[b] - offsets[a] for a < b: the service a job in Q_a has ahead of one in Q_b (ENST)
         self._gaps = [[self._offsets[b] - self._offsets[a] for a in range(b)] for b in range(len(self.quanta))]
@@ -277,6 +289,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def remove(self, job: Job) -> None:
         if self._holds(job):
+            if job.finished and job.num_generated >= 1 and self.learns_length_shape:
+                self._learn_length(job.num_generated)
             if self.config.starvation_age is not None:
                 self._completions.append(self._now)
             self._unplace(job)
@@ -284,6 +298,27 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             self._held_in_q1.pop(job, None)
             self._running.pop(job, None)
             self._count_out(job)
+
+    # -- the alike-lengths mode ----------------------------------------------------------------
+    def _learn_length(self, n: int) -> None:
+        lengths = self._lengths
+        lengths.append(n)
+        self._since_check += 1
+        if len(lengths) >= ALIKE_MIN_HISTORY and (self._since_check >= REFRESH_EVERY
+                                                  or len(lengths) == ALIKE_MIN_HISTORY):
+            self._since_check = 0
+            self.set_alike_lengths(index_rises_with_service(lengths))
+
+    def set_alike_lengths(self, on: bool) -> None:
+        """Alike lengths (on): a job keeps its entry queue (no demotion), so jobs run in skip-join's entry order,
+        shortest first prefill, then arrival; and a fresh job does not start while a started job ahead of it waits
+        for KV. Off: the service ladder (least attained service)."""
+        if on == self.alike_lengths:
+            return
+        self.alike_lengths = on
+        self.num_mode_changes += 1
+        self._limits = [math.inf] * len(self.quanta) if on else self._ladder_limits
+        self.fresh_waits_for_started = on
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
@@ -360,11 +395,18 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def _on_started(self, jobs: list[Job]) -> None:
         entry = self._entry
+        to_top = self.alike_lengths
         for job in jobs:
             key = self._band_of[job]
             band = self._bands[key]
             if band.fresh[job.queue].pop(job, 0) is not None:
                 self._unpromote(band, job)
+            if to_top:  # alike lengths: a started job runs to completion, ahead of every fresh job of its band
+                job.queue, job.service_in_queue = 0, 0.0
+                entry[job] = next(self._seq)
+                band.started[0][job] = None
+                self._queue_waits = None
+                continue
             started = band.started[job.queue]
             if started and entry[next(reversed(started))] > entry[job]:  # it keeps its place
                 bisect.insort(band.late[job.queue], job, key=entry.__getitem__)
