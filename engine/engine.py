@@ -148,7 +148,7 @@ class Engine:
                 enable_chunked_prefill=chunked, long_prefill_token_threshold=prefill_limit,
                 starvation_threshold=config.starvation_threshold, quantum_ratio=config.quantum_ratio,
                 starvation_factor=config.starvation_factor, mlfq_ladder=config.mlfq_ladder,
-                starvation_age=config.starvation_age,
+                starvation_age=config.starvation_age, adapt_to_alike_lengths=config.adapt_to_alike_lengths,
                 max_prompt_len=self.max_model_len,
                 max_batch_kv_tokens=self._batch_kv_share(),
             ),

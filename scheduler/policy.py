@@ -138,6 +138,9 @@ class SchedulerConfig:
     # runs to completion there, oldest first, so no job waits without bound however much service it has had.
     # None = off.
     starvation_age: float | None = None
+    # Skip-join's alike-lengths mode (scheduler/skip_join_mlfq.py, set_alike_lengths): learned from the output
+    # lengths of finished jobs; False = the service ladder always (the paper's; the engine's default is True).
+    adapt_to_alike_lengths: bool = False
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion
     max_prompt_len: int = 2048  # the longest prompt (max_model_len): the last MLFQ quantum covers its t_init

@@ -180,6 +180,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self._since_check = 0
         self.alike_lengths = False
         self.num_mode_changes = 0
+        self._learns_length_shape = self.learns_length_shape and config.adapt_to_alike_lengths
         self._offsets = [0.0, *itertools.accumulate(self.quanta)]  # [k] = q_0 + ... + q_(k-1)
         # [b][a] = offsets[b] - offsets[a] for a < b: the service a job in Q_a has ahead of one in Q_b (ENST)
         self._gaps = [[self._offsets[b] - self._offsets[a] for a in range(b)] for b in range(len(self.quanta))]
@@ -289,7 +290,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def remove(self, job: Job) -> None:
         if self._holds(job):
-            if job.finished and job.num_generated >= 1 and self.learns_length_shape:
+            if job.finished and job.num_generated >= 1 and self._learns_length_shape:
                 self._learn_length(job.num_generated)
             if self.config.starvation_age is not None:
                 self._completions.append(self._now)

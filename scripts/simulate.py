@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mlfq-ladder", default=d.mlfq_ladder, choices=MLFQ_LADDERS,
                     help="MLFQ quanta cover a job's whole service, or only the longest prefill (the paper); "
                          "default: %(default)s")
+    ap.add_argument("--adapt-to-alike-lengths", action=argparse.BooleanOptionalAction, default=d.adapt_to_alike_lengths,
+                    help="skip-join: no demotion and started jobs first once the lengths served are alike; "
+                         "default: %(default)s")
     ap.add_argument("--kv-overcommit", type=none_or_float, default=d.kv_overcommit,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
                          "(the paper); default: %(default)s")
@@ -232,7 +235,7 @@ def make_engine(args: argparse.Namespace, model: Path):
                             enable_prefix_caching=args.enable_prefix_caching,
                             starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
                             starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
-                            mlfq_ladder=args.mlfq_ladder,
+                            mlfq_ladder=args.mlfq_ladder, adapt_to_alike_lengths=args.adapt_to_alike_lengths,
                             pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
                             **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
 

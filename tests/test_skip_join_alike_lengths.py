@@ -22,8 +22,9 @@ ALIKE = [int(x) for x in RNG.integers(80, 121, 4 * ALIKE_MIN_HISTORY)]  # 80-120
 HEAVY = [max(1, int(x)) for x in RNG.lognormal(5.0, 1.2, 4 * ALIKE_MIN_HISTORY)]  # ShareGPT-like heavy tail
 
 
-def policy(cls=SkipJoinMLFQPolicy) -> SkipJoinMLFQPolicy:
-    return cls(SchedulerConfig(max_prompt_len=64, starvation_threshold=None, starvation_age=None), COST)
+def policy(cls=SkipJoinMLFQPolicy, on: bool = True) -> SkipJoinMLFQPolicy:
+    return cls(SchedulerConfig(max_prompt_len=64, starvation_threshold=None, starvation_age=None,
+                               adapt_to_alike_lengths=on), COST)
 
 
 def finish(p: SkipJoinMLFQPolicy, lengths: list[int]) -> None:
@@ -99,3 +100,50 @@ def test_in_the_mode_a_fresh_job_waits_while_a_started_one_ahead_waits_for_kv() 
         p.add(f, 1.0)
         batch = [j.job_id for j in p.schedule(1.0, FakeKV(num_blocks=10_000)).batch]
         assert batch == ([] if alike else ["fresh"])
+
+
+def test_in_the_mode_a_started_job_runs_to_completion_ahead_of_a_shorter_newcomer() -> None:
+    """One slot: a 32-token prompt (Q3) starts, then an 8-token one (Q1) arrives. In the mode the started job moves
+    to Q1 ahead of it and keeps running; on the ladder the newcomer's higher queue takes the slot."""
+    from tests.scheduler_sim import FakeKV
+
+    for alike in (True, False):
+        p = SkipJoinMLFQPolicy(SchedulerConfig(max_prompt_len=64, max_num_seqs=1, starvation_threshold=None,
+                                               starvation_age=None, adapt_to_alike_lengths=True), COST)
+        p.set_alike_lengths(alike)
+        kv = FakeKV(num_blocks=10_000)
+        a = Job("a", 32, 100, 0.0)
+        p.add(a, 0.0)
+        d = p.schedule(0.0, kv)
+        assert [j.job_id for j in d.batch] == ["a"]
+        a.num_computed, a.num_generated = a.context_len, 1
+        p.on_step_done(d.batch, 4.0, 4.0)
+        p.add(Job("b", 8, 100, 1.0), 1.0)
+        assert [j.job_id for j in p.schedule(4.0, kv).batch] == (["a"] if alike else ["b"])
+
+
+def test_the_mode_is_off_by_flag() -> None:
+    p = policy(on=False)
+    finish(p, ALIKE)
+    assert not p.alike_lengths and p.num_mode_changes == 0
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_the_simulated_engine_learns_the_mode_from_what_it_serves(flat_sim_model, adapt: bool) -> None:
+    """300 requests of 20-30 output tokens through the real engine (simulated clock): by the engine's default the
+    skip-join order turns the mode on; with the flag off it keeps the ladder."""
+    from engine.simulation import run_trace, simulated_engine
+
+    rng = np.random.default_rng(1)
+    trace = [(i * 0.01, 16, int(rng.integers(20, 31))) for i in range(300)]
+    engine = simulated_engine(*flat_sim_model, num_device_blocks=4096, adapt_to_alike_lengths=adapt)
+    run_trace(engine, trace)
+    assert engine.scheduler.alike_lengths is adapt
+
+
+def test_the_server_takes_the_flag() -> None:
+    import server
+
+    args = server.build_parser().parse_args(["--no-adapt-to-alike-lengths"])
+    assert args.adapt_to_alike_lengths is False
+    assert server.build_parser().parse_args([]).adapt_to_alike_lengths is True
