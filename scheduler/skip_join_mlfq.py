@@ -320,6 +320,21 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         self.num_mode_changes += 1
         self._limits = [math.inf] * len(self.quanta) if on else self._ladder_limits
         self.fresh_waits_for_started = on
+        if on:  # the jobs started before: to Q1 of their band too, in their order (else fresh jobs pass them)
+            entry = self._entry
+            for band in self._bands.values():
+                jobs = [job for started, late in zip(band.started, band.late)
+                        for job in heapq.merge(started, late, key=entry.__getitem__)]
+                for job in jobs:
+                    self._take(band, job)
+                    self._to_top(band, job)
+            self._queue_waits = None
+
+    def _to_top(self, band: _Band, job: Job) -> None:
+        """Put a started job at the tail of Q1's started jobs (a new entry: each queue's jobs stay in entry order)."""
+        job.queue, job.service_in_queue = 0, 0.0
+        self._entry[job] = next(self._seq)
+        band.started[0][job] = None
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
@@ -402,10 +417,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             band = self._bands[key]
             if band.fresh[job.queue].pop(job, 0) is not None:
                 self._unpromote(band, job)
-            if to_top:  # alike lengths: a started job runs to completion, ahead of every fresh job of its band
-                job.queue, job.service_in_queue = 0, 0.0
-                entry[job] = next(self._seq)
-                band.started[0][job] = None
+            if to_top:  # alike lengths: a started job runs to completion, ahead of the fresh jobs of lower queues
+                self._to_top(band, job)
                 self._queue_waits = None
                 continue
             started = band.started[job.queue]

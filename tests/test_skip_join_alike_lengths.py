@@ -14,7 +14,7 @@ import pytest
 from scheduler import Job, MLFQPolicy, SchedulerConfig, SkipJoinMLFQPolicy
 from scheduler.gittins import REFRESH_EVERY, index_rises_with_service
 from scheduler.skip_join_mlfq import ALIKE_MIN_HISTORY
-from tests.scheduler_sim import make_cost
+from tests.scheduler_sim import FakeKV, make_cost
 
 COST = make_cost()
 RNG = np.random.default_rng(0)
@@ -86,8 +86,6 @@ def test_naive_mlfq_never_changes_its_ladder(lengths: list[int]) -> None:
 def test_in_the_mode_a_fresh_job_waits_while_a_started_one_ahead_waits_for_kv() -> None:
     """The batch rule (priority_policy.py, fresh_waits_for_started): a started job whose KV is on the host holds
     back fresh jobs behind it, so the job near its end is not passed by newcomers; without the mode they start."""
-    from tests.scheduler_sim import FakeKV
-
     for alike in (True, False):
         p = policy()
         p.set_alike_lengths(alike)
@@ -105,8 +103,6 @@ def test_in_the_mode_a_fresh_job_waits_while_a_started_one_ahead_waits_for_kv() 
 def test_in_the_mode_a_started_job_runs_to_completion_ahead_of_a_shorter_newcomer() -> None:
     """One slot: a 32-token prompt (Q3) starts, then an 8-token one (Q1) arrives. In the mode the started job moves
     to Q1 ahead of it and keeps running; on the ladder the newcomer's higher queue takes the slot."""
-    from tests.scheduler_sim import FakeKV
-
     for alike in (True, False):
         p = SkipJoinMLFQPolicy(SchedulerConfig(max_prompt_len=64, max_num_seqs=1, starvation_threshold=None,
                                                starvation_age=None, adapt_to_alike_lengths=True), COST)
@@ -147,3 +143,20 @@ def test_the_server_takes_the_flag() -> None:
     args = server.build_parser().parse_args(["--no-adapt-to-alike-lengths"])
     assert args.adapt_to_alike_lengths is False
     assert server.build_parser().parse_args([]).adapt_to_alike_lengths is True
+
+
+def test_when_the_mode_turns_on_the_jobs_already_started_move_to_q1_in_their_order() -> None:
+    p = policy()
+    jobs = [Job(f"s{i}", 8 * (i + 1), 100, float(i)) for i in range(4)]  # Q1, Q2, Q3 and Q3 (prompts 8-32)
+    for j in jobs:
+        p.add(j, j.arrival_time)
+    d = p.schedule(4.0, FakeKV(num_blocks=10_000))
+    for j in d.batch:
+        j.num_computed, j.num_generated = j.context_len, 1
+    p.on_step_done(d.batch, 8.0, 4.0)  # 4 s: every one used its quantum, demoted a queue
+    assert sorted(j.queue for j in jobs) == [1, 2, 2, 2]
+    before = [j.job_id for j in p._priority_order()]
+    finish(p, ALIKE[:ALIKE_MIN_HISTORY])
+    assert p.alike_lengths
+    assert [j.queue for j in jobs] == [0, 0, 0, 0]
+    assert [j.job_id for j in p._priority_order() if j in jobs] == before  # their order kept
