@@ -122,14 +122,23 @@ class LearnedIndex:
         return bool(lmax > 1 and self.table[min(median, lmax - 1)] > self.table[1])
 
 
-def index_rises_with_service(lengths: Sequence[int]) -> bool:
-    """Whether, over these output lengths, a job halfway through (at the median length) has a higher Gittins index
-    than one with one token out: lengths alike enough that a started job is the nearer to finishing (the gittins
-    order's batch rule, and skip-join's alike-lengths mode). Two rows of the index, not its whole table."""
+def index_growth(lengths: Sequence[int]) -> float:
+    """Over these output lengths, the Gittins index of a job halfway through (at the median length) over that of a
+    job with one token out: above 1 where a started job is the nearer to finishing (alike lengths: 2-3 for lengths
+    uniform over 0.5-1.5x their mean), below 1 on heavy tails (ShareGPT 0.08, Alpaca 0.10, the Azure 2023 traces
+    0.6-1.0). Two rows of the index, not its whole table."""
     arr = np.asarray(lengths, dtype=np.int64)
-    median = int(np.median(arr))
-    lmax = int(arr.max())
-    return LearnedIndex(arr, 1.0, rows=(1, min(median, lmax - 1))).rises_with_service(median)
+    median, lmax = int(np.median(arr)), int(arr.max())
+    if lmax < 2:
+        return 0.0
+    at = min(median, lmax - 1)
+    table = LearnedIndex(arr, 1.0, rows=(1, at)).table
+    return float(table[at] / table[1]) if table[1] > 0 else 0.0
+
+
+def index_rises_with_service(lengths: Sequence[int]) -> bool:
+    """Whether a job halfway through outranks one with one token out (index_growth > 1)."""
+    return index_growth(lengths) > 1.0
 
 
 class GittinsPolicy(KeyedPriorityPolicy):

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from scheduler import Job, MLFQPolicy, SchedulerConfig, SkipJoinMLFQPolicy
-from scheduler.gittins import REFRESH_EVERY, index_rises_with_service
-from scheduler.skip_join_mlfq import ALIKE_MIN_HISTORY
+from scheduler.gittins import REFRESH_EVERY, index_growth, index_rises_with_service
+from scheduler.skip_join_mlfq import ALIKE_MIN_HISTORY, ALIKE_OFF, ALIKE_ON
 from tests.scheduler_sim import FakeKV, make_cost
 
 COST = make_cost()
 RNG = np.random.default_rng(0)
 ALIKE = [int(x) for x in RNG.integers(80, 121, 4 * ALIKE_MIN_HISTORY)]  # 80-120 tokens: alike
 HEAVY = [max(1, int(x)) for x in RNG.lognormal(5.0, 1.2, 4 * ALIKE_MIN_HISTORY)]  # ShareGPT-like heavy tail
+BETWEEN = [int(x) for x in RNG.integers(2, 7, 4 * ALIKE_MIN_HISTORY)]  # 2-6 tokens: the index grows, but little
 
 
 def policy(cls=SkipJoinMLFQPolicy, on: bool = True) -> SkipJoinMLFQPolicy:
@@ -36,8 +37,20 @@ def finish(p: SkipJoinMLFQPolicy, lengths: list[int]) -> None:
 
 
 def test_the_index_test_reads_alike_and_heavy_tailed_lengths_apart() -> None:
-    assert index_rises_with_service(ALIKE)
-    assert not index_rises_with_service(HEAVY)
+    assert index_rises_with_service(ALIKE) and index_growth(ALIKE) >= ALIKE_ON
+    assert not index_rises_with_service(HEAVY) and index_growth(HEAVY) <= ALIKE_OFF
+    assert ALIKE_OFF < index_growth(BETWEEN) < ALIKE_ON
+
+
+def test_between_the_thresholds_the_mode_keeps_what_it_was() -> None:
+    """Hysteresis: lengths whose index grows by less than ALIKE_ON do not turn the mode on, and do not turn it off."""
+    off = policy()
+    finish(off, BETWEEN)
+    assert not off.alike_lengths
+    on = policy()
+    on.set_alike_lengths(True)
+    finish(on, BETWEEN)
+    assert on.alike_lengths and on.num_mode_changes == 1
 
 
 def test_alike_lengths_turn_the_mode_on_once_enough_jobs_finished_and_a_job_then_keeps_its_queue() -> None:
