@@ -85,10 +85,12 @@ class EngineConfig:
     # The MLFQ ladder: "service" (quanta cover the whole service a job can need, decode included) or
     # "prefill" (the paper's: the last quantum covers t_init(max_model_len)); scheduler/policy.py.
     mlfq_ladder: str = "service"
-    # Skip-join's alike-lengths mode: when the output lengths of finished jobs say a started job is the nearer to
-    # finishing (alike lengths), no demotion and started jobs run to completion first (scheduler/skip_join_mlfq.py,
-    # set_alike_lengths); False = the service ladder always (the paper's MLFQ).
-    adapt_to_alike_lengths: bool = True
+    # Skip-join's alike-lengths mode (opt-in): when the output lengths of finished jobs say a started job is the
+    # nearer to finishing (alike lengths), no demotion and started jobs run to completion first
+    # (scheduler/skip_join_mlfq.py, set_alike_lengths). Off by default: the lengths it learns from are those that
+    # finished, and past capacity those are the short ones, so a heavy tail can read as alike (Azure's 2023
+    # conversation lengths at 1.5x capacity: one seed of two 2.7x worse; docs/benchmarks.md, "Issue 24, session 25").
+    adapt_to_alike_lengths: bool = False
     reserved_blocks: int = 0
     # Overload admission: started jobs' KV (device + host) may total at most this many device caches;
     # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour, and the

@@ -139,7 +139,7 @@ class SchedulerConfig:
     # None = off.
     starvation_age: float | None = None
     # Skip-join's alike-lengths mode (scheduler/skip_join_mlfq.py, set_alike_lengths): learned from the output
-    # lengths of finished jobs; False = the service ladder always (the paper's; the engine's default is True).
+    # lengths of finished jobs; False = the service ladder always (the paper's, and the engine's default).
     adapt_to_alike_lengths: bool = False
     quantum_ratio: float = 2.0
     demotion_step: int = 1  # eta: queues dropped per demotion

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="MLFQ quanta cover a job's whole service, or only the longest prefill (the paper); "
                          "default: %(default)s")
     ap.add_argument("--adapt-to-alike-lengths", action=argparse.BooleanOptionalAction, default=d.adapt_to_alike_lengths,
-                    help="skip-join: no demotion and started jobs first once the lengths served are alike; "
+                    help="skip-join, opt-in: no demotion and started jobs first once the lengths served are alike; "
                          "default: %(default)s")
     ap.add_argument("--kv-overcommit", type=none_or_float, default=d.kv_overcommit,
                     help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
