@@ -54,6 +54,13 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   brings another back, copies that take batch room (measured in
   docs/benchmarks.md, "Past capacity"). Both change nothing while every job
   fits the batch.
+- Alike-lengths mode (adapt_to_alike_lengths; off by default, and never for
+  naive MLFQ): from the output lengths of the last HISTORY finished jobs,
+  once the Gittins index they give a job at the median length is ALIKE_ON x
+  that at one token out (alike lengths: a started job is the nearer to
+  finishing), no job is demoted, started jobs move to Q1 and run to
+  completion ahead of fresh ones, and a fresh job waits behind a started one
+  that waits for KV (set_alike_lengths); off again at ALIKE_OFF.
 - Age promotion (starvation_age k; None = off): a job whose time in the
   system exceeds k x the mean time in the system, N / mu (N the jobs held,
   mu the completion rate over the last AGE_WINDOW completions: Little's law),
@@ -142,9 +149,10 @@ QUANTUM_SLACK = 1 + 1e-9
 # are the short ones, and on ShareGPT 1 sample of 6 of 32 lengths reads alike; none of 200 samples of 128 did.
 ALIKE_MIN_HISTORY = 256
 # The mode turns on where the learned Gittins index of a job at the median length is at least ALIKE_ON x that of a
-# job with one token out (scheduler.gittins.index_growth), and off again at ALIKE_OFF or below: on 256-length samples
-# the Azure 2023 traces read up to 1.55 (their whole traces 0.6-1.0), lengths uniform over 0.5-1.5x a mean of 16-817
-# tokens 2.0-11, so the margin keeps the mode from flapping on the one and on for the other.
+# job with one token out (scheduler.gittins.index_growth), and off again at ALIKE_OFF or below (between: as it was).
+# On random 256-length samples the Azure 2023 traces read up to 1.55 (their whole traces 0.6-1.0) and lengths uniform
+# over 0.5-1.5x a mean of 16-817 tokens 2.0-11. The finished lengths are censored, though: past capacity the short
+# jobs finish first, and the shortest third of a heavy tail reads as alike (why the mode is opt-in: engine/config.py).
 ALIKE_ON, ALIKE_OFF = 2.0, 1.0
 
 class _Band:
@@ -317,9 +325,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             self.set_alike_lengths(growth >= ALIKE_ON if not self.alike_lengths else growth > ALIKE_OFF)
 
     def set_alike_lengths(self, on: bool) -> None:
-        """Alike lengths (on): a job keeps its entry queue (no demotion), so jobs run in skip-join's entry order,
-        shortest first prefill, then arrival; and a fresh job does not start while a started job ahead of it waits
-        for KV. Off: the service ladder (least attained service)."""
+        """Alike lengths (on): no demotion; a job that starts (and, as the mode turns on, every started job, in its
+        order) moves to Q1 of its band, so started jobs run to completion ahead of the fresh jobs of lower queues,
+        which keep skip-join's entry order (shortest prefill first, then arrival); and a fresh job does not start
+        while a started job ahead of it waits for KV. Off: the service ladder (least attained service)."""
         if on == self.alike_lengths:
             return
         self.alike_lengths = on
