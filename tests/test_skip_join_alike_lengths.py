@@ -158,3 +158,20 @@ def test_the_server_takes_the_flag() -> None:
     assert server.build_parser().parse_args([]).adapt_to_alike_lengths is False
     assert server.build_parser().parse_args(["--adapt-to-alike-lengths"]).adapt_to_alike_lengths is True
     assert server.build_parser().parse_args(["--no-adapt-to-alike-lengths"]).adapt_to_alike_lengths is False
+
+
+def test_when_the_mode_turns_on_the_jobs_already_started_move_to_q1_in_their_order() -> None:
+    p = policy()
+    jobs = [Job(f"s{i}", 8 * (i + 1), 100, float(i)) for i in range(4)]  # Q1, Q2, Q3 and Q3 (prompts 8-32)
+    for j in jobs:
+        p.add(j, j.arrival_time)
+    d = p.schedule(4.0, FakeKV(num_blocks=10_000))
+    for j in d.batch:
+        j.num_computed, j.num_generated = j.context_len, 1
+    p.on_step_done(d.batch, 8.0, 4.0)  # 4 s: every one used its quantum, demoted a queue
+    assert sorted(j.queue for j in jobs) == [1, 2, 2, 2]
+    before = [j.job_id for j in p._priority_order()]
+    finish(p, ALIKE[:ALIKE_MIN_HISTORY])
+    assert p.alike_lengths
+    assert [j.queue for j in jobs] == [0, 0, 0, 0]
+    assert [j.job_id for j in p._priority_order() if j in jobs] == before  # their order kept
