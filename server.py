@@ -470,8 +470,8 @@ ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
     "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
     "mlfq_ladder": ("MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at "
                     "the longest prompt's first iteration (the paper)", list(MLFQ_LADDERS)),
-    "adapt_to_alike_lengths": ("skip-join, opt-in: once the output lengths served are alike (a started job is the "
-                               "nearer to finishing), jobs keep their entry queue and a started job runs to "
+    "adapt_to_alike_lengths": ("skip-join, opt-in (default: off): once the output lengths served are alike (a "
+                               "started job is the nearer to finishing), no job sinks and a started job runs to "
                                "completion first; off: the service ladder always (the paper's)", None),
     "starvation_age": ("a job in the system longer than this x the mean time in the system (jobs held / recent "
                        "completion rate) runs to completion, oldest first; 'none' = off", None),
