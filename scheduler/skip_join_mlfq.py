@@ -342,14 +342,23 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                         for job in heapq.merge(started, late, key=entry.__getitem__)]
                 for job in jobs:
                     self._take(band, job)
-                    self._to_top(band, job)
+                    self._to_top(band, job, renumber=True)
             self._queue_waits = None
 
-    def _to_top(self, band: _Band, job: Job) -> None:
-        """Put a started job at the tail of Q1's started jobs (a new entry: each queue's jobs stay in entry order)."""
+    def _to_top(self, band: _Band, job: Job, renumber: bool = False) -> None:
+        """Move a started job to Q1 with the entry it has (its place: ahead of every job that entered a queue after
+        it, so a fresh Q1 job that arrived later does not pass it); behind Q1's started tail it goes to `late`, as a
+        fresh job that starts behind a later entry does (_on_started). renumber: a new entry, at Q1's tail (the
+        switch moves the started jobs in their walk order, which their old entries across queues do not keep)."""
         job.queue, job.service_in_queue = 0, 0.0
-        self._entry[job] = next(self._seq)
-        band.started[0][job] = None
+        entry = self._entry
+        if renumber:
+            entry[job] = next(self._seq)
+        started = band.started[0]
+        if started and entry[next(reversed(started))] > entry[job]:
+            bisect.insort(band.late[0], job, key=entry.__getitem__)
+        else:
+            started[job] = None
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:

@@ -175,3 +175,28 @@ def test_when_the_mode_turns_on_the_jobs_already_started_move_to_q1_in_their_ord
     assert p.alike_lengths
     assert [j.queue for j in jobs] == [0, 0, 0, 0]
     assert [j.job_id for j in p._priority_order() if j in jobs] == before  # their order kept
+
+
+def test_in_the_mode_a_started_job_keeps_its_place_ahead_of_fresh_q1_jobs_that_came_after_it() -> None:
+    """One slot, five 8-token jobs (Q1) arriving together: in the mode the first runs to completion before the next
+    starts (a started job keeps its entry, ahead of the later fresh ones); on the ladder it sinks after its quantum
+    and the others take turns."""
+    runs = {}
+    for alike in (True, False):
+        p = SkipJoinMLFQPolicy(SchedulerConfig(max_prompt_len=64, max_num_seqs=1, starvation_threshold=None,
+                                               starvation_age=None, adapt_to_alike_lengths=True), COST)
+        p.set_alike_lengths(alike)
+        kv = FakeKV(num_blocks=10_000)
+        for name in "abcde":
+            p.add(Job(name, 8, 100, 0.0), 0.0)
+        order, now = [], 0.0
+        for _ in range(4):
+            d = p.schedule(now, kv)
+            order += [j.job_id for j in d.batch]
+            for j in d.batch:
+                j.num_computed, j.num_generated = j.context_len, j.num_generated + 1
+            now += 1.0
+            p.on_step_done(d.batch, now, 1.0)
+        runs[alike] = order
+    assert runs[True] == ["a", "a", "a", "a"]
+    assert runs[False][:3] == ["a", "a", "b"]  # the ladder: a sinks once it has had its 1 s quantum twice over
