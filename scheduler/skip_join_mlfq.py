@@ -58,9 +58,10 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   naive MLFQ): from the output lengths of the last HISTORY finished jobs,
   once the Gittins index they give a job at the median length is ALIKE_ON x
   that at one token out (alike lengths: a started job is the nearer to
-  finishing), no job is demoted, started jobs move to Q1 and run to
-  completion ahead of fresh ones, and a fresh job waits behind a started one
-  that waits for KV (set_alike_lengths); off again at ALIKE_OFF.
+  finishing), no job is demoted, started jobs move to Q1 (keeping their
+  place) and run to completion ahead of the fresh jobs after them, and a
+  fresh job waits behind a started one that waits for KV (set_alike_lengths);
+  off again at ALIKE_OFF.
 - Age promotion (starvation_age k; None = off): a job whose time in the
   system exceeds k x the mean time in the system, N / mu (N the jobs held,
   mu the completion rate over the last AGE_WINDOW completions: Little's law),
@@ -326,9 +327,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
 
     def set_alike_lengths(self, on: bool) -> None:
         """Alike lengths (on): no demotion; a job that starts (and, as the mode turns on, every started job, in its
-        order) moves to Q1 of its band, so started jobs run to completion ahead of the fresh jobs of lower queues,
-        which keep skip-join's entry order (shortest prefill first, then arrival); and a fresh job does not start
-        while a started job ahead of it waits for KV. Off: the service ladder (least attained service)."""
+        order) moves to Q1 of its band, keeping its place among the jobs there, so started jobs run to completion
+        ahead of the fresh jobs that came after them, which keep skip-join's entry order (shortest prefill first,
+        then arrival); and a fresh job does not start while a started job ahead of it waits for KV. Off: the
+        service ladder (least attained service)."""
         if on == self.alike_lengths:
             return
         self.alike_lengths = on
@@ -441,7 +443,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             band = self._bands[key]
             if band.fresh[job.queue].pop(job, 0) is not None:
                 self._unpromote(band, job)
-            if to_top:  # alike lengths: a started job runs to completion, ahead of the fresh jobs of lower queues
+            if to_top:  # alike lengths: a started job runs to completion, ahead of the fresh jobs after it
                 self._to_top(band, job)
                 self._queue_waits = None
                 continue
