@@ -88,13 +88,19 @@ def test_fresh_jobs_are_ranked_by_their_buckets_at_a_refresh() -> None:
 
 
 def test_a_bucket_without_history_is_ranked_by_the_pooled_index() -> None:
+    """10 jobs hinted short end at 20 tokens (too few for their bucket), 150 hinted long at 20 or 400: the long bucket
+    has its own index, the short one falls back to the pooled index (all 160 lengths), which differs from both."""
     hints: dict[str, float] = {}
     p = hinted(hints)
-    for i in range(MIN_HISTORY):
+    for i in range(10):
+        finish(p, hints, f"s{i}", 10.0, 20)
+    for i in range(MIN_HISTORY + REFRESH_EVERY - 10):
         finish(p, hints, f"l{i}", 1000.0, 20 if i % 2 else 400)
-    hints["short"] = 5.0  # its bucket has seen nothing finish
-    assert p._bucket_learned[0] is None
-    assert p.index(started("short", 10)) == p._learned.started(10)
+    assert p._bucket_learned[0] is None and p._bucket_learned[1] is not None
+    hints["short"] = 5.0
+    short = started("short", 10)
+    assert p.index(short) == p._learned.started(10)
+    assert p._learned.started(10) != p._bucket_learned[1].started(10)
 
 
 def test_the_hint_is_the_true_length_at_sigma_zero_and_noisy_otherwise() -> None:
