@@ -47,6 +47,7 @@ Rule, on the engine's clock, every cost profiled:
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -116,10 +117,18 @@ class LearnedIndex:
         ratio = done[None, :] / (prefill[:, None] + work[None, :] + 1e-12)
         return ratio.max(axis=1)
 
+    def growth(self, median: int) -> float:
+        """The index of a job at the median length over that of a job with one token out (0 with no such rows)."""
+        table = self.table
+        lmax = len(table) - 1
+        if lmax < 2:
+            return 0.0
+        at = table[min(median, lmax - 1)]
+        return float(at / table[1]) if table[1] > 0 else (math.inf if at > 0 else 0.0)
+
     def rises_with_service(self, median: int) -> bool:
         """Whether a job at the median length outranks one with one token out (alike lengths)."""
-        lmax = len(self.table) - 1
-        return bool(lmax > 1 and self.table[min(median, lmax - 1)] > self.table[1])
+        return self.growth(median) > 1.0
 
 
 def index_growth(lengths: Sequence[int]) -> float:
@@ -129,16 +138,7 @@ def index_growth(lengths: Sequence[int]) -> float:
     0.6-1.0). Two rows of the index, not its whole table."""
     arr = np.asarray(lengths, dtype=np.int64)
     median, lmax = int(np.median(arr)), int(arr.max())
-    if lmax < 2:
-        return 0.0
-    at = min(median, lmax - 1)
-    table = LearnedIndex(arr, 1.0, rows=(1, at)).table
-    return float(table[at] / table[1]) if table[1] > 0 else 0.0
-
-
-def index_rises_with_service(lengths: Sequence[int]) -> bool:
-    """Whether a job halfway through outranks one with one token out (index_growth > 1)."""
-    return index_growth(lengths) > 1.0
+    return LearnedIndex(arr, 1.0, rows=(1, min(median, lmax - 1))).growth(median)
 
 
 class GittinsPolicy(KeyedPriorityPolicy):

@@ -342,25 +342,12 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             for band in self._bands.values():
                 jobs = [job for started, late in zip(band.started, band.late)
                         for job in heapq.merge(started, late, key=entry.__getitem__)]
-                for job in jobs:
+                for job in jobs:  # new entries at Q1's tail, in walk order (their old ones span queues)
                     self._take(band, job)
-                    self._to_top(band, job, renumber=True)
+                    job.queue, job.service_in_queue = 0, 0.0
+                    entry[job] = next(self._seq)
+                    band.started[0][job] = None
             self._queue_waits = None
-
-    def _to_top(self, band: _Band, job: Job, renumber: bool = False) -> None:
-        """Move a started job to Q1 with the entry it has (its place: ahead of every job that entered a queue after
-        it, so a fresh Q1 job that arrived later does not pass it); behind Q1's started tail it goes to `late`, as a
-        fresh job that starts behind a later entry does (_on_started). renumber: a new entry, at Q1's tail (the
-        switch moves the started jobs in their walk order, which their old entries across queues do not keep)."""
-        job.queue, job.service_in_queue = 0, 0.0
-        entry = self._entry
-        if renumber:
-            entry[job] = next(self._seq)
-        started = band.started[0]
-        if started and entry[next(reversed(started))] > entry[job]:
-            bisect.insort(band.late[0], job, key=entry.__getitem__)
-        else:
-            started[job] = None
 
     # -- the PriorityPolicy hooks -------------------------------------------------------------
     def _walk(self, gate: Gate) -> Iterator[Job]:
@@ -443,15 +430,15 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             band = self._bands[key]
             if band.fresh[job.queue].pop(job, 0) is not None:
                 self._unpromote(band, job)
-            if to_top:  # alike lengths: a started job runs to completion, ahead of the fresh jobs after it
-                self._to_top(band, job)
-                self._queue_waits = None
-                continue
+            if to_top:  # alike lengths: to Q1, keeping its place, so it runs ahead of the fresh jobs after it
+                job.queue, job.service_in_queue = 0, 0.0
             started = band.started[job.queue]
             if started and entry[next(reversed(started))] > entry[job]:  # it keeps its place
                 bisect.insort(band.late[job.queue], job, key=entry.__getitem__)
             else:
                 started[job] = None
+        if to_top:
+            self._queue_waits = None
 
     def _wait_from(self, since: float, jobs: Sequence[Job]) -> None:
         """Start the starvation clock of jobs that last ran (or arrived) at `since`."""

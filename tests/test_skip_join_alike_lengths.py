@@ -1,5 +1,5 @@
 """Skip-join's alike-lengths mode (scheduler/skip_join_mlfq.py, set_alike_lengths): once the output lengths of the
-finished jobs say a started job is the nearer to finishing (scheduler.gittins.index_rises_with_service: the Gittins
+finished jobs say a started job is the nearer to finishing (scheduler.gittins.index_growth > 1: the Gittins
 index rises with service), jobs keep their entry queue (no demotion) and a fresh job waits behind a started one that
 waits for KV; on heavy tails the service ladder stays. Naive MLFQ (a baseline) never changes.
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scheduler import Job, MLFQPolicy, SchedulerConfig, SkipJoinMLFQPolicy
-from scheduler.gittins import REFRESH_EVERY, index_growth, index_rises_with_service
+from scheduler.gittins import REFRESH_EVERY, index_growth
 from scheduler.skip_join_mlfq import ALIKE_MIN_HISTORY, ALIKE_OFF, ALIKE_ON
 from tests.scheduler_sim import FakeKV, make_cost
 
@@ -37,8 +37,8 @@ def finish(p: SkipJoinMLFQPolicy, lengths: list[int]) -> None:
 
 
 def test_the_index_test_reads_alike_and_heavy_tailed_lengths_apart() -> None:
-    assert index_rises_with_service(ALIKE) and index_growth(ALIKE) >= ALIKE_ON
-    assert not index_rises_with_service(HEAVY) and index_growth(HEAVY) <= ALIKE_OFF
+    assert index_growth(ALIKE) > 1.0 and index_growth(ALIKE) >= ALIKE_ON
+    assert not index_growth(HEAVY) > 1.0 and index_growth(HEAVY) <= ALIKE_OFF
     assert ALIKE_OFF < index_growth(BETWEEN) < ALIKE_ON
 
 
