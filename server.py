@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import errno
 import hmac
 import json
@@ -47,7 +46,6 @@ import signal
 import socket
 import sys
 import time
-import typing
 import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -55,11 +53,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.args import add_engine_args, config_from_args
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
-from engine.config import ATTENTION_BACKENDS, KV_POLICIES, LOAD_FORMATS, EngineConfig
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
-from scheduler.policy import MLFQ_LADDERS, PolicyName
+from scheduler.policy import PolicyName
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
@@ -426,100 +425,6 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
 
 
 # -- command line ----------------------------------------------------------------------------------------------
-_POLICIES = [p.value for p in PolicyName if p is not PolicyName.SRPT]
-# Every EngineConfig field is a flag (kebab case; type and default from the dataclass; "none" for an
-# optional one); here are their help lines and choices (a field missing here gets a generic line).
-ENGINE_HELP: dict[str, tuple[str, list[str] | None]] = {
-    "model": ("Hugging Face OPT model directory (default: the built-in tiny model)", None),
-    "tokenizer": ("tokenizer directory (default: the model directory)", None),
-    "dtype": ("weights and KV; auto = float16 on CUDA, float32 on CPU", ["auto", "float32", "float16", "bfloat16"]),
-    "load_format": ("auto: the model directory's weights; dummy: random weights from its config.json (benchmarks "
-                    "of large shapes without a checkpoint)", list(LOAD_FORMATS)),
-    "device": ("where the model runs", ["auto", "cpu", "cuda"]),
-    "tensor_parallel_size": ("GPUs per pipeline stage (tensor parallelism)", None),
-    "pipeline_parallel_size": ("pipeline stages", None),
-    "attention_backend": ("attention kernels: triton on CUDA when it imports, else the plain-torch reference; "
-                          "triton on CPU only under TRITON_INTERPRET=1 (tests)", list(ATTENTION_BACKENDS)),
-    "nnodes": ("nodes the tp x pp workers span; start the other nodes' workers with "
-               "`python -m engine.executor.node` (README)", None),
-    "master_addr": ("address of the workers' torch.distributed rendezvous and of this controller's worker port",
-                    None),
-    "master_port": ("rendezvous port; the workers' control port is the next one (default: a free pair)", None),
-    "max_num_seqs": ("most sequences in one iteration's batch", None),
-    "max_num_batched_tokens": ("most tokens in one iteration (without chunked prefill a longer prompt runs alone); "
-                               "default: with chunked prefill, the budget the job profile picks (a chunk's "
-                               "iteration at most twice a decode step's time, at least --max-num-seqs), "
-                               "without it 8192", None),
-    "enable_chunked_prefill": ("split a prompt that does not fit the rest of an iteration's "
-                               "--max-num-batched-tokens into chunks run in later iterations; the last batch's "
-                               "decodes go first (--no-enable-chunked-prefill: prompts run whole); default: on "
-                               "on CUDA, off on the CPU", None),
-    "long_prefill_token_threshold": ("with chunked prefill, at most this many of one prompt's tokens in an "
-                                     "iteration (vLLM's flag; 0, the default: only --max-num-batched-tokens bounds "
-                                     "a chunk)", None),
-    "max_model_len": ("context length (default: the model's)", None),
-    "block_size": ("tokens per KV block", None),
-    "gpu_memory_utilization": ("fraction of GPU memory for weights and KV cache", None),
-    "num_gpu_blocks_override": ("device KV blocks, instead of measuring memory", None),
-    "swap_space": ("GiB of host memory for offloaded KV blocks", None),
-    "num_host_blocks_override": ("host KV blocks, instead of --swap-space", None),
-    "scheduling_policy": ("which jobs run each iteration", _POLICIES),
-    "seed": ("seed of the engine's sampler (requests without their own seed)", None),
-    "kv_policy": ("how device KV memory is freed when it runs low", list(KV_POLICIES)),
-    "starvation_threshold": ("alpha: seconds of waiting before a job is promoted; 'none' = off", None),
-    "quantum_ratio": ("ratio between consecutive MLFQ quanta", None),
-    "mlfq_ladder": ("MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at "
-                    "the longest prompt's first iteration (the paper)", list(MLFQ_LADDERS)),
-    "adapt_to_alike_lengths": ("skip-join, opt-in (default: off): once the output lengths served are alike (a "
-                               "started job is the nearer to finishing), no job sinks and a started job runs to "
-                               "completion first; off: the service ladder always (the paper's)", None),
-    "starvation_age": ("a job in the system longer than this x the mean time in the system (jobs held / recent "
-                       "completion rate) runs to completion, oldest first; 'none' = off", None),
-    "starvation_factor": ("past capacity, a waiting job is promoted after max(alpha, this x the recent wait "
-                          "to a first run), so promotions do not churn the batch (and a promoted new job goes "
-                          "to its arrival place, the last queue keeps its order); 'none' = the paper's rules", None),
-    "enable_prefix_caching": ("automatic prefix caching (vLLM's): full KV blocks named by a hash of their tokens "
-                              "and everything before them are shared and kept after a request ends, and a request "
-                              "computes only what follows its longest cached prefix (on by default; "
-                              "--no-enable-prefix-caching: every prompt computed whole)", None),
-    "prefix_caching_host_tier": ("with --enable-prefix-caching and a host tier (--kv-policy reactive or proactive): "
-                                 "cached KV blocks the device evicts live on in the host tier and hits there are "
-                                 "uploaded; --no-prefix-caching-host-tier: the device alone caches", None),
-    "reserved_blocks": ("device KV blocks kept free for bursts of new jobs", None),
-    "kv_overcommit": ("past capacity, new jobs wait while started jobs' KV (device + host) exceeds this many "
-                      "device caches; 'none' = the default: both tiers less an eighth of the device", None),
-    "profile": ("'analytic' or a job-profile JSON (default: a stored matching profile, else measured)", None),
-    "max_queued_requests": ("most requests waiting to start; beyond, 503 + Retry-After (default: no limit)", None),
-    "async_output_processing": ("launch the next step before decoding this step's text and building its "
-                                "outputs, which then overlap the next step's compute (same outputs; not with "
-                                "pipeline parallelism)", None),
-    "async_scheduling": ("schedule and queue step k+1 while step k computes, with placeholders for the tokens "
-                         "step k samples (vLLM's --async-scheduling): the scheduler leaves the step's critical path; "
-                         "same tokens, the schedule may differ; tp = pp = 1 only", None),
-    "enforce_eager": ("run every step eagerly: no CUDA graphs for decode steps (graphs are only ever used on "
-                      "CUDA, with one tensor-parallel rank; on CPU every step is eager anyway)", None),
-}
-
-
-# vLLM's --enable-X / --no-enable-X pairs, and ours
-NEGATABLE_SWITCHES = {"enable_chunked_prefill", "enable_prefix_caching", "prefix_caching_host_tier",
-                      "adapt_to_alike_lengths"}
-
-
-def _flag_type(hint):
-    """int, float or str from a field's type; an optional one also takes "none"."""
-    members = typing.get_args(hint) or (hint,)
-    base = next(m for m in members if m is not type(None))
-    if type(None) not in members:
-        return base
-
-    def parse(text: str):
-        return None if text.lower() in ("none", "off") else base(text)
-
-    parse.__name__ = base.__name__  # argparse says "invalid int value"
-    return parse
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -533,16 +438,7 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     def flag(name: str, doc: str, **kw) -> None:  # every help line says its default
         p.add_argument(name, help=doc if "default" in doc else doc + " (default: %(default)s)", **kw)
 
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        doc, choices = ENGINE_HELP.get(f.name, (f"engine setting {f.name} (see engine/config.py)", None))
-        if bool in typing.get_args(hints[f.name]) + (hints[f.name],):
-            # a switch: --enforce-eager; --enable-chunked-prefill / --no-enable-chunked-prefill (None: by device)
-            action = argparse.BooleanOptionalAction if f.name in NEGATABLE_SWITCHES else "store_true"
-            p.add_argument("--" + f.name.replace("_", "-"), help=doc, action=action, default=f.default)
-            continue
-        flag("--" + f.name.replace("_", "-"), doc, type=_flag_type(hints[f.name]), default=f.default,
-             choices=choices)
+    add_engine_args(p)
     srv = ServerConfig()
     flag("--host", "address to listen on", default="127.0.0.1")
     flag("--port", "port to listen on (0: any free port)", type=int, default=8000)
@@ -580,7 +476,10 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
             raise ValueError(f"cannot read --chat-template {args.chat_template}: {e.strerror}") from None
     ChatTemplate(template)  # raises ValueError if it does not parse
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    return (EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()}),
+    if args.scheduling_policy == PolicyName.SRPT.value:
+        raise ValueError("--scheduling-policy srpt is the simulator's oracle (it reads true output lengths); "
+                         "a server cannot run it")
+    return (config_from_args(args),
             ServerConfig(tuple(args.served_model_name or [args.model or "tiny-opt"]), args.api_key or None,
                          origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template))
 

@@ -1,16 +1,20 @@
 """EngineConfig: every engine setting, one flat dataclass validated once.
 
 Field names are the CLI flags in snake_case (vLLM's names where vLLM has the
-setting), so `LLM(model=..., max_num_seqs=...)`, the server's flags and this
-class line up. Server-only settings (host, port, api key, ...) live in
-server.py.
+setting), so `LLM(model=..., max_num_seqs=...)`, the flags and this class line
+up. Each field's metadata holds its flag's help (and choices, and the flag
+where it is not --field-name): engine/args.py makes the flags of `serve`,
+`simulate` and `compare` from them. Server-only settings (host, port, api
+key, ...) live in server.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from fastserve_kernels.attention_backend import ATTENTION_BACKENDS
 from scheduler.policy import MLFQ_LADDERS, PolicyName
@@ -24,107 +28,151 @@ KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
 # and the most a picked chunk budget may be.
 UNCHUNKED_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = tuple(p.value for p in PolicyName)  # srpt among them: the oracle, simulation only
+
+
+def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
+    """A field with its command-line flag's metadata: "help" (which says the default, or gets "(default: X)"
+    appended), "choices", and "flag" where the flag is not --field-name."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if flag is not None:
+        metadata["flag"] = flag
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a Hugging Face OPT directory; None = the built-in tiny model (DEFAULT_MODEL_DIR)
-    tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # auto (float16 on CUDA, float32 on CPU) | float32 | float16 | bfloat16
-    load_format: str = "auto"  # auto: the model directory's weights | dummy: random weights from config.json
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto (triton on CUDA when it imports, else torch) | torch | triton
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    nnodes: int = 1  # nodes the workers span (the controller runs on the first; see README "Many GPUs")
-    master_addr: str = "127.0.0.1"  # the torch.distributed rendezvous (and the controller's worker port)
-    master_port: int | None = None  # None: a free port; the workers' control port is master_port + 1
-    max_num_seqs: int = 256
-    # Most tokens one iteration computes. None: with chunked prefill, the budget the job profile picks
-    # (scheduler/cost_model.py, chunk_budget); without it, UNCHUNKED_BATCHED_TOKENS.
-    max_num_batched_tokens: int | None = None
-    # Chunked prefill (vLLM's flag): a prompt that does not fit the rest of an iteration's max_num_batched_tokens is
-    # split, its next chunk in a later iteration, and the decodes of the last batch come first
-    # (scheduler/policy.py, SchedulingPolicy.chunk). Off: a prompt runs whole (one longer than the budget, alone).
-    # None (the default): on where the model runs on CUDA, off on the CPU and in the simulator, as measured
-    # (docs/benchmarks.md, "Chunked prefill: the default"; Engine resolves it).
-    enable_chunked_prefill: bool | None = None
-    # With chunked prefill, at most this many of one prompt's tokens in an iteration (vLLM's
-    # long_prefill_token_threshold); 0 (the default, as vLLM's): only the budget bounds a chunk. Measured on the
-    # OPT-13B A100 80GB profile, a cap of the stall-safe chunk (128) under the picked budget (256) changed neither
-    # P99 ITL nor throughput (docs/benchmarks.md, "Chunked prefill, session 19"), so none is picked.
-    long_prefill_token_threshold: int = 0
-    # Automatic prefix caching (vLLM's flag; memory/prefix_cache.py): full KV blocks are named by a hash of their
-    # tokens and everything before them, shared between jobs and kept after a job ends; a request computes only
-    # what follows its longest cached prefix.
-    enable_prefix_caching: bool = True
-    # With prefix caching and a host tier (kv_policy reactive or proactive): cached blocks the device evicts live on
-    # in the host tier, and hits there are uploaded (memory/kv_manager.py, enable_prefix_caching). Off: the device
-    # alone caches (an evicted block is lost).
-    prefix_caching_host_tier: bool = True
-    max_model_len: int | None = None  # defaults to the model's context
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4.0  # GiB of host memory for offloaded KV
-    num_host_blocks_override: int | None = None  # host-tier blocks, overriding swap_space (tests)
-    scheduling_policy: str = "skip-join-mlfq"
-    seed: int = 0
-    kv_policy: str = "proactive"
-    # alpha, seconds: the paper's starvation rule; off by default, since past capacity every waiting job is older
-    # than alpha and promoting them all turns the queues into round robin (docs/benchmarks.md, "Skip-join at
-    # capacity"); age promotion (starvation_age) bounds waits instead.
-    starvation_threshold: float | None = None
-    # Overload rules: promotion after max(alpha, f x W), to the arrival place for a job that never ran, and a
-    # last queue that keeps its order (scheduler/skip_join_mlfq.py); None = the paper's rules.
-    starvation_factor: float | None = 1.0
-    quantum_ratio: float = 2.0
-    # Age promotion: a job in the system longer than this x the mean time in the system runs to completion,
-    # oldest first; None = off (scheduler/skip_join_mlfq.py).
-    starvation_age: float | None = 3.0
-    # The MLFQ ladder: "service" (quanta cover the whole service a job can need, decode included) or
-    # "prefill" (the paper's: the last quantum covers t_init(max_model_len)); scheduler/policy.py.
-    mlfq_ladder: str = "service"
-    # Skip-join's alike-lengths mode (opt-in): when the output lengths of finished jobs say a started job is the
-    # nearer to finishing (alike lengths), no demotion and started jobs run to completion first
-    # (scheduler/skip_join_mlfq.py, set_alike_lengths). Off by default: the lengths it learns from are those that
-    # finished, and past capacity those are the short ones, so a heavy tail can read as alike (Azure's 2023
-    # conversation lengths at 1.5x capacity: one seed of two 2.7x worse; docs/benchmarks.md, "Issue 24, session 25").
-    adapt_to_alike_lengths: bool = False
-    reserved_blocks: int = 0
-    # Overload admission: started jobs' KV (device + host) may total at most this many device caches;
-    # a new job waits beyond it (memory/kv_manager.py, may_start). None = no limit (the paper's behaviour, and the
-    # default: with least-attained-service order the limit kept new jobs waiting behind started long ones).
-    kv_overcommit: float | None = None
-    profile: str | None = None  # a job-profile JSON (scripts/profile_model.py)
-    # Decode steps replay CUDA graphs captured per batch bucket (engine/cuda_graphs.py) unless this is set;
-    # on CPU, and on tensor-parallel workers, they always run eagerly.
-    enforce_eager: bool = False
-    # Async output processing (as vLLM V0's): step k+1 is scheduled and launched as soon as step k's tokens are
-    # committed (appended, stop tokens and lengths checked, finished jobs released), and step k's detokenizing
-    # (sequences without stop strings) and output snapshots are done while step k+1 computes. Same batches,
-    # tokens and outputs; never in the simulator or with pipeline parallelism (engine.engine.overlaps_output).
-    # Off by default: on the 2-core CPU it takes 2/3 of the engine's work off the critical path but no gain in
-    # the step's period could be measured (docs/benchmarks.md, "Issue 26, control plane ... async output").
-    async_output_processing: bool = False
-    # Async scheduling (vLLM V1's --async-scheduling): step k+1 is scheduled and queued while step k computes, so
-    # the scheduler, the KV manager and building the batch leave the step's critical path. A job of step k runs in
-    # step k+1 with a placeholder for the token step k samples; the executor puts the token in before it computes
-    # step k+1. What does not depend on tokens is known when step k is launched (its KV positions, its charge to
-    # the scheduler, the jobs that end by length); a job that ends by EOS, a stop token or a stop string at step k
-    # runs once more in step k+1, whose token is dropped. Same tokens as the synchronous engine; the schedule may
-    # differ (a step is charged when launched). Includes async output processing. tp = pp = 1 only.
-    async_scheduling: bool = False
-    max_queued_requests: int | None = None
+    model: str | None = setting(None, "a Hugging Face OPT model directory (default: the built-in tiny model)")
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory); simulate counts "
+                                          "text datasets' tokens with it")
+    dtype: str = setting("auto", "weights and KV cache; auto: float16 on CUDA and in the simulator, float32 on CPU",
+                         choices=DTYPES)
+    load_format: str = setting("auto", "auto: the model directory's weights; dummy: random weights from its "
+                                       "config.json (benchmarks of large shapes without a checkpoint)",
+                               choices=LOAD_FORMATS)
+    device: str = setting("auto", "where the model runs", choices=DEVICES)
+    attention_backend: str = setting("auto", "attention kernels: auto is triton on CUDA when it imports, else the "
+                                             "plain-torch reference; triton on CPU only under TRITON_INTERPRET=1 "
+                                             "(tests)", choices=ATTENTION_BACKENDS)
+    tensor_parallel_size: int = setting(1, "GPUs per pipeline stage (tensor parallelism)")
+    pipeline_parallel_size: int = setting(1, "pipeline stages; simulate: the profile's unless given (each stage "
+                                             "takes the profiled time)")
+    nnodes: int = setting(1, "nodes the tp x pp workers span (the controller runs on the first); start the other "
+                             "nodes' workers with `python -m engine.executor.node` (README, \"Many GPUs\")")
+    master_addr: str = setting("127.0.0.1", "address of the workers' torch.distributed rendezvous and of the "
+                                            "controller's worker port")
+    master_port: int | None = setting(None, "rendezvous port; the workers' control port is the next one (default: "
+                                            "a free pair)")
+    max_num_seqs: int = setting(256, "most sequences in one iteration's batch")
+    max_num_batched_tokens: int | None = setting(
+        None, "most tokens one iteration computes (without chunked prefill a longer prompt runs alone); default: "
+              "with chunked prefill, the budget the job profile picks (a chunk's iteration at most twice a decode "
+              f"step's time, at least --max-num-seqs; scheduler/cost_model.py), without it {UNCHUNKED_BATCHED_TOKENS}")
+    # Chunked prefill's default, as measured (docs/benchmarks.md, "Chunked prefill: the default"; Engine resolves
+    # it, engine/engine.py resolve_chunking).
+    enable_chunked_prefill: bool | None = setting(
+        None, "split a prompt that does not fit the rest of an iteration's --max-num-batched-tokens into chunks run "
+              "in later iterations, the last batch's decodes first (scheduler/policy.py, SchedulingPolicy.chunk); "
+              "--no-enable-chunked-prefill: prompts run whole; default: on on CUDA, off on the CPU and in the "
+              "simulator")
+    # A cap of the stall-safe chunk (128) under the picked budget (256) changed neither P99 ITL nor throughput on
+    # the OPT-13B A100 80GB profile (docs/benchmarks.md, chunked prefill: "the 80GB profile, a per-prompt cap"),
+    # so none is picked.
+    long_prefill_token_threshold: int = setting(
+        0, "with chunked prefill, at most this many of one prompt's tokens in an iteration (vLLM's; 0: only "
+           "--max-num-batched-tokens bounds a chunk)")
+    enable_prefix_caching: bool = setting(
+        True, "automatic prefix caching (memory/prefix_cache.py): full KV blocks, named by a hash of their tokens and "
+              "everything before them, are shared between requests and kept after one ends, and a request computes "
+              "only what follows its longest cached prefix; --no-enable-prefix-caching: every prompt computed whole")
+    prefix_caching_host_tier: bool = setting(
+        True, "with prefix caching and a host tier (any --kv-policy but recompute): cached KV blocks the device "
+              "evicts live on in the host tier, and hits there are uploaded; --no-prefix-caching-host-tier: the "
+              "device alone caches (an evicted block is lost)")
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
+    block_size: int = setting(16, "tokens per KV block (a power of two, at most 128)")
+    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory for weights and KV cache")
+    num_gpu_blocks_override: int | None = setting(
+        None, "device KV blocks (default: as many as fit in measured memory; simulate: the profile's capacity)")
+    swap_space: float = setting(
+        4.0, "GiB of host memory for offloaded KV blocks (no host tier with --kv-policy recompute); simulate: the "
+             "profile's host capacity unless given")
+    num_host_blocks_override: int | None = setting(None, "host KV blocks, instead of --swap-space (default: from "
+                                                         "--swap-space)")
+    scheduling_policy: str = setting(
+        "skip-join-mlfq", "which jobs run each iteration (srpt: the simulator's oracle, which knows output lengths; "
+                          "not served live)", choices=SCHEDULING_POLICIES)
+    seed: int = setting(0, "seed of the engine's sampler (requests without their own seed) and of dummy weights; "
+                           "simulate and compare seed their workload with it too")
+    kv_policy: str = setting(
+        "proactive", "what happens to a preempted job's KV when device memory runs low (memory/kv_policy.py): "
+                     "proactive offloads ahead of need by ENST and uploads before the job's turn, overlapped with "
+                     "compute; reactive offloads when an allocation fails and uploads when the job is picked; "
+                     "reactive-blocking swaps so too, but no iteration starts while a copy is in flight (the paper's "
+                     "reactive baseline); recompute drops the KV and rebuilds it", choices=KV_POLICIES)
+    # alpha is off by default: past capacity every waiting job is older than alpha and promoting them all turns
+    # the queues into round robin (docs/benchmarks.md, "Skip-join at capacity"); age promotion bounds waits instead.
+    starvation_threshold: float | None = setting(
+        None, "alpha: seconds of waiting before a job is promoted to Q1 (the paper's rule, with 0.3 s); "
+              "'none' (the default) = off")
+    starvation_factor: float | None = setting(
+        1.0, "past capacity, a waiting job is promoted after max(alpha, this x the recent wait to a first run), so "
+             "promotions do not churn the batch (a promoted new job goes to its arrival place, the last queue keeps "
+             "its order; scheduler/skip_join_mlfq.py); 'none' = the paper's rules")
+    quantum_ratio: float = setting(2.0, "ratio between consecutive MLFQ quanta (q1: a decode iteration's time)")
+    starvation_age: float | None = setting(
+        3.0, "a job in the system longer than this x the mean time in the system (jobs held / recent completion "
+             "rate) runs to completion, oldest first (scheduler/skip_join_mlfq.py); 'none' = off")
+    mlfq_ladder: str = setting(
+        "service", "MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at the "
+                   "longest prompt's first iteration (the paper's); scheduler/policy.py", choices=MLFQ_LADDERS)
+    # Off by default: the lengths it learns from are those that finished, and past capacity those are the short ones,
+    # so a heavy tail can read as alike (Azure's 2023 conversation lengths at 1.5x capacity: one seed of two 2.7x
+    # worse; docs/benchmarks.md, "Skip-join on alike lengths").
+    adapt_to_alike_lengths: bool = setting(
+        False, "skip-join, opt-in: once the output lengths of finished jobs say a started job is the nearer to "
+               "finishing (alike lengths), no job sinks and a started job runs to completion first "
+               "(scheduler/skip_join_mlfq.py, set_alike_lengths); off: the service ladder always (the paper's)")
+    reserved_blocks: int = setting(0, "device KV blocks kept free for bursts of new jobs")
+    kv_overcommit: float | None = setting(
+        None, "overload admission: a job with no KV starts only while the KV of the started jobs (device + host) "
+              "plus its own fits in this many device caches, and never more than both tiers; 'none' (the "
+              "default): both tiers less an eighth of the device (the room started jobs grow into), no limit "
+              "without a host tier (engine/engine.py, _make_kv_manager)")
+    profile: str | None = setting(None, "'analytic' or a job-profile JSON (scripts/profile_model.py) (default: a "
+                                        "stored matching profile, else one measured at start)")
+    enforce_eager: bool = setting(
+        False, "run every step eagerly: no CUDA graphs for decode steps (engine/cuda_graphs.py; graphs are only used "
+               "on CUDA with one tensor-parallel rank, on CPU every step is eager anyway)")
+    # On the 2-core CPU it takes 2/3 of the engine's work off the critical path, but no gain in the step's period
+    # could be measured (docs/benchmarks.md, control plane: "async output processing").
+    async_output_processing: bool = setting(
+        False, "as vLLM V0's: launch step k+1 once step k's tokens are committed, and decode step k's text and build "
+               "its outputs while step k+1 computes (same batches, tokens and outputs; not in the simulator or with "
+               "pipeline parallelism; engine/engine.py, overlaps_output)")
+    # A job of step k runs in step k+1 with a placeholder for the token step k samples, which the executor puts in
+    # before it computes; what does not depend on tokens (KV positions, the scheduler's charge, ends by length) is
+    # known at launch, and a job that ends by EOS, a stop token or a stop string at step k runs once more in step
+    # k+1, whose token is dropped.
+    async_scheduling: bool = setting(
+        False, "vLLM V1's: schedule and queue step k+1 while step k computes, so the scheduler, the KV manager and "
+               "building the batch leave the step's critical path; same tokens, the schedule may differ (a step is "
+               "charged when launched); includes async output processing; tensor and pipeline parallel size 1 only, "
+               "not in the simulator")
+    max_queued_requests: int | None = setting(None, "most requests waiting to start; beyond, new ones get 503 + "
+                                                    "Retry-After (default: no limit)")
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
 
-        need(self.dtype in ("auto", "float32", "float16", "bfloat16"),
-             f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        need(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
+        need(self.dtype in DTYPES, f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be auto, cpu or cuda, got {self.device!r}")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         need(self.load_format in LOAD_FORMATS,
@@ -150,7 +198,7 @@ class EngineConfig:
         need(self.num_host_blocks_override is None or self.num_host_blocks_override >= 0,
              "num_host_blocks_override must be >= 0")
         policies = [p.value for p in PolicyName if p is not PolicyName.SRPT]
-        need(self.scheduling_policy in policies + [PolicyName.SRPT.value],
+        need(self.scheduling_policy in SCHEDULING_POLICIES,
              f"scheduling_policy must be one of {', '.join(policies)}; got {self.scheduling_policy!r}")
         need(self.kv_policy in KV_POLICIES,
              f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {self.kv_policy!r}")

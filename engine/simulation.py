@@ -109,7 +109,8 @@ def simulated_engine(
     **engine_args,
 ) -> Engine:
     """pipeline_parallel_size: stages (default: the profile key's); max_in_flight: batches in the pipe at once
-    (default: one per stage; 1 runs one batch at a time through the stages)."""
+    (default: one per stage; 1 runs one batch at a time through the stages). The host tier: num_host_blocks, else
+    engine_args' swap_space GiB when given, else the profile's capacity."""
     cfg = OPTConfig.from_model_dir(model_dir)
     data = json.loads(Path(profile).read_text())
     if pipeline_parallel_size is None:
@@ -122,8 +123,10 @@ def simulated_engine(
         if "device_kv_bytes" not in capacity:
             raise ValueError(f"{profile}: give num_device_blocks or a capacity.device_kv_bytes field")
         num_device_blocks = int(capacity["device_kv_bytes"] // block_bytes)
-    if num_host_blocks is None:  # the profile's host tier, else the live engine's default (swap_space GiB)
-        num_host_blocks = int(capacity.get("host_kv_bytes", EngineConfig.swap_space * (1 << 30)) // block_bytes)
+    if num_host_blocks is None:  # swap_space GiB when given, else the profile's host tier, else the engine's default
+        host_bytes = (engine_args["swap_space"] * (1 << 30) if "swap_space" in engine_args
+                      else capacity.get("host_kv_bytes", EngineConfig.swap_space * (1 << 30)))
+        num_host_blocks = int(host_bytes // block_bytes)
     transfer = TransferModel(**data.get("transfer", {}))
     clock = VirtualClock()
     executor = SimulatedExecutor(cost, clock, num_device_blocks, block_size, block_bytes, transfer,
@@ -187,7 +190,7 @@ def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: fl
     clock.advance(max(min(events) - now, 0.0) or 1e-9)
 
 
-# -- multi-turn chat (issue 28) ---------------------------------------------------------------------------------
+# -- multi-turn chat --------------------------------------------------------------------------------------------
 THINK_TIME_DISTRIBUTIONS = ("exponential", "constant")
 
 

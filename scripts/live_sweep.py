@@ -5,10 +5,13 @@ Fig. 11 (per-token latency vs rate, one line per policy).
 
     python scripts/live_sweep.py --policies fcfs,skip-join-mlfq --dataset-name lengths \\
         --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 60 --sweep 1,2,4 \\
-        --slo-per-token 0.05 --result-dir results/live --plot fig11.png -- --num-gpu-blocks-override 990
+        --slo-per-token 0.05 --result-dir results/live --plot fig11.png --num-gpu-blocks-override 990
 
-Everything after `--` goes to every server (model, KV sizes, profile...; default: the built-in tiny model);
-flags this script does not know go to every load generator run (e.g. --random-range-ratio 0.9 for synthetic).
+The engine flags (the server's, engine/args.py: model, KV sizes, profile...; default: the built-in tiny
+model) are this script's too: those given go to every server, all but --scheduling-policy, which --policies
+sets per run (--seed and --tokenizer serve the load generator too). Everything after `--` goes to every server
+as it is (the server's own flags too), before the engine flags given here, which win. Flags this script does
+not know go to every load generator run (e.g. --random-range-ratio 0.9 for synthetic).
 Each server is started with OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
 With two or more policies, a last table puts their latencies side by side, with the first policy's mean over
 each other's (`make compare`: FCFS over skip-join MLFQ on the built-in tiny model).
@@ -29,6 +32,7 @@ from server_process import ServerProcess  # scripts/ is this script's folder
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine.args import add_engine_args, engine_args_given, engine_argv  # noqa: E402
 from fastserve.bench.loadgen import build_parser as loadgen_parser  # noqa: E402
 
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
@@ -49,6 +53,8 @@ def run_policy(policy: str, args: argparse.Namespace, server_args: list[str], lo
                "--result-filename", out.name]
         if args.dataset_path:
             cmd += ["--dataset-path", str(args.dataset_path)]
+        if args.tokenizer:  # the servers' tokenizer counts the text datasets' tokens too
+            cmd += ["--tokenizer", args.tokenizer]
         cmd += loadgen_args
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         (args.result_dir / f"loadgen-{policy}.log").write_text(proc.stdout + proc.stderr)
@@ -115,11 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=60, help="requests per rate")
     ap.add_argument("--sweep", required=True, help="comma-separated request rates, e.g. 1,2,4")
     ap.add_argument("--slo-per-token", type=float, default=0.3, help="seconds")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--result-dir", type=Path, default=Path("results/live-sweep"))
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of latency vs rate per policy")
+    add_engine_args(ap, exclude=("scheduling_policy",))  # given ones go to every server; --policies sets this one
     return ap
+
+
+def server_flags(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
+    """Every server's flags but its policy: those after `--`, then the engine flags given to this script."""
+    return [*passthrough, *engine_argv(engine_args_given(args))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}", file=sys.stderr)
         return 2
+    server_args = server_flags(args, server_args)
     args.result_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for policy in policies:

@@ -10,7 +10,7 @@ virtual clock, with costs from a job profile (engine/simulation.py).
     python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --multi-turn --num-prompts 200 --request-rate 0.4 \\
-        --enable-prefix-caching      # whole conversations, each turn over its history (issue 28)
+        --enable-prefix-caching      # whole conversations, each turn over its history
 
 The first runs at about FCFS's capacity on that profile (2.97 req/s), where the policies differ: seed 0 read a
 mean per-token latency of 0.060 s for skip-join MLFQ and 0.203 s with --scheduling-policy fcfs (P95 0.135 and
@@ -23,6 +23,12 @@ written on first use. Text datasets (sharegpt, alpaca) are counted with
 --tokenizer DIR, --gpt2-bpe DIR (OPT's own BPE), else the model directory's
 tokenizer (the line printed first says which). Profiles of the paper's A100
 setups are in profiles/sim/.
+
+The engine settings are the server's flags (engine/args.py), with the same
+defaults, but for the profile's say: dtype auto is float16, and the pipeline
+stages and host tier are the profile's unless --pipeline-parallel-size or
+--swap-space is given. Settings of the real model and its workers (device,
+tensor parallelism, CUDA graphs, ...) are taken and change nothing here.
 
 Every dataset goes through vLLM's length filter (prompt and output >= 4,
 prompt <= 1024, total <= 2048 tokens, within the model's context), the same
@@ -45,13 +51,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from engine.config import KV_POLICIES, EngineConfig  # noqa: E402
+from engine.args import add_engine_args, config_from_args, engine_args_given  # noqa: E402
 from fastserve.bench.tokens import choose_counter, mismatch_warning  # noqa: E402
 from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
 from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
-from scheduler.policy import MLFQ_LADDERS, PolicyName  # noqa: E402
 
-POLICIES = [p.value for p in PolicyName]
 TEXT_DATASETS = ("sharegpt", "alpaca")
 
 
@@ -68,25 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                     f"profiles/sim/ has {profiles}")
     ap.add_argument("--dataset-name", default="lengths", choices=sorted(DATASETS), help="default: %(default)s")
     ap.add_argument("--dataset-path", help="dataset file (not needed for synthetic)")
-    ap.add_argument("--tokenizer", help="text datasets: model dir whose tokenizer counts tokens (default: --model's)")
-    ap.add_argument("--gpt2-bpe", help="text datasets: dir with GPT-2 encoder.json + vocab.bpe to count tokens")
+    ap.add_argument("--gpt2-bpe", help="text datasets: dir with GPT-2 encoder.json + vocab.bpe to count tokens "
+                    "(if no --tokenizer)")
     ap.add_argument("--num-prompts", type=int, default=1000, help="default: %(default)s")
     ap.add_argument("--random-input-len", type=int, default=128, help="synthetic: prompt tokens (default: 128)")
     ap.add_argument("--random-output-len", type=int, default=128, help="synthetic: output tokens (default: 128)")
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="synthetic: uniform within +-this fraction")
     ap.add_argument("--request-rate", type=float, default=None, help="Poisson rate (default: trace times / all at 0)")
     ap.add_argument("--burstiness", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scheduling-policy", default="skip-join-mlfq", choices=POLICIES,
-                    help="default: %(default)s (srpt: the oracle that knows output lengths)")
-    ap.add_argument("--kv-policy", default="proactive", choices=KV_POLICIES, help="default: %(default)s")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig().max_num_batched_tokens,
-                    help="most tokens in one iteration (default: with chunked prefill, the budget the profile "
-                         "picks; without, 8192)")
-    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                    default=EngineConfig().enable_prefix_caching,
-                    help="reuse the KV of cached prompt prefixes (default: %(default)s)")
     ap.add_argument("--multi-turn", action=argparse.BooleanOptionalAction, default=False,
                     help="sharegpt: replay whole conversations (--num-prompts of them, --request-rate conversations/s)"
                          ", each turn sent with the history after the previous answer plus a think time")
@@ -98,40 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "--request-rate when given (as the load generator's --conversation-trace)")
     ap.add_argument("--trace-speedup", type=float, default=1.0,
                     help="multi-turn with --conversation-trace and no --request-rate: divide its times by this")
-    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                    default=False,
-                    help="split prompts that do not fit the rest of an iteration's budget (default: off, as the "
-                         "live engine on the CPU; the live default on CUDA is on)")
-    ap.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                    help="with chunked prefill, at most this many of one prompt's tokens in an iteration (default 0: "
-                         "only the budget bounds a chunk)")
-    none_or_float = lambda v: None if v.lower() == "none" else float(v)  # noqa: E731
-    d = EngineConfig()  # the server's defaults
-    ap.add_argument("--starvation-threshold", type=none_or_float, default=d.starvation_threshold,
-                    help="alpha: seconds of waiting before a job is promoted to Q1 (the paper's rule, 0.3); "
-                         "default: %(default)s")
-    ap.add_argument("--starvation-age", type=none_or_float, default=d.starvation_age,
-                    help="a job older than this x the mean time in the system runs to completion; default: %(default)s")
-    ap.add_argument("--mlfq-ladder", default=d.mlfq_ladder, choices=MLFQ_LADDERS,
-                    help="MLFQ quanta cover a job's whole service, or only the longest prefill (the paper); "
-                         "default: %(default)s")
-    ap.add_argument("--adapt-to-alike-lengths", action=argparse.BooleanOptionalAction, default=d.adapt_to_alike_lengths,
-                    help="skip-join, opt-in: no demotion and started jobs first once the lengths served are alike; "
-                         "default: %(default)s")
-    ap.add_argument("--kv-overcommit", type=none_or_float, default=d.kv_overcommit,
-                    help="overload admission: started jobs' KV may total this many device caches; 'none' = no limit "
-                         "(the paper); default: %(default)s")
-    ap.add_argument("--starvation-factor", type=none_or_float, default=d.starvation_factor,
-                    help="with alpha: a waiting job is promoted after max(alpha, this x the recent wait to a first "
-                         "run); 'none' = alpha (the paper); default: %(default)s")
-    ap.add_argument("--num-device-blocks", type=int, default=None, help="override the profile's capacity")
-    ap.add_argument("--pipeline-parallel-size", type=int, default=None,
-                    help="pipeline stages (default: the profile's key; each stage takes the profiled time)")
     ap.add_argument("--max-in-flight", type=int, default=None,
                     help="batches in the pipeline at once (default: one per stage; 1 = no pipelining)")
-    ap.add_argument("--num-host-blocks", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    ap.add_argument("--num-device-blocks", dest="num_gpu_blocks_override", type=int, default=argparse.SUPPRESS,
+                    help="the same as --num-gpu-blocks-override")
+    ap.add_argument("--num-host-blocks", dest="num_host_blocks_override", type=int, default=argparse.SUPPRESS,
+                    help="the same as --num-host-blocks-override")
     ap.add_argument("--json", type=Path, help="write the summary here")
+    add_engine_args(ap, exclude=("model", "profile"))  # the server's flags; --model and --profile are the above
     return ap
 
 
@@ -224,20 +191,25 @@ def run_multi_turn(args: argparse.Namespace, model: Path, count) -> dict:
 
 
 def make_engine(args: argparse.Namespace, model: Path):
+    """The simulated engine of the engine flags: dtype auto is float16 (the profiled GPUs'); the pipeline stages and
+    the host tier are the profile's unless --pipeline-parallel-size or --swap-space is given."""
+    import dataclasses
+
     from engine.simulation import simulated_engine
 
-    return simulated_engine(model, args.profile, num_device_blocks=args.num_device_blocks,
-                            num_host_blocks=args.num_host_blocks, scheduling_policy=args.scheduling_policy,
-                            kv_policy=args.kv_policy, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            enable_chunked_prefill=args.enable_chunked_prefill,
-                            long_prefill_token_threshold=args.long_prefill_token_threshold,
-                            enable_prefix_caching=args.enable_prefix_caching,
-                            starvation_threshold=args.starvation_threshold, kv_overcommit=args.kv_overcommit,
-                            starvation_factor=args.starvation_factor, starvation_age=args.starvation_age,
-                            mlfq_ladder=args.mlfq_ladder, adapt_to_alike_lengths=args.adapt_to_alike_lengths,
-                            pipeline_parallel_size=args.pipeline_parallel_size, max_in_flight=args.max_in_flight,
-                            **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+    cfg = config_from_args(args, model=str(model))  # every flag checked here, before the simulation starts
+    given = engine_args_given(args)
+    settings = dataclasses.asdict(cfg)
+    for name in ("model", "profile", "dtype", "block_size", "num_gpu_blocks_override", "num_host_blocks_override",
+                 "pipeline_parallel_size", "swap_space"):
+        del settings[name]
+    if "swap_space" in given:
+        settings["swap_space"] = cfg.swap_space
+    return simulated_engine(model, cfg.profile, dtype="float16" if cfg.dtype == "auto" else cfg.dtype,
+                            block_size=cfg.block_size, num_device_blocks=cfg.num_gpu_blocks_override,
+                            num_host_blocks=cfg.num_host_blocks_override,
+                            pipeline_parallel_size=given.get("pipeline_parallel_size"),
+                            max_in_flight=args.max_in_flight, **settings)
 
 
 def main(argv: list[str] | None = None) -> int:
