@@ -289,7 +289,7 @@ async def _read_json(request: web.Request) -> object:
         raise ApiError(400, "the body is not valid UTF-8 JSON", code="invalid_json") from None
     except RecursionError:  # nested far deeper than MAX_JSON_DEPTH: the parser ran out of stack
         raise _too_deep() from None
-    if _nesting_exceeds(body, MAX_JSON_DEPTH):
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _nesting_exceeds(body, MAX_JSON_DEPTH):
         raise _too_deep()
     return body
 
