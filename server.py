@@ -12,9 +12,11 @@ need no API key.
 (`kv_free_blocks`, `kv_total_blocks`, `kv_host_free_blocks`, `kv_host_total_blocks`).
 
 Errors are OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 no or
-wrong API key, 404 unknown model or route, 413 body over --max-request-bytes, 500 a failure inside
-one request (others are unaffected), 503 queue full or shutting down (with Retry-After) or engine
-dead. Once a stream has started, an error is a `data: {"error": ...}` chunk, then `data: [DONE]`.
+wrong API key, 404 unknown model or route, 408 a body not all in within --request-body-timeout s (then
+the connection is closed), 413 body over --max-request-bytes, 500 a failure inside one request (others
+are unaffected), 503 queue full or shutting down (with Retry-After) or engine dead. A body's JSON may nest
+arrays and objects MAX_JSON_DEPTH (64) deep; deeper is a 400. Once a stream has started, an error is a
+`data: {"error": ...}` chunk, then `data: [DONE]`.
 When the engine dies (a worker process died, the engine loop failed) the requests in flight get that error,
 the workers are stopped, and the process exits with status 1 within a few seconds, so that its supervisor
 restarts it (vLLM's behaviour; deploy/ has a systemd unit and a Dockerfile).
@@ -81,6 +83,12 @@ class ServerConfig:
     stream_write_timeout: float = 30.0
     chat_template: str = DEFAULT_CHAT_TEMPLATE  # Jinja source
     disconnect_poll_s: float = 0.1
+    request_body_timeout: float = 60.0  # seconds from a request's headers to the end of its body
+
+
+# Deepest nesting of arrays and objects in a request body (.NET System.Text.Json's default): no real request
+# comes near it, and nothing deeper reaches code that recurses.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(eq=False)
@@ -110,10 +118,12 @@ REQUEST_ID = web.RequestKey("request_id", str)
 
 
 class ApiError(Exception):
+    """An error answer; `close`: the connection is closed once it is sent."""
+
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after: int | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None, close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
+        self.status, self.body, self.close = status, error_body(message, type_, param, code), close
         self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
 
     def response(self) -> web.Response:
@@ -141,7 +151,14 @@ async def _errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        if not e.close:
+            return e.response()
+        resp = e.response()
+        resp.force_close()  # "Connection: close"
+        await resp.prepare(request)
+        await resp.write_eof()
+        request.protocol.force_close()  # now: not after aiohttp has read (lingered on) the rest of the body
+        return resp
     except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
         if e.status == 413:
             return _too_large(request).response()
@@ -250,15 +267,45 @@ async def _read_json(request: web.Request) -> object:
     if request.content_type != "application/json":
         raise ApiError(400, f"Content-Type must be application/json, got {request.content_type or 'none'}",
                        code="invalid_content_type")
+    timeout = request.app[CONFIG].request_body_timeout
     try:
-        return json.loads(await request.read())
+        async with asyncio.timeout(timeout):
+            data = await request.read()
     except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
         raise _too_large(request) from None
+    except TimeoutError:
+        request.app[STATE].metrics.body_timeouts.inc()
+        log.info("request %s: the body did not arrive within %g s; closing the connection", request[REQUEST_ID],
+                 timeout)
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s of the request's headers "
+                       "(--request-body-timeout)", code="request_timeout", close=True) from None
+    try:
+        body = json.loads(data)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
                        code="invalid_json") from None
     except UnicodeDecodeError:
         raise ApiError(400, "the body is not valid UTF-8 JSON", code="invalid_json") from None
+    except RecursionError:  # nested far deeper than MAX_JSON_DEPTH: the parser ran out of stack
+        raise _too_deep() from None
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the body's JSON nests arrays and objects more than {MAX_JSON_DEPTH} levels deep",
+                    code="json_too_deep")
+
+
+def _nesting_exceeds(value: object, limit: int) -> bool:
+    """Whether `value` nests lists and dicts more than `limit` deep (`[]` is 1 deep); iterative, level by level."""
+    level = [value] if isinstance(value, (list, dict)) else []
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (list, dict))]
+        if not level:
+            return False
+    return True
 
 
 async def _generate(request: web.Request, parse, prefix: str) -> web.StreamResponse:
@@ -454,6 +501,9 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
          default=srv.max_request_bytes)
     flag("--stream-write-timeout", "seconds a stream waits on a client that stops reading before "
          "aborting it", type=float, default=srv.stream_write_timeout)
+    flag("--request-body-timeout", "seconds a request body may take to arrive in all, from the end of its "
+         "headers (a total, not nginx's gap between two reads, which a client sending a byte a second never "
+         "reaches); later: 408 and the connection is closed", type=float, default=srv.request_body_timeout)
     flag("--log-level", "log level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -468,6 +518,8 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.stream_write_timeout <= 0:
         raise ValueError("--max-request-bytes must be >= 1, --shutdown-timeout >= 0, --stream-write-timeout > 0")
+    if not 0 < args.request_body_timeout < float("inf"):
+        raise ValueError(f"--request-body-timeout must be a number of seconds > 0, got {args.request_body_timeout}")
     template = DEFAULT_CHAT_TEMPLATE
     if args.chat_template:
         try:
@@ -481,7 +533,8 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                          "a server cannot run it")
     return (config_from_args(args),
             ServerConfig(tuple(args.served_model_name or [args.model or "tiny-opt"]), args.api_key or None,
-                         origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template))
+                         origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template,
+                         request_body_timeout=args.request_body_timeout))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -28,6 +28,9 @@ series carries vLLM's `model_name` label.
     vllm:request_success_total{finished_reason}            every finished request, labelled by its
                                                            first sequence's reason: stop, length,
                                                            abort or error
+  counted by the server:
+    fastserve:request_body_timeouts_total                  requests whose body did not arrive within
+                                                           --request-body-timeout (answered 408)
 """
 
 from __future__ import annotations
@@ -204,6 +207,8 @@ class ServerMetrics:
             metric.labels(model_name)  # every series exists (at zero) from the first scrape
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
+        self.body_timeouts = counter("fastserve:request_body_timeouts", "Requests whose body did not arrive "
+                                     "within --request-body-timeout (answered 408).").labels(model_name)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished request (an AsyncEngine finish listener)."""

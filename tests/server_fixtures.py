@@ -7,7 +7,10 @@ that share a server leave it idle; `wait_idle` checks that, through /health's KV
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import select
 import socket
 import sys
 import time
@@ -152,3 +155,64 @@ async def open_raw(port: int, path: str, body: dict, rcvbuf: int | None = None):
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     await writer.drain()
     return reader, writer
+
+
+CLOSERS = {"[": "]", '{"k": ': "}"}  # how an array or an object opens, and how it closes
+
+
+def nested_json(depth: int, opener: str = "[") -> str:
+    """`depth` arrays (or objects) one inside the other, around a 0: '[[[0]]]', '{"k": {"k": 0}}'."""
+    return opener * depth + "0" + CLOSERS[opener] * depth
+
+
+def chat_nesting(depth: int, opener: str = "[") -> str:
+    """A valid chat request (2 tokens) whose JSON nests `depth` >= 2 levels, most of them in chat_template_kwargs,
+    which the template ignores."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "chat_template_kwargs": {"x": "@"}}
+    return json.dumps(body).replace('"@"', nested_json(depth - 2, opener))
+
+
+def post_paced(port: int, path: str, body: bytes, pieces: int, gap: float,
+               timeout: float = 30.0) -> tuple[int, http.client.HTTPResponse, bytes, float, bool]:
+    """POST `body` on a new connection, its Content-Length declared, in `pieces` equal parts with `gap` s
+    between two (sending for `timeout` s at most), reading the answer as soon as there is one (what is left of
+    the body is then not sent).
+    (status, response, response body, seconds from the end of the headers to the answer read, whether the
+    server then closed the connection: looked for only when the answer says "Connection: close")."""
+    size = max(1, -(-len(body) // max(pieces, 1)))
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        start = time.monotonic()
+        for i in range(0, len(body), size):
+            if i and select.select([sock], [], [], gap)[0] or time.monotonic() - start > timeout:
+                break  # answered before the whole body was sent; or never: then reading the answer times out
+            try:
+                sock.sendall(body[i:i + size])
+            except (BrokenPipeError, ConnectionResetError):  # closed on us: its answer is waiting
+                break
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        data = resp.read()
+        elapsed = time.monotonic() - start
+        closed = False
+        if resp.will_close:
+            sock.settimeout(2.0)
+            try:
+                closed = sock.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+            except TimeoutError:
+                pass
+        return resp.status, resp, data, elapsed, closed
+
+
+def open_sockets(pid: int) -> int:
+    """How many sockets process `pid` holds open (Linux /proc): its listener, its connections, its own pipes."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return n

@@ -2,7 +2,9 @@
 headers, any method, on a real server process. The server never answers 5xx, never hangs (each request has
 a deadline), and is healthy and idle afterwards, with every KV block free. Two servers: an open one, and one
 with --api-key and CORS (the auth and CORS middlewares on the path). A short --max-model-len keeps any body
-that happens to be valid quick to serve."""
+that happens to be valid quick to serve. Then nesting depth and the rate a body arrives at, drawn together:
+each body gets exactly the answer its depth, size and pace call for (200, a 400 past 64 levels, 413, or a 408
+once --request-body-timeout has passed)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,21 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.server_fixtures import API_KEY, QUICK_ARGS, get_json, shared_server, wait_idle
+from tests.server_fixtures import (
+    API_KEY,
+    CLOSERS,
+    QUICK_ARGS,
+    chat_nesting,
+    get_json,
+    nested_json,
+    post_paced,
+    shared_server,
+    wait_idle,
+)
 
-FUZZ_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "64", "--max-model-len", "64", "--max-request-bytes", "16384")
+MAX_BYTES, BODY_TIMEOUT_S = 16384, 1.0
+FUZZ_ARGS = (*QUICK_ARGS, "--num-gpu-blocks-override", "64", "--max-model-len", "64", "--max-request-bytes",
+             str(MAX_BYTES), "--request-body-timeout", str(BODY_TIMEOUT_S))
 LOCKED_ARGS = (*FUZZ_ARGS, "--api-key", API_KEY, "--allowed-origins", "http://allowed.example")
 DEADLINE_S = 30.0  # no single request may take longer (any valid one here needs well under a second)
 
@@ -43,8 +57,10 @@ near_valid = st.fixed_dictionaries(
         "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]),
                                                     "content": st.text(max_size=20) | json_values}), max_size=3),
         "max_tokens": st.integers(-2, 100), "n": st.integers(-1, 40), "stream": st.booleans()})
+depths = st.integers(0, 80) | st.integers(0, 3000)  # around the limit of 64 levels, and past the parser's own
+nestings = st.builds(nested_json, depths, st.sampled_from(list(CLOSERS)))
 bodies = (json_values.map(lambda v: json.dumps(v).encode()) | near_valid.map(lambda v: json.dumps(v).encode())
-          | st.binary(max_size=200) | st.just(b""))
+          | nestings.map(str.encode) | st.binary(max_size=200) | st.just(b""))
 
 header_names = st.from_regex(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,24}", fullmatch=True).filter(
     lambda h: h.lower() not in FRAMING)
@@ -112,3 +128,28 @@ def test_expect_header_gets_417_json_or_continues(request, tiny_model_dir, path)
     body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
     status, data = send(srv.port, "POST", path, body, {"Expect": "100-continue", "Content-Type": "application/json"})
     assert status == {"/v1/completions": 200, "/no/such/route": 404}.get(path, 405), data
+
+
+def test_nesting_depth_and_byte_rate(request, tiny_model_dir):
+    srv = shared_server(request, tiny_model_dir, FUZZ_ARGS)
+
+    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(depth=depths.map(lambda d: d + 2), opener=st.sampled_from(list(CLOSERS)), pieces=st.integers(1, 8),
+           gap=st.floats(0, 0.5))
+    def one(depth, opener, pieces, gap):
+        body = chat_nesting(depth, opener).encode()
+        sending = (pieces - 1) * gap  # seconds the whole body takes to send
+        status, _, data, elapsed, closed = post_paced(srv.port, "/v1/chat/completions", body, pieces, gap,
+                                                      timeout=DEADLINE_S)
+        served = 413 if len(body) > MAX_BYTES else 400 if depth > 64 else 200  # the answer to the whole body
+        if served == 413 or sending < BODY_TIMEOUT_S - 0.5:
+            assert status == served, (status, data[:300])
+        elif sending > BODY_TIMEOUT_S + 0.5:
+            assert status == 408 and closed and elapsed < BODY_TIMEOUT_S + 1, (status, elapsed, data[:300])
+        else:  # too near the timeout to say which comes first
+            assert status in (served, 408), (status, data[:300])
+        if status == 400:
+            assert json.loads(data)["error"]["code"] == "json_too_deep", data
+
+    one()
+    wait_idle(srv.url, timeout=30)

@@ -237,7 +237,8 @@ def test_server_is_healthy_and_all_blocks_free_after_bad_input(server):
     (["--scheduling-policy", "random"], ["--scheduling-policy", "fcfs"]),
     (["--model", "/nonexistent/model", "--port", "0"], ["/nonexistent/model"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "/nonexistent/template.jinja"]),
-], ids=["range", "type", "choice", "missing model", "missing template"])
+    (["--request-body-timeout", "0"], ["--request-body-timeout", "> 0"]),
+], ids=["range", "type", "choice", "missing model", "missing template", "body timeout"])
 def test_bad_flag_is_one_line_and_exit_code_2(args, words):
     r = subprocess.run([sys.executable, str(REPO / "server.py"), *args], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
@@ -268,6 +269,6 @@ def test_help_documents_every_flag():
              "max-num-batched-tokens max-model-len block-size gpu-memory-utilization num-gpu-blocks-override "
              "swap-space scheduling-policy seed api-key kv-policy starvation-threshold quantum-ratio "
              "reserved-blocks profile max-queued-requests shutdown-timeout max-request-bytes device "
-             "chat-template allowed-origins log-level").split()
+             "chat-template allowed-origins log-level request-body-timeout").split()
     for f in flags:
         assert f"--{f} " in out, f
