@@ -24,12 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from server_process import ServerProcess  # scripts/ is this script's folder
+from fastserve.bench.loadgen import build_parser as loadgen_parser
+from fastserve.server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from fastserve.bench.loadgen import build_parser as loadgen_parser  # noqa: E402
 
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 

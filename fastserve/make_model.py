@@ -1,9 +1,9 @@
-"""Write random-weight OPT checkpoints in Hugging Face layout.
+"""`fastserve make-model`: write random-weight OPT checkpoints in Hugging Face layout.
 
-    python scripts/make_tiny_model.py --out models/tiny-opt               # the built-in tiny model
-    python scripts/make_tiny_model.py --tokenizer word --out models/tiny-opt-word   # its word-level twin
-    python scripts/make_tiny_model.py --shape opt-125m --out models/opt-125m-random
-    python scripts/make_tiny_model.py --shape opt-66b --out models/opt-66b-config   # config only
+    fastserve make-model --out models/tiny-opt               # the built-in tiny model
+    fastserve make-model --tokenizer word --out models/tiny-opt-word   # its word-level twin
+    fastserve make-model --shape opt-125m --out models/opt-125m-random
+    fastserve make-model --shape opt-66b --out models/opt-66b-config   # config only
 
 Deterministic: the same bytes on every machine. opt-125m, opt-350m and
 opt-1.3b get weights (fp32 on disk unless --dtype); larger shapes get a
@@ -16,27 +16,25 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
-from modelmaker.tiny_model import MODEL_DIRS, build_tiny_model, ensure_tiny_model  # noqa: E402
+from engine.config import DEFAULT_MODEL_DIR
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
+from modelmaker.tiny_model import MODEL_DIRS, build_tiny_model, ensure_tiny_model
 
 WEIGHTS_BY_DEFAULT = {"opt-125m", "opt-350m", "opt-1.3b"}
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json")
-REPO = Path(__file__).resolve().parents[1]
+MODELS_DIR = DEFAULT_MODEL_DIR.parent  # where the built-in tiny model is: the checkout's models/ by default
 
 
 def config_only_model(shape: str) -> Path:
-    """models/<shape>-config (config.json + the tiny tokenizer, no weights): what the simulator and the
+    """MODELS_DIR/<shape>-config (config.json + the tiny tokenizer, no weights): what the simulator and the
     experiments need for a large OPT; written on first use."""
     if shape not in OPT_SHAPES:
         raise ValueError(f"unknown OPT shape {shape!r}; choose one of {', '.join(OPT_SHAPES)}")
-    out = REPO / "models" / f"{shape}-config"
+    out = MODELS_DIR / f"{shape}-config"
     if not (out / "config.json").is_file():
         write_checkpoint(shape, out, with_weights=False)
     return out
@@ -54,7 +52,7 @@ def write_checkpoint(shape: str, out: Path, with_weights: bool, weight_format: s
             shutil.copyfile(tiny / name, out / name)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", choices=["tiny", *OPT_SHAPES], help="model shape (default: tiny)")
     ap.add_argument("--out", type=Path, default=None, help="output directory (default: models/<shape>)")
@@ -67,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tiny model's tokenizer: byte-level BPE (the built-in model's) or word-level, whose "
                          "random outputs survive decode -> encode (for multi-turn prefix caching benchmarks)")
     ap.add_argument("--force", action="store_true", help="overwrite an existing directory")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
 
     if args.tokenizer != "bpe" and args.shape != "tiny":

@@ -1,10 +1,10 @@
-"""The job profiler (CLI): measure a model's iteration costs on this hardware
+"""`fastserve profile`, the job profiler: measure a model's iteration costs on this hardware
 and write them as a job profile, which the engine's scheduler uses for
 skip-join placement, quanta and ENST (FastServe section 4.1).
 
-    python scripts/profile_model.py                       # the built-in tiny model, full grid
-    python scripts/profile_model.py --model DIR --dtype float16 --device cuda
-    python scripts/profile_model.py --quick --out /tmp/p.json
+    fastserve profile                       # the built-in tiny model, full grid
+    fastserve profile --model DIR --dtype float16 --device cuda
+    fastserve profile --quick --out /tmp/p.json
 
 It loads the model into a LocalExecutor and times real ModelBatches
 (engine/job_profiler.py): t_init(s), the first iteration of one prompt of s
@@ -40,14 +40,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from engine.executor.local import LocalExecutor  # noqa: E402
-from engine.job_profiler import FULL_GRID, QUICK_GRID, profile_executor, profile_key  # noqa: E402
-from engine.model.config import OPTConfig  # noqa: E402
-from engine.profiles import profile_dir, profile_filename  # noqa: E402
-from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
+from engine.executor.local import LocalExecutor
+from engine.job_profiler import FULL_GRID, QUICK_GRID, profile_executor, profile_key
+from engine.model.config import OPTConfig
+from engine.profiles import profile_dir, profile_filename
+from modelmaker.tiny_model import ensure_tiny_model
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -78,14 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     grid = QUICK_GRID if args.quick else FULL_GRID
     overrides = {"prompt_lens": args.prompt_lens, "batch_sizes": args.batch_sizes,
                  "context_lens": args.context_lens, "forward_tokens": args.forward_tokens, "repeats": args.repeats,
                  "warmup": args.warmup}
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if grid.repeats < 1 or grid.warmup < 0:
-        print("profile_model.py: error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
+        print(f"{parser.prog}: error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
 
     model_dir = Path(args.model) if args.model else ensure_tiny_model()

@@ -1,9 +1,9 @@
-"""Replay a load generator run in the simulator: the same requests (arrival times, prompt and output lengths,
-read from a `fastserve bench serve --save-result` JSON) under each scheduling policy, the oracle SRPT included, on a
-virtual clock with a job profile's costs. It answers "how much could any scheduler have gained on that trace"
-and "how close is the live run to the profile".
+"""`fastserve replay`: a load generator run replayed in the simulator: the same requests (arrival times, prompt
+and output lengths, read from a `fastserve bench serve --save-result` JSON) under each scheduling policy, the
+oracle SRPT included, on a virtual clock with a job profile's costs. It answers "how much could any scheduler
+have gained on that trace" and "how close is the live run to the profile".
 
-    python scripts/replay_in_sim.py --result results/live/fcfs.json --profile PROFILE.json \\
+    fastserve replay --result results/live/fcfs.json --profile PROFILE.json \\
         --max-num-seqs 8 --num-device-blocks 987 --cost-scale 1,1.3
 
 --cost-scale multiplies every profiled cost (prefill and decode), once per value: the live engine's
@@ -23,10 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from engine.simulation import p95, run_trace, simulated_engine  # noqa: E402
+from engine.config import DEFAULT_MODEL_DIR
+from engine.simulation import p95, run_trace, simulated_engine
 
 POLICIES = ("fcfs", "skip-join-mlfq", "srpt")
 
@@ -65,17 +63,23 @@ def replay(model: Path, profile: dict, trace, policy: str, max_num_seqs: int, de
         return run_trace(engine, trace).summary()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--result", type=Path, required=True, help="a `fastserve bench serve --save-result` JSON")
-    ap.add_argument("--profile", type=Path, required=True, help="job profile JSON (scripts/profile_model.py)")
-    ap.add_argument("--model", type=Path, default=REPO / "models" / "tiny-opt", help="the served model's directory")
+    ap.add_argument("--profile", type=Path, required=True, help="job profile JSON (fastserve profile)")
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                    help="the served model's directory (default: the built-in tiny model's)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--num-device-blocks", type=int, default=None)
     ap.add_argument("--num-host-blocks", type=int, default=None)
     ap.add_argument("--cost-scale", default="1", help="comma-separated multipliers of the profile's costs")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     try:
         result = json.loads(args.result.read_text())
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = json.loads(args.profile.read_text())
         scales = [float(s) for s in args.cost_scale.split(",")]
     except (OSError, ValueError, KeyError) as e:
-        print(f"replay_in_sim.py: {e}", file=sys.stderr)
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
         return 2
     mean, tail = live_latencies(result)
     print(f"{args.result}: {len(trace)} requests arriving over {max(t[0] for t in trace):.1f} s, live "

@@ -1,8 +1,8 @@
 """server.py as a subprocess on a free loopback port, its output in a log file: started, polled until /health
 answers, stopped with SIGTERM (graceful shutdown) and SIGKILL if that takes too long.
 
-Used by scripts/live_sweep.py and by the tests that need a real server (tests/server_fixtures.py,
-tests/test_loadgen.py), so that there is one way to run one.
+Used by `fastserve compare` (fastserve/compare.py), the live benchmarks and the tests that need a real server
+(tests/server_fixtures.py, tests/test_loadgen.py), so that there is one way to run one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# server.py: beside the packages in a checkout, and in site-packages beside them when installed from the wheel
+SERVER = Path(__file__).resolve().parents[1] / "server.py"
 
 
 def free_port() -> int:
@@ -35,10 +36,10 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"server-{name or self.port}.log"
-        command = [sys.executable, str(REPO / "server.py")] if command is None else list(command)
+        command = [sys.executable, str(SERVER)] if command is None else list(command)
         cmd = [*command, "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=None if env is None else dict(env), start_new_session=session)
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:

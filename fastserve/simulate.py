@@ -41,15 +41,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from engine.config import KV_POLICIES, EngineConfig
+from fastserve.bench.tokens import choose_counter, mismatch_warning
+from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload
+from modelmaker.opt_checkpoint import OPT_SHAPES
+from scheduler.policy import MLFQ_LADDERS, PolicyName
 
-from engine.config import KV_POLICIES, EngineConfig  # noqa: E402
-from fastserve.bench.tokens import choose_counter, mismatch_warning  # noqa: E402
-from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload  # noqa: E402
-from modelmaker.opt_checkpoint import OPT_SHAPES  # noqa: E402
-from scheduler.policy import MLFQ_LADDERS, PolicyName  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # the checkout (profiles/sim/); site-packages when installed
 
 POLICIES = [p.value for p in PolicyName]
 TEXT_DATASETS = ("sharegpt", "alpaca")
@@ -138,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_dir(name: str) -> Path:
     """A directory as given, or models/<shape>-config for a shape name (written on first use)."""
     if name in OPT_SHAPES:
-        from make_tiny_model import config_only_model
+        from fastserve.make_model import config_only_model
 
         return config_only_model(name)
     path = Path(name)

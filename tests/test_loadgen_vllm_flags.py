@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from fastserve.bench import loadgen
+from fastserve.bench import plot as loadgen_plot
+from fastserve.bench import tokens as loadgen_tokenizer
+from fastserve.server_process import ServerProcess
 from tests.test_loadgen import REPO, FakeServer
-
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
-
-from server_process import ServerProcess  # noqa: E402
-
-from fastserve.bench import loadgen  # noqa: E402
-from fastserve.bench import plot as loadgen_plot  # noqa: E402
-from fastserve.bench import tokens as loadgen_tokenizer  # noqa: E402
 
 CONVERSATIONS = [("Tell me about the sea and the sky today", "The sea is blue and the sky is wide open"),
                  ("What is a good name for a small red cat", "A good name is Pepper or maybe Ginger"),

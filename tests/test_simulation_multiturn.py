@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -165,11 +164,9 @@ def chats(tmp_path) -> Path:
 
 
 def test_simulate_cli_multi_turn_with_and_without_caching(chats, tmp_path, monkeypatch, capsys):
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_tiny_model
-    import simulate
+    from fastserve import make_model, simulate
 
-    monkeypatch.setattr(make_tiny_model, "REPO", tmp_path)  # the shape's config-only directory goes under tmp_path
+    monkeypatch.setattr(make_model, "MODELS_DIR", tmp_path)  # the shape's config-only directory goes under tmp_path
     runs = {}
     for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         out = tmp_path / f"{flag}.json"

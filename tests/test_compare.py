@@ -1,5 +1,6 @@
-"""scripts/live_sweep.py end to end (a real server.py per policy, the real load generator over loopback) and
-scripts/make_sim_profiles.py (the committed simulator profiles are what the script writes)."""
+"""fastserve/compare.py (`fastserve compare`'s policies swept live) end to end (a real server.py per policy, the real
+load generator over loopback) and scripts/tools/make_sim_profiles.py (the committed simulator profiles are what it
+writes)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package
+from fastserve import compare as live_sweep
 
-import live_sweep  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ALPACA = REPO / "tests" / "data" / "alpaca_lengths_head20.csv"  # the first 20 rows of ../shared's
 
@@ -20,7 +20,7 @@ def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model
     out, plot = tmp_path / "results", tmp_path / "fig11.png"
     rc = live_sweep.main(["--policies", "fcfs,skip-join-mlfq", "--dataset-path", str(ALPACA), "--num-prompts", "5",
                           "--sweep", "4,8", "--slo-per-token", "10", "--result-dir", str(out), "--plot", str(plot),
-                          "--max-concurrency", "3",  # not live_sweep's: passed on to loadgen.py
+                          "--max-concurrency", "3",  # not compare's: passed on to loadgen.py
                           "--", "--model", str(tiny_model_dir), "--profile", "analytic",
                           "--num-gpu-blocks-override", "256", "--num-host-blocks-override", "256"])
     assert rc == 0
@@ -53,18 +53,18 @@ def test_side_by_side_table_by_hand():
 
 
 def test_bad_policy_and_unreachable_model_are_one_line_errors(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "live_sweep.py"), "--policies", "lifo",
-                           "--sweep", "1", "--result-dir", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "fastserve.compare", "--policies", "lifo",
+                           "--sweep", "1", "--result-dir", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: unknown policies ['lifo']")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "live_sweep.py"), "--policies", "fcfs",
+    proc = subprocess.run([sys.executable, "-m", "fastserve.compare", "--policies", "fcfs",
                            "--sweep", "1", "--result-dir", str(tmp_path), "--", "--model", str(tmp_path / "none")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 1 and "server exited" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_committed_simulator_profiles_are_what_the_script_writes(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_sim_profiles.py"), "--out", str(tmp_path)],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "scripts.tools.make_sim_profiles", "--out", str(tmp_path)],
+                   check=True, capture_output=True, cwd=REPO)
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == sorted(p.name for p in (REPO / "profiles" / "sim").glob("*.json"))
     for name in written:

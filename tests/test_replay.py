@@ -1,14 +1,12 @@
-"""scripts/replay_in_sim.py: a load generator result replayed in the simulator, on a real result file."""
+"""`fastserve replay` (fastserve/replay.py): a load generator result replayed in the simulator, on a real result
+file."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import replay_in_sim  # noqa: E402
+from fastserve import replay as replay_in_sim
 
 PROFILE = Path(__file__).parent / "data" / "tiny_profile.json"
 
