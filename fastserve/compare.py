@@ -27,8 +27,6 @@ from pathlib import Path
 from fastserve.bench.loadgen import build_parser as loadgen_parser
 from fastserve.server_process import ServerProcess
 
-REPO = Path(__file__).resolve().parents[1]
-
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 
 
@@ -48,7 +46,7 @@ def run_policy(policy: str, args: argparse.Namespace, server_args: list[str], lo
         if args.dataset_path:
             cmd += ["--dataset-path", str(args.dataset_path)]
         cmd += loadgen_args
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)  # here: --result-dir is relative to it
         (args.result_dir / f"loadgen-{policy}.log").write_text(proc.stdout + proc.stderr)
         if not out.exists():
             raise RuntimeError(f"loadgen failed for {policy} (rc {proc.returncode}): {proc.stderr.strip()[-500:]}")

@@ -149,7 +149,7 @@ def model_dir(name: str) -> Path:
 def run(args: argparse.Namespace) -> dict:
     if not Path(args.profile).is_file():
         raise ValueError(f"--profile {args.profile}: no such file; profiles/sim/ holds the paper's A100 setups, "
-                         "scripts/profile_model.py measures one")
+                         "`fastserve profile` measures one")
     model = model_dir(args.model)
     count = None
     if args.dataset_name in TEXT_DATASETS:
