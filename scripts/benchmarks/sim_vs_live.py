@@ -1,14 +1,14 @@
 """Simulator vs live engine: the same trace and policy on both, with the same measured profile.
 
-    python scripts/bench_sim_vs_live.py                 # random-weight OPT-125M, fcfs + skip-join-mlfq, ~2 min
-    python scripts/bench_sim_vs_live.py --model tiny --num-prompts 40 --rate 4 --output-lens 8,64
+    python -m scripts.benchmarks.sim_vs_live            # random-weight OPT-125M, fcfs + skip-join-mlfq, ~2 min
+    python -m scripts.benchmarks.sim_vs_live --model tiny --num-prompts 40 --rate 4 --output-lens 8,64
 
 The default model is OPT-125M with random weights (models/opt-125m-random, written by
-scripts/make_tiny_model.py --shape opt-125m if missing): on the 4-layer tiny model an iteration costs ~4 ms
+`fastserve make-model --shape opt-125m` if missing): on the 4-layer tiny model an iteration costs ~4 ms
 and the engine's own per-iteration work (scheduling, KV bookkeeping, asyncio), which no profile measures, is a
 large share of it, so the simulator reads ~25-30% low there; on OPT-125M the model dominates each iteration.
 
-1. Measures a job profile of the tiny model on this machine (scripts/profile_model.py --quick, with a grid
+1. Measures a job profile of the tiny model on this machine (`fastserve profile --quick`, with a grid
    that covers the trace's batch sizes and context lengths) into a temporary directory, unless --profile.
 2. Runs a seeded Poisson trace of synthetic lengths on the live engine (the engine's async API, no HTTP,
    wall clock, the real model on the CPU) with that profile.
@@ -37,13 +37,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from engine.simulation import p95
+from fastserve.bench.arrivals import poisson_arrivals
+from modelmaker.tiny_model import ensure_tiny_model
 
-from engine.simulation import p95  # noqa: E402
-from fastserve.bench.arrivals import poisson_arrivals  # noqa: E402
-from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_MODEL = Path("models/opt-125m-random")
 TARGET = 0.15  # |sim/live - 1| the simulator should stay within
@@ -55,8 +53,8 @@ def resolve_model(name: str) -> Path:
         return ensure_tiny_model()
     path = Path(name) if Path(name).is_absolute() else REPO / name
     if not (path / "config.json").is_file() and Path(name) == DEFAULT_MODEL:
-        subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--shape", "opt-125m",
-                        "--out", str(path)], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-m", "fastserve.make_model", "--shape", "opt-125m", "--out", str(path)],
+                       check=True, cwd=REPO)
     return path
 
 
@@ -73,11 +71,11 @@ def summarize(per_token: list[float]) -> dict:
 
 
 def measure_profile(model_dir: Path, out: Path, max_batch: int, max_context: int, threads: int = 1) -> Path:
-    """scripts/profile_model.py --quick over a grid covering batch sizes <= max_batch and contexts <= max_context."""
+    """`fastserve profile --quick` over a grid covering batch sizes <= max_batch and contexts <= max_context."""
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch})
     contexts = sorted({c for c in (16, 64, 128, 256, 512, 1024) if c < max_context} | {max_context})
     prompts = sorted({p for p in (1, 16, 32, 64, 128, 256, 512, 1024) if p < max_context} | {max_context})
-    cmd = [sys.executable, str(REPO / "scripts" / "profile_model.py"), "--model", str(model_dir), "--quick",
+    cmd = [sys.executable, "-m", "fastserve.profile", "--model", str(model_dir), "--quick",
            "--device", "cpu", "--quiet", "--out", str(out),
            "--prompt-lens", ",".join(map(str, prompts)), "--batch-sizes", ",".join(map(str, batches)),
            "--context-lens", ",".join(map(str, contexts))]
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as tmp:
         profile = args.profile
         if profile is None:
-            print("measuring the profile (scripts/profile_model.py --quick, single-threaded) ...", flush=True)
+            print("measuring the profile (fastserve profile --quick, single-threaded) ...", flush=True)
             profile = measure_profile(model_dir, Path(tmp) / "profile.json", args.max_num_seqs,
                                       prompt_range[1] + output_range[1])
         print(f"# {args.num_prompts} requests, Poisson {args.rate}/s, prompt {prompt_range}, output {output_range}, "

@@ -1,10 +1,14 @@
-"""The sections of docs/experiments.md (`make experiments`, scripts/experiments.py): one module per section
-or group of sections, each exposing `section_<name>(ctx: Ctx) -> str` (its markdown, from a "## " heading;
-figures go to ctx.figdir). What they share (scales, Ctx, the SLO table, plotting) is in common.py.
+"""The experiments: what regenerates docs/experiments.md and docs/figures/ (`make experiments`, which runs
+`python -m scripts.experiments`; the runner is __main__.py).
+
+The sections of the document: one module per section or group of sections, each exposing
+`section_<name>(ctx: Ctx) -> str` (its markdown, from a "## " heading; figures go to ctx.figdir). What they share
+(scales, Ctx, the SLO table, plotting) is in common.py; how a comparison is measured (steady state, loads in
+units of FCFS's capacity, seeds, the oracle, the cache of runs) is steady_state.py.
 
 Adding a section: write `section_<name>` in a new module here (or in the module of its group), then add one
 line to SECTIONS below, at the place the section goes in the document; its flags, if any, go in
-scripts/experiments.py's parser (read back as ctx.args.<flag>). Modules are imported only when their section runs.
+__main__.py's parser (read back as ctx.args.<flag>). Modules are imported only when their section runs.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-# section name -> the module under experiment_sections/ that defines section_<name>; in the document's order.
+# section name -> the module of this package that defines section_<name>; in the document's order.
 SECTIONS: dict[str, str] = {
     "capacity": "steady",
     "fig1": "fig1",
@@ -50,5 +54,5 @@ def run_order(names: list[str] | tuple[str, ...]) -> list[str]:
 
 def section(name: str) -> Callable:
     """The function that writes section `name` (its module is imported now)."""
-    module = importlib.import_module(f"experiment_sections.{SECTIONS[name]}")
+    module = importlib.import_module(f"{__name__}.{SECTIONS[name]}")
     return getattr(module, f"section_{name}")

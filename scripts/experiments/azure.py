@@ -1,16 +1,25 @@
 """Section of `make experiments` on real arrivals: the Azure LLM inference trace 2023 (conversation service)
 against Poisson at the same mean rate, FCFS and skip-join MLFQ, ShareGPT lengths in both (so only the arrival
-process differs), measured the steady-state way (scripts/steady_state.py, Setup.arrivals).
+process differs), measured the steady-state way (steady_state.py, Setup.arrivals).
 """
 
 from __future__ import annotations
 
 import time
 
-from steady_state import ARRIVAL_TRACES, Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for
-
-from experiment_sections.common import MAIN, Ctx
 from fastserve.bench.arrivals import interarrival_cv
+from scripts.experiments.common import MAIN, Ctx
+from scripts.experiments.steady_state import (
+    ARRIVAL_TRACES,
+    Runner,
+    Setup,
+    capacity,
+    fmt,
+    ratio_stat,
+    stat,
+    table,
+    trace_for,
+)
 
 AZURE = "azure-conv"
 AZURE_LOADS = (0.8, 1.0, 1.5)  # x C (FCFS's capacity under Poisson arrivals)
@@ -55,7 +64,7 @@ def section_azure(ctx: Ctx) -> str:
     lines += ["", "Azure / Poisson, mean per-token latency (paired per seed): "
               + "; ".join(f"{load:g}C fcfs {fmt(_over(data, load, 'fcfs'))}, skip-join "
                           f"{fmt(_over(data, load, 'skip-join-mlfq'))}" for load in AZURE_LOADS) + ".", "",
-              "What changed since this section's previous version (session 10 and before): it ran the first 1,500 "
+              "What changed since this section's previous version: it ran the first 1,500 "
               "requests of the trace, every one counted, one seed, at 0.75x and 1.0x of 2.8 req/s, with ShareGPT "
               "read without vLLM's length filter (prompts clipped to 2,048 tokens), the old cost model and the "
               "defaults of its day; it read FCFS / skip-join 1.99x at 0.75x and 1.58x at 1.0x under the Azure "

@@ -1,11 +1,11 @@
-"""Chunked prefill (issue 25), measured the way every comparison is (scripts/steady_state.py): OPT-13B on the A100
+"""Chunked prefill, measured the way every comparison is (steady_state.py): OPT-13B on the A100
 40GB profile, ShareGPT lengths with 10% of the requests given a prompt of 1,500-2,000 tokens instead, at 0.8x of
 FCFS's sustained capacity on that mix (FCFS unchunked), steady state, 3,000 requests a point, 5 seeds with 95%
 intervals. Two tables: the token budget (--max-num-batched-tokens) against P99 / median ITL, the short requests'
-latency and the served rate at 0.8C, skip-join MLFQ; and the issue's goals at --chunked-budget: skip-join chunked
+latency and the served rate at 0.8C, skip-join MLFQ; and its goals at --chunked-budget: skip-join chunked
 against skip-join unchunked and FCFS chunked (P99 / median ITL, the short requests' mean per-token latency and P99
 TTFT). (Throughput at saturation is not in it: a run offered 1.5C crashed before memory/kv_manager.py's fix of
-3548f13 and was not rerun; scripts/bench_chunked_live.py measures it live.)
+3548f13 and was not rerun; docs/benchmarks.md has live measurements of it.)
 
 Every point names enable_chunked_prefill (and the budget) explicitly, so the section measures the same thing
 whatever the engine's defaults are.
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import time
 
-from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
-from experiment_sections.common import Ctx
+from scripts.experiments.common import Ctx
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 LONG_SHARE = 0.1
 LOAD = 0.8
@@ -32,7 +31,7 @@ FIRST_NOTE = ("These runs (simulation code version 8d49217d27cf961b, 2026-12-03)
 
 
 def mix_setup(prompts: int, budget: int | None) -> Setup:
-    """The issue's mix; budget None: chunked prefill off."""
+    """The section's mix; budget None: chunked prefill off."""
     engine = (("enable_chunked_prefill", False),) if budget is None else (
         ("enable_chunked_prefill", True), ("max_num_batched_tokens", budget))
     return Setup("opt-13b", "sharegpt", prompts, engine, long_share=LONG_SHARE)
@@ -54,11 +53,11 @@ def section_chunked(ctx: Ctx) -> str:
     at_load = {b: table(runner, mix_setup(n, b), (LOAD,), ("skip-join-mlfq",), seeds, c)[(LOAD, "skip-join-mlfq")]
                for b in configs}
     fcfs = table(runner, mix_setup(n, chosen), (LOAD,), ("fcfs",), seeds, c)[(LOAD, "fcfs")]
-    lines = ["## Chunked prefill: long prompts among short ones (issue 25)", "",
-             f"`{ctx.cmd('chunked')}` (scripts/steady_state.py's method; {n} requests a point, the middle 80% of "
-             f"arrivals counted, mean ± 95% interval over seeds). OPT-13B, A100 40GB roofline profile, ShareGPT "
-             f"lengths through vLLM's length filter, then each request with probability {LONG_SHARE:g} (its own "
-             "seeded draw) given a prompt of 1,500-2,000 tokens (uniform), its output cut to fit 2,048 tokens. "
+    lines = ["## Chunked prefill: long prompts among short ones", "",
+             f"`{ctx.cmd('chunked')}` (scripts/experiments/steady_state.py's method; {n} requests a point, the "
+             f"middle 80% of arrivals counted, mean ± 95% interval over seeds). OPT-13B, A100 40GB roofline profile, "
+             f"ShareGPT lengths through vLLM's length filter, then each request with probability {LONG_SHARE:g} (its "
+             "own seeded draw) given a prompt of 1,500-2,000 tokens (uniform), its output cut to fit 2,048 tokens. "
              f"C = {c:.3f} req/s: FCFS unchunked's served rate on this mix (offered {cap['offered']:.2f} req/s; "
              f"seeds {', '.join(f'{x:.3f}' for x in cap['per_seed'])}). ITL: every gap between a counted "
              "request's successive tokens; the short requests are those whose prompt was not replaced.", "",

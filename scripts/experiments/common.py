@@ -147,7 +147,7 @@ class Ctx:
 
     def model(self, scale: str) -> tuple[Path, Path]:
         shape, profile = SCALES[scale]
-        from make_tiny_model import config_only_model  # torch: only when a simulation runs
+        from fastserve.make_model import config_only_model  # torch: only when a simulation runs
 
         return config_only_model(shape), REPO / profile
 
@@ -185,7 +185,7 @@ class Ctx:
         extra = "" if a.num_prompts == DEFAULTS["num_prompts"] else f" --num-prompts {a.num_prompts}"
         if a.num_prompts_alpaca != DEFAULTS["num_prompts_alpaca"]:
             extra += f" --num-prompts-alpaca {a.num_prompts_alpaca}"
-        return f"python scripts/experiments.py --only {only}{extra}"
+        return f"python -m scripts.experiments --only {only}{extra}"
 
 
 DEFAULTS = {"num_prompts": 300, "num_prompts_alpaca": 600}
@@ -284,7 +284,7 @@ def tiny_profile(ctx: Ctx) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix="experiments-"))
         out = tmp / "tiny.json"
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, str(REPO / "scripts" / "profile_model.py"), "--quick", "--device", "cpu",
-                        "--quiet", "--out", str(out)], check=True, env=env, cwd=REPO)
+        subprocess.run([sys.executable, "-m", "fastserve.profile", "--quick", "--device", "cpu", "--quiet", "--out",
+                        str(out)], check=True, env=env, cwd=REPO)
         ctx.cache["tiny_profile"] = out
     return ctx.cache["tiny_profile"]

@@ -1,5 +1,5 @@
 """Fig. 1: the queueing share of end-to-end latency under FCFS, by load, ShareGPT and Alpaca, measured as every
-comparison is (the design notes, "How a comparison is measured"; scripts/steady_state.py): loads in units of FCFS's
+comparison is (the design notes, "How a comparison is measured"; steady_state.py): loads in units of FCFS's
 sustained capacity C, 3,000 requests a point, the requests arriving in the middle 80% of the trace counted, seeds
 with 95% intervals. The setups, capacities and loads are Fig. 12's, so its FCFS runs serve here from
 steady_state.Runner's cache (and these serve it).
@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 
-from steady_state import Runner, capacity, fmt, stat, table
-
-from experiment_sections.common import Ctx, _errorbar, _plt, _save
-from experiment_sections.latency_curves import CAPACITY_SEEDS, DATASETS, _setup
+from scripts.experiments.common import Ctx, _errorbar, _plt, _save
+from scripts.experiments.latency_curves import CAPACITY_SEEDS, DATASETS, _setup
+from scripts.experiments.steady_state import Runner, capacity, fmt, stat, table
 
 LOADS = (0.25, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0)  # x C; all among Fig. 12's
 # The previous version of this section (2026-12-01), written down once, not computed: its rates (req/s), as
@@ -88,7 +87,7 @@ def section_fig1(ctx: Ctx) -> str:
               _changed(caps, ctx.args.steady_prompts), "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.1f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.1f} min wall; the rest came from the cache), simulation code "
-              f"version {runner.version} (scripts/steady_state.py, code_version).", ""]
+              f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)
 
 

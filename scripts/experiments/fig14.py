@@ -1,5 +1,5 @@
 """Fig. 14: the policies over input:output length ratios (fixed mean total length), measured the steady-state way
-(scripts/steady_state.py, Setup.synthetic): FCFS's capacity measured for each ratio, every policy at --io-load x
+(steady_state.py, Setup.synthetic): FCFS's capacity measured for each ratio, every policy at --io-load x
 that capacity, 3,000 requests a point, the middle 80% of arrivals counted, seeds with 95% intervals, the SRPT
 oracle beside them.
 """
@@ -9,15 +9,14 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for
-
-from experiment_sections.common import MAIN, POLICIES, Ctx, _errorbar, _plt, _save
+from scripts.experiments.common import MAIN, POLICIES, Ctx, _errorbar, _plt, _save
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for
 
 IO_RATIOS = (0.25, 1, 4, 16, 64, 256)
 ORACLE = "srpt"
 LEARNED = "gittins"  # the order that learns the length distribution (scheduler/gittins.py), opt-in
 ALIKE = "skip-join + alike mode"  # skip-join with its opt-in alike-lengths mode (--adapt-to-alike-lengths)
-GOAL = 1.05  # issue 24: skip-join best, or within 5% of the best (non-oracle) policy, in every row
+GOAL = 1.05  # skip-join best, or within 5% of the best (non-oracle) policy, in every row
 
 
 def io_setup(ctx: Ctx, ratio: float) -> Setup:
@@ -85,7 +84,7 @@ def section_fig14(ctx: Ctx) -> str:
     ax.grid(alpha=0.3)
     _save(fig, ctx.figdir / "fig14_io_ratio.png")
     met = [r for r, (_, v) in verdicts.items() if v.mean <= GOAL]
-    lines += ["", f"Goal (issue 24): skip-join best, or within {100 * (GOAL - 1):.0f}% of the best policy, in every "
+    lines += ["", f"Goal: skip-join best, or within {100 * (GOAL - 1):.0f}% of the best policy, in every "
               f"row: {'met' if len(met) == len(IO_RATIOS) else 'NOT met'} ({len(met)} of {len(IO_RATIOS)} rows "
               f"within: {', '.join(f'{r:g}' for r in met) or 'none'}). Best policy per ratio: "
               + ", ".join(f"{r:g}: {b}" for r, (b, _) in verdicts.items()) + ".", "",
@@ -103,20 +102,20 @@ def section_fig14(ctx: Ctx) -> str:
               f"{100 * (GOAL - 1):.0f}% in {sum(v.mean <= GOAL for v in moded.values())} of {len(IO_RATIOS)} rows ("
               + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in moded.items()) + "). It is off by default: it learns "
               "from the jobs that finished, which past capacity are the short ones, so a heavy tail can read as "
-              "alike (docs/benchmarks.md, \"Issue 24, session 25\").", "",
-              "What changed since this section's previous version (session 10 and before): it ran 120 requests a "
+              "alike (docs/benchmarks.md, \"Skip-join on alike lengths\").", "",
+              "What changed since this section's previous version: it ran 120 requests a "
               "ratio, every one counted, one seed, at 1.5x a capacity estimated from the profile (not measured), "
               "with the old cost model and the defaults of its day (alpha 0.3 s, the paper's prefill ladder); it "
               "read FCFS / skip-join 0.52-0.95x (skip-join behind FCFS in every row) and FCFS or fixed priority "
               "best in every row. The lengths of a row spread only 0.5x-1.5x around their mean, far from ShareGPT's "
               "heavy tail, so the service a job has received says little about what it has left; least attained "
-              "service (every MLFQ) preempts it for newer jobs, which delays both. Session 20 (2026-12-05) added the "
-              "gittins column; every other column is the same to the last digit as session 19's run (code version "
+              "service (every MLFQ) preempts it for newer jobs, which delays both. The run of 2026-12-05 added the "
+              "gittins column; every other column is the same to the last digit as the 2026-12-04 run (code version "
               "23dc38d2b61ca33e): the rule that came with it (a fresh job waits behind a started one that waits "
-              "for KV) is off for the other policies. Session 25 (2026-12-06) added the column of skip-join's "
+              "for KV) is off for the other policies. The run of 2026-12-06 added the column of skip-join's "
               "opt-in alike-lengths mode; every other column, the default skip-join's included (1.48, 1.74, 2.72, "
-              "6.64, 23.7, 56.4 s/token), reads as session 22's to the digits printed (the mode is off unless asked "
-              "for).", "",
+              "6.64, 23.7, 56.4 s/token), reads as the previous run's to the digits printed (the mode is off unless "
+              "asked for).", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]

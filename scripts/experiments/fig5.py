@@ -5,7 +5,7 @@ weights for all of an iteration's tokens, scheduler/cost_model.py).
 
 from __future__ import annotations
 
-from experiment_sections.common import MAIN, REPO, SCALES, Ctx, _ms, _plt, _save, tiny_profile
+from scripts.experiments.common import MAIN, REPO, SCALES, Ctx, _ms, _plt, _save, tiny_profile
 
 LENS = (1, 16, 64, 256, 1024)
 BATCH, CONTEXT = 16, 128  # the running batch a prompt joins: 16 decoding jobs of context 128 (in the quick grid)
@@ -32,7 +32,7 @@ def section_fig5(ctx: Ctx) -> str:
              "", "![fig5](figures/fig5_first_vs_decode.png)", "",
              "t_init(s): the first iteration of one prompt of s tokens alone; t_dec(1, s): one decode step of a "
              "single job with context s. The tiny model's profile is measured on this machine by "
-             "`scripts/profile_model.py --quick` (single-threaded; the machine is shared, so it is noisy); the "
+             "`fastserve profile --quick` (single-threaded; the machine is shared, so it is noisy); the "
              "OPT-13B one is the roofline estimate in profiles/sim/. Joining a batch: what the prompt adds to an "
              f"iteration of {BATCH} decoding jobs of context {CONTEXT}, as today's cost model prices an iteration "
              "(one forward pass over all its tokens plus each part's attention: F(T) + sum(t_init(p) - F(p)) + "

@@ -1,5 +1,5 @@
 """Fig. 8: KV memory in use over time, MLFQ and skip-join MLFQ vs FCFS, with a device tier large enough to show each
-policy's demand, measured as every comparison is (scripts/steady_state.py: loads in units of FCFS's capacity on this
+policy's demand, measured as every comparison is (steady_state.py: loads in units of FCFS's capacity on this
 setup, 3,000 requests a point, the middle 80% of arrivals counted, seeds with 95% intervals). The KV usage after
 every step is recorded by the runs themselves (Setup.track_kv) and cached with them.
 """
@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for, window
-
 from engine.engine import KV_GROWTH_RESERVE
-from experiment_sections.common import MAIN, REPO, SCALES, Ctx, _plt, _save, kv_capacity
+from scripts.experiments.common import MAIN, REPO, SCALES, Ctx, _plt, _save, kv_capacity
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for, window
 
 LOADS = (0.5, 0.8, 1.0, 1.5)  # x C of this setup (FCFS with the large device tier)
 POLICIES = ("fcfs", "mlfq", "skip-join-mlfq")
@@ -86,7 +85,7 @@ def section_fig8(ctx: Ctx) -> str:
     lines += ["", _reading(data, gb, big, bound), "", CHANGED, "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.1f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.1f} min wall; the rest came from the cache), simulation code "
-              f"version {runner.version} (scripts/steady_state.py, code_version).", ""]
+              f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)
 
 

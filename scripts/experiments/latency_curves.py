@@ -1,7 +1,7 @@
 """Fig. 12 (P95 per-token latency against load) and Fig. 13 (goodput: the highest load within an SLO of 5x, 10x
 and 20x the light-load latency, per phase), OPT-13B, FCFS (vLLM's order) against skip-join MLFQ (FastServe),
 ShareGPT and Alpaca, measured the way every comparison is (the design notes, "How a comparison is measured";
-scripts/steady_state.py): loads in units of FCFS's sustained capacity C, 3,000 requests a point, the requests
+steady_state.py): loads in units of FCFS's sustained capacity C, 3,000 requests a point, the requests
 arriving in the middle 80% of the trace counted, seeds with 95% intervals, and Fig. 13's loads searched by
 bisection to 2%. Both read the same runs (steady_state.Runner caches them on disk, shared with the capacity
 section, whose loads are a subset of these).
@@ -13,9 +13,8 @@ import math
 import statistics
 import time
 
-from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
-from experiment_sections.common import MAIN, Ctx, SLOSearch, _errorbar, _ms, _plt, _save, throughput_at_slo
+from scripts.experiments.common import MAIN, Ctx, SLOSearch, _errorbar, _ms, _plt, _save, throughput_at_slo
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 CURVE_POLICIES = ("fcfs", "skip-join-mlfq")  # the paper's Fig. 12/13: vLLM against FastServe
 DATASETS = {"ShareGPT": "sharegpt", "Alpaca": "alpaca"}
@@ -28,7 +27,7 @@ RESOLUTION = 0.02  # Fig. 13's searches stop once the bracket's loads are within
 METRICS = {"p95_per_token_s": "per-token latency (e2e / output tokens)",
            "p95_ttft_s": "prefill phase: time to first token",
            "p95_tpot_s": "decode phase: time per output token after the first"}
-# The previous version of these sections (session 10 and before), written down once, not computed.
+# The previous version of these sections, written down once, not computed.
 CHANGED_12 = ("What changed since this section's previous version: it swept fixed request rates with short traces "
               "(max(300 ShareGPT / 600 Alpaca, rate x 20 s) requests, at most 2,000, every request counted, one "
               "seed) under the defaults of its day (the paper's prefill ladder, alpha 0.3 s, `--kv-overcommit 4`). "
@@ -195,5 +194,5 @@ def section_fig13(ctx: Ctx) -> str:
               "paper's SLO counts.", "", CHANGED_13, "",
               f"Fig. 12 and 13: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - cur['t0']) / 60:.0f} min wall; the rest came from the cache), simulation "
-              f"code version {runner.version} (scripts/steady_state.py, code_version).", ""]
+              f"code version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)

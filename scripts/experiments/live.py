@@ -1,4 +1,4 @@
-"""Live: the simulator against the live engine on the same trace (runs scripts/bench_sim_vs_live.py)."""
+"""Live: the simulator against the live engine on the same trace (runs scripts/benchmarks/sim_vs_live.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiment_sections.common import REPO, Ctx
+from scripts.experiments.common import REPO, Ctx
 
 
 def section_live(ctx: Ctx) -> str:
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_sim_vs_live.py")]
+    cmd = [sys.executable, "-m", "scripts.benchmarks.sim_vs_live"]
     lines = ["## Live: simulator vs live engine", "",
-             "Command: `python scripts/bench_sim_vs_live.py` (run by this script)", "",
+             "Command: `python -m scripts.benchmarks.sim_vs_live` (run by this section)", "",
              "The same seeded Poisson trace (24 requests, 1.5 req/s, prompts 16-128, outputs 8-48 tokens) on the "
              "live engine (async API, wall clock, CPU, random-weight OPT-125M, one torch thread) and in the "
-             "simulator with a profile measured just before on this machine (`scripts/profile_model.py --quick`)."
+             "simulator with a profile measured just before on this machine (`fastserve profile --quick`)."
              " Numbers vary run to run: the machine is shared.", "",
              "| policy | live mean ms/token | sim mean ms/token | sim / live (mean) | live P95 | sim P95 | "
              "sim / live (P95) |", "|---|---|---|---|---|---|---|"]

@@ -1,5 +1,5 @@
 """Live: every policy served for real on this machine (server.py + the load generator via
-scripts/live_sweep.py), throughput at an SLO scaled to the tiny model (Fig. 11's live counterpart).
+fastserve/compare.py), throughput at an SLO scaled to the tiny model (Fig. 11's live counterpart).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiment_sections.common import MAIN, REPO, SCALES, SLO_S, Ctx, main_kv_blocks, tiny_profile
+from scripts.experiments.common import MAIN, REPO, SCALES, SLO_S, Ctx, main_kv_blocks, tiny_profile
 
 # Swept rates of the live section (req/s): around the tiny model's knee on this 2-core machine at the scaled SLO
 # (measured: FCFS on ShareGPT lengths ~15 ms/token at 1 req/s, ~66 ms at 3 req/s). The simulator is no guide
@@ -26,7 +26,7 @@ def section_live_slo(ctx: Ctx) -> str:
     slo = SLO_S * tiny.t_dec(1, 16) / big.t_dec(1, 16)
     blocks, max_len = main_kv_blocks(ctx), ctx.args.live_max_model_len
     lines = ["## Live: throughput at the SLO on this machine, tiny model", "",
-             f"Command: `{ctx.cmd('live_slo')}` (runs `scripts/live_sweep.py`)", "",
+             f"Command: `{ctx.cmd('live_slo')}` (runs `python -m fastserve.compare`)", "",
              "Every policy served for real: `server.py` (tiny model, one torch thread) started once per policy and "
              "dataset, `fastserve bench serve --sweep` against it over loopback HTTP (streaming, token-id prompts of "
              f"the dataset's lengths, ignore_eos), {ctx.args.live_prompts} requests per rate. Scaled to "
@@ -51,7 +51,7 @@ def section_live_slo(ctx: Ctx) -> str:
         n = ctx.args.live_prompts
         with tempfile.TemporaryDirectory() as tmp:
             fig = ctx.figdir / f"fig11_live_{ds.lower()}.png"
-            cmd = [sys.executable, str(REPO / "scripts" / "live_sweep.py"), "--dataset-name", "lengths",
+            cmd = [sys.executable, "-m", "fastserve.compare", "--dataset-name", "lengths",
                    "--dataset-path", str(ctx.datasets[ds]), "--num-prompts", str(n),
                    "--sweep", ",".join(f"{r:g}" for r in rates), "--slo-per-token", f"{slo:.6f}",
                    "--seed", str(ctx.args.seed), "--result-dir", tmp, "--plot", str(fig), "--",

@@ -1,5 +1,5 @@
 """Past capacity: skip-join MLFQ with the engine's defaults, and with the paper's rules, against FCFS from 0.5x to
-2x of FCFS's sustained capacity, measured as every comparison is (scripts/steady_state.py: 3,000 requests a point,
+2x of FCFS's sustained capacity, measured as every comparison is (steady_state.py: 3,000 requests a point,
 the middle 80% of arrivals counted, seeds with 95% intervals). The runs of FCFS and the default skip-join are
 Fig. 12's (steady_state.Runner's cache); the paper's rules are this section's own.
 """
@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import time
 
-from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
-from experiment_sections.common import MAIN, Ctx, _errorbar, _plt, _save
+from scripts.experiments.common import MAIN, Ctx, _errorbar, _plt, _save
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 LOADS = (0.5, 0.8, 1.0, 1.25, 1.5, 2.0)  # x C
 # The paper's rules in today's settings: its prefill ladder, promotion after alpha = 0.3 s to the tail of Q1 with a
@@ -19,7 +18,7 @@ PAPER = (("kv_overcommit", None), ("mlfq_ladder", "prefill"), ("starvation_age",
          ("starvation_threshold", 0.3))
 VARIANTS = (("fcfs", "fcfs", ()), ("skip-join (default)", "skip-join-mlfq", ()),
             ("skip-join (paper's rules)", "skip-join-mlfq", PAPER))
-CHANGED = ("What changed since this section's previous version (session 10 and before): it ran 1,500 requests a "
+CHANGED = ("What changed since this section's previous version: it ran 1,500 requests a "
            "point with every request counted, one seed, all lengths clipped to 2,048 tokens (no length filter), at "
            "multiples of 2.8 req/s, and its default was the overload remedies of its day (`--kv-overcommit 4`, "
            "alpha 0.3 s with the starvation factor 1, the prefill ladder). It read the default skip-join at 0.74-0.81x "
@@ -84,5 +83,5 @@ def section_overload(ctx: Ctx) -> str:
     lines += ["", CHANGED, "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
-              f"version {runner.version} (scripts/steady_state.py, code_version).", ""]
+              f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)

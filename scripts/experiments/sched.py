@@ -3,18 +3,18 @@ ranking (registered in experiment_sections/__init__.py; each takes its Ctx):
 
 - enst_ablation: what ENST ranking buys the proactive planner over LRU/FIFO
   and random ranking, with the thrash count of each;
-- alpha: sensitivity to the starvation threshold (steady state, scripts/steady_state.py);
+- alpha: sensitivity to the starvation threshold (steady state, steady_state.py);
 - robustness: profiler error (t_init, t_dec off by 20%) and bursty arrivals;
 - kv_steady: proactive vs both reactive baselines and recompute at steady load below, at and past capacity,
   with the requests split by output length.
-Every one is measured the steady-state way (scripts/steady_state.py).
+Every one is measured the steady-state way (steady_state.py).
 """
 
 from __future__ import annotations
 
 import math
 
-from experiment_sections.common import MAIN, Ctx
+from scripts.experiments.common import MAIN, Ctx
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
 RANKINGS = ("enst", "lru", "random")
@@ -25,7 +25,7 @@ def section_enst_ablation(ctx: Ctx) -> str:
     """The proactive planner's ranking (Setup.planner_ranking), steady state, the engine's defaults."""
     import time
 
-    from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
+    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
@@ -57,13 +57,13 @@ def section_enst_ablation(ctx: Ctx) -> str:
                          f"{stat(d['offloads']).mean:.0f} | {stat(d['uploads']).mean:.0f} | {100 * misses:.1f}% | "
                          f"{stat(d['thrash']).mean:.0f} |")
             print(f"  ablation {load:g}C {kind:7} mean {stat(d['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version (session 10 and before): it ran 1,500 requests "
+    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
               "at 1.0x of 2.8 req/s, every one counted, one seed, with the old cost model and the paper's overload "
               "rules (no admission bound on the started jobs' KV), where the host tier was used most; it read ENST "
               "0.119, LRU 0.127 (+7%), random 0.122 (+3%) s/token, with 16,713 of 16,734 uploads swap misses. "
               "Offloads, uploads and thrash are per run (mean over seeds). Why the ranking moves nothing now: "
               "under today's admission (new jobs start only while the started jobs' KV fits both tiers) and the "
-              "watermark of session 14, nearly every upload is still the scheduler's own pick (the swap-miss "
+              "watermark of 2026-12-03, nearly every upload is still the scheduler's own pick (the swap-miss "
               "column), so the planner's order decides only which idle job it offloads, and a random order's "
               "extra offloads and thrash cost no latency because each copy takes less than a step "
               "(docs/benchmarks.md, \"Skip-join at capacity\", part 8). The old run's +3-7% was one seed of a "
@@ -80,8 +80,8 @@ ALPHA_LOADS = (0.8, 1.25)  # x C
 
 def section_alpha(ctx: Ctx) -> str:
     """Skip-join with alpha set (the paper's promotion, on top of the defaults) against the default, steady state
-    (scripts/steady_state.py; the runs at alpha None are Fig. 12's)."""
-    from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
+    (scripts/experiments/steady_state.py; the runs at alpha None are Fig. 12's)."""
+    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
@@ -122,11 +122,11 @@ ROBUSTNESS_LOADS = (1.0, 1.5)  # x C (below capacity no case differs: the previo
 
 
 def section_robustness(ctx: Ctx) -> str:
-    """Profiler error and bursty arrivals, steady state (scripts/steady_state.py: Setup.profiler_error and
+    """Profiler error and bursty arrivals, steady state (scripts/experiments/steady_state.py: Setup.profiler_error and
     Setup.burstiness), in units of FCFS's capacity under Poisson arrivals."""
     import time
 
-    from steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
+    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
@@ -172,7 +172,7 @@ def section_robustness(ctx: Ctx) -> str:
                          f"{fmt(ratio_stat(sj['served_rate'], f['served_rate']), 4)} |")
             print(f"  burst {load:g}C {burst}: fcfs {stat(f['mean_per_token_s'])} skip-join "
                   f"{stat(sj['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version (session 10 and before): it ran 1,500 requests "
+    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
               "a point, every one counted, one seed, at 0.75x and 1.0x of 2.8 req/s, with the old cost model, no "
               "length filter and the defaults of its day (alpha 0.3 s, `--kv-overcommit 4`). It read skip-join / "
               "FCFS mean 0.80x at 0.75x and 0.44x at 1.0x with Poisson arrivals, 0.45-0.49x at 0.75x and 0.79-0.81x "
@@ -197,9 +197,8 @@ def section_kv_steady(ctx: Ctx) -> str:
     so its cached runs), the per-token latency split by output length (steady_state.OUTPUT_BUCKETS)."""
     import time
 
-    from steady_state import OUTPUT_BUCKETS, Runner, capacity, fmt, stat, table
-
-    from experiment_sections.fig15 import kv_setup
+    from scripts.experiments.fig15 import kv_setup
+    from scripts.experiments.steady_state import OUTPUT_BUCKETS, Runner, capacity, fmt, stat, table
 
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
@@ -236,7 +235,7 @@ def section_kv_steady(ctx: Ctx) -> str:
                                                               pro[f"mean_per_token_s_out{lo}"])])))
                      for lo, _ in buckets]
             lines.append(f"| {load:g}C | {kv} | " + " | ".join(cells) + " |")
-    lines += ["", "What changed since this section's previous version (session 10 and before): it ran 1,500 requests "
+    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
               "a point, every one counted, one seed, at 0.75x, 1.0x and 1.5x of 2.8 req/s, with the old cost model "
               "and the defaults of its day, and read ShareGPT without vLLM's length filter, clipping prompts to "
               "2,047 tokens (23-30 such requests a run, each with one output token, set apart in its table). It "
@@ -245,9 +244,9 @@ def section_kv_steady(ctx: Ctx) -> str:
               "prompts): proactive behind at and past capacity, most for the shortest outputs (1-7 tokens: 4.48 "
               "against 0.83 s/token at 1.0x), which were mostly the clipped prompts. Why it reads differently now: "
               "vLLM's filter drops those prompts; the proactive watermark counts only the blocks the batch adds "
-              "(session 14), so proactive no longer parks jobs the scheduler wants back; and the paper's blocking "
-              "baseline is in the table, which proactive beats most on the long outputs, whose jobs are swapped "
-              "most.", "",
+              "(since 2026-12-03), so proactive no longer parks jobs the scheduler wants back; and the paper's "
+              "blocking baseline is in the table, which proactive beats most on the long outputs, whose jobs are "
+              "swapped most.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]

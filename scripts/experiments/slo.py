@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from experiment_sections.common import (
+from scripts.experiments.common import (
     MAIN,
     POLICIES,
     RATE_GRID,

@@ -1,5 +1,5 @@
 """The section of `make experiments` measured the way every comparison should be (the team's design notes, "How a
-comparison is measured"; scripts/steady_state.py): skip-join MLFQ against FCFS and the SRPT oracle at 0.5x to 2x
+comparison is measured"; steady_state.py): skip-join MLFQ against FCFS and the SRPT oracle at 0.5x to 2x
 of FCFS's sustained capacity, steady state, 3,000 requests a point, 5 seeds with 95% intervals; the engine's
 previous defaults beside it; and the other setups (Alpaca, the 80GB profile, OPT-66B on 4 GPUs, OPT-175B on 16).
 
@@ -10,27 +10,26 @@ from __future__ import annotations
 
 import time
 
-from steady_state import Runner, Setup, capacity, fmt, markdown, ratio_stat, stat, table
-
-from experiment_sections.common import Ctx
+from scripts.experiments.common import Ctx
+from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, markdown, ratio_stat, stat, table
 
 LOADS = (0.5, 0.8, 1.0, 1.5, 2.0)
 MAIN_POLICIES = ("fcfs", "skip-join-mlfq", "gittins", "srpt")
 SUBJECTS = ("skip-join-mlfq", "gittins")  # the default, and the opt-in learned order (scheduler/gittins.py)
 PREVIOUS = (("mlfq_ladder", "prefill"), ("starvation_threshold", 0.3), ("starvation_age", None),
-            ("kv_overcommit", 4.0))  # the defaults before issue 24 (with the starvation factor 1, still the default)
+            ("kv_overcommit", 4.0))  # the defaults before 2026-12-02 (with the starvation factor 1, still the default)
 OTHER_SETUPS = (("opt-13b", "alpaca"), ("opt-13b-80gb", "sharegpt"), ("opt-66b", "sharegpt"), ("opt-175b", "sharegpt"))
 GOALS = {0.5: 1.3, 0.8: 1.3, 1.0: 1.3, 1.5: 2.0}  # skip-join / oracle, mean and P95
 # What the previous versions of this section read and why the numbers moved:
 # history, written down once, not computed.
-CHANGED = ("What changed since this section's previous version (session 11, 2026-12-02, code version "
-           "85d4454eb7610658): it ran at today's code (prefix caching on by default since session 16, and the "
-           "scheduler and KV manager fixes of sessions 12-21), and the gittins order (scheduler/gittins.py, "
+CHANGED = ("What changed since this section's previous version (2026-12-02, code version "
+           "85d4454eb7610658): it ran at today's code (prefix caching on by default since 2026-12-03, and the "
+           "scheduler and KV manager fixes made since), and the gittins order (scheduler/gittins.py, "
            "opt-in) has a column beside "
            "skip-join. Skip-join's numbers stayed within their intervals: mean / oracle 1.20 -> 1.22 at 1.0C, 3.21 "
            "-> 3.24 at 1.5C, 3.85 -> 3.81 at 2C; P95 / oracle 2.06 -> 2.09, 2.14 -> 2.18, 1.74 -> 1.78; served / FCFS "
-           "1.128 -> 1.129 and 1.239 -> 1.24 past capacity. Before that (session 10 -> 11): with a host tier new jobs "
-           "start only while the started jobs' KV fits both tiers less an eighth of the device, and with pipeline "
+           "1.128 -> 1.129 and 1.239 -> 1.24 past capacity. Before that (the version before it): with a host tier new "
+           "jobs start only while the started jobs' KV fits both tiers less an eighth of the device, and with pipeline "
            "parallelism a batch holds at most its share of the device's KV (docs/benchmarks.md, \"Skip-join at "
            "capacity\", part 6).")
 
@@ -46,14 +45,14 @@ def section_capacity(ctx: Ctx) -> str:
     prev_cap = capacity(runner, previous, range(3))
     prev = table(runner, previous, LOADS, ("skip-join-mlfq",), seeds, cap["C"])
     lines = ["## Skip-join at capacity: steady state, in units of FCFS's capacity, beside the SRPT oracle", "",
-             f"`{ctx.cmd('capacity')}` (scripts/steady_state.py; {ctx.args.steady_prompts} requests a point, the "
-             f"middle 80% of arrivals counted, {len(seeds)} seeds, mean ± 95% interval). OPT-13B, A100 40GB "
+             f"`{ctx.cmd('capacity')}` (scripts/experiments/steady_state.py; {ctx.args.steady_prompts} requests a "
+             f"point, the middle 80% of arrivals counted, {len(seeds)} seeds, mean ± 95% interval). OPT-13B, A100 40GB "
              "roofline profile, ShareGPT lengths through vLLM's length filter, the engine's defaults (the service "
              "ladder, age promotion 3, no alpha; new jobs start while the started jobs' KV fits both tiers less an "
              "eighth of the device; with pipeline parallelism a batch holds at most its share of the device's KV; "
              "skip-join MLFQ's docstring).", "",
              markdown(main, cap, data, LOADS, MAIN_POLICIES, subjects=SUBJECTS), "", CHANGED, ""]
-    lines += ["Goals (issue 24) against these numbers:", "", "| load | policy | mean / oracle (goal) | P95 / oracle | "
+    lines += ["Goals against these numbers:", "", "| load | policy | mean / oracle (goal) | P95 / oracle | "
               "served / FCFS (>= 0.98) | max e2e / FCFS max (<= 2) | P99 / FCFS P99 (<= 1) |",
               "|---|---|---|---|---|---|---|"]
     mark = lambda st, lim: f"{fmt(st)} {'met' if lim is None or st.mean <= lim else 'NOT met'}"  # noqa: E731
@@ -99,5 +98,5 @@ def section_capacity(ctx: Ctx) -> str:
         lines.append("")
     lines.append(f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
                  f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
-                 f"version {runner.version} (scripts/steady_state.py, code_version).")
+                 f"version {runner.version} (scripts/experiments/steady_state.py, code_version).")
     return "\n".join(lines) + "\n"

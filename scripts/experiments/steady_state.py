@@ -1,10 +1,9 @@
 """How a comparison is measured (the team's design notes, "How a comparison is measured"): steady state,
 load in units of FCFS's sustained capacity, several seeds with a 95% confidence interval, and the SRPT
-oracle in the same table. Shared by scripts/experiments.py's sections, scripts/simulate.py --steady and
-the benchmarks.
+oracle in the same table. Shared by the experiments' sections (this package), and a command of its own:
 
-    python scripts/steady_state.py --scale opt-13b --loads 0.5,0.8,1.0,1.5 --seeds 5 \\
-        --policies fcfs,skip-join-mlfq,srpt                   # the table of issue 24's goals
+    python -m scripts.experiments.steady_state --scale opt-13b --loads 0.5,0.8,1.0,1.5 --seeds 5 \\
+        --policies fcfs,skip-join-mlfq,srpt                   # the table of the capacity section's goals
 
 - A point is one simulation of `n` requests (at least 3,000) of the dataset at a Poisson rate, filtered by
   vLLM's length filter. Only requests that arrive in the middle 80% of the arrival span count; the run goes
@@ -30,26 +29,18 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from engine.simulation import quantile  # the project's one quantile rule
+from fastserve.bench.arrivals import speedup_for_rate
+from fastserve.bench.workload import LengthFilter, filter_line, load_workload
+from scripts.experiments.common import SCALES, KVUsageTracker, phase_latencies  # SCALES: name -> (shape, profile)
 
-from experiment_sections.common import (  # noqa: E402  (SCALES: name -> (model shape, profile))
-    SCALES,
-    KVUsageTracker,
-    phase_latencies,
-)
-
-from engine.simulation import quantile  # noqa: E402  (the project's one quantile rule)
-from fastserve.bench.arrivals import speedup_for_rate  # noqa: E402
-from fastserve.bench.workload import LengthFilter, filter_line, load_workload  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv",
             "alpaca": REPO.parent / "shared" / "datasets" / "alpaca_lengths.csv"}
@@ -73,7 +64,7 @@ class Setup:
     n: int = MIN_REQUESTS
     engine: tuple = ()  # sorted (name, value) pairs passed to simulated_engine (max_num_seqs, kv_policy, ...)
     dataset_path: str | None = None
-    # Long prompts mixed in (issue 25's workload): each request, with this probability (its own seeded draw),
+    # Long prompts mixed in (the chunked section's workload): each request, with this probability (its own seeded draw),
     # gets a prompt of long_range tokens instead (uniform), its output cut to fit 2,048 tokens in all.
     long_share: float = 0.0
     long_range: tuple[int, int] = (1500, 2000)
@@ -276,10 +267,9 @@ def kv_usage(times: Sequence[float], device: Sequence[int], host: Sequence[int],
 def run_point(setup: Setup, policy: str, rate: float, seed: int, make_scheduler=None) -> dict:
     """One simulation; its windowed metrics plus KV counters and the wall time (with setup.track_kv, kv_usage's
     fields too). make_scheduler(engine), if given, returns the scheduling policy that replaces the engine's (a study's
-    own order, e.g. scripts/length_hint_ceiling.py's; not cached by Runner)."""
-    from make_tiny_model import config_only_model
-
+    own order; not cached by Runner)."""
     from engine.simulation import run_trace, simulated_engine
+    from fastserve.make_model import config_only_model
 
     shape, profile = SCALES[setup.scale]
     trace, stats = trace_for(setup, rate, seed)
@@ -387,7 +377,7 @@ class Runner:
                 results.append(None)
                 todo.append(i)
         if todo:
-            from make_tiny_model import config_only_model
+            from fastserve.make_model import config_only_model
 
             for shape in {SCALES[points[i][0].scale][0] for i in todo}:  # written once, before the workers read it
                 config_only_model(shape)
@@ -409,7 +399,7 @@ def code_version() -> str:
         for path in sorted((REPO / folder).rglob("*")):
             if path.suffix in (".py", ".json"):
                 h.update(path.read_bytes())
-    h.update((REPO / "scripts" / "steady_state.py").read_bytes())
+    h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -492,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", action="append", default=[], help="NAME=VALUE passed to the simulated engine "
                     "(e.g. kv_policy=reactive, max_num_seqs=256); repeatable")
     ap.add_argument("--long-share", type=float, default=0.0, help="share of requests given a 1,500-2,000-token "
-                    "prompt instead (issue 25's mix)")
+                    "prompt instead (the chunked section's mix)")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--cache", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
