@@ -1,15 +1,11 @@
-"""scripts/bench_control_plane.py: a step's wall time against the executor's compute time (tp = pp = 1), in
+"""scripts/benchmarks/control_plane.py: a step's wall time against the executor's compute time (tp = pp = 1), in
 synchronous mode, with async output processing and with async scheduling."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_control_plane  # noqa: E402
+from scripts.benchmarks import control_plane as bench_control_plane
 
 
 @pytest.mark.parametrize("mode", bench_control_plane.MODES)

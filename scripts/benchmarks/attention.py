@@ -10,7 +10,7 @@ that the two agree: the largest |triton - torch| of each case must be within
 --tolerance (default: TOLERANCE of the dtype), else it says which cases are not
 and exits 1 (the JSON says so too).
 
-    python scripts/bench_attention.py --shape opt-13b --dtype float16
+    python -m scripts.benchmarks.attention --shape opt-13b --dtype float16
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fastserve_kernels import paged_attention as ref  # noqa: E402
+from fastserve_kernels import paged_attention as ref
 
 SHAPES = {"opt-125m": (12, 64), "opt-1.3b": (32, 64), "opt-2.7b": (32, 80), "opt-13b": (40, 128)}
 # Largest |triton - torch| allowed per dtype: both round their float16 outputs (an output near 1 is off by up to

@@ -1,8 +1,8 @@
-"""A step's wall time against the executor's compute time, at tp = pp = 1 (issue 26's control-plane item):
+"""A step's wall time against the executor's compute time, at tp = pp = 1 (the control plane's share of a step):
 synchronous, async output processing (EngineConfig.async_output_processing) and async scheduling
 (EngineConfig.async_scheduling), interleaved.
 
-    .venv/bin/python scripts/bench_control_plane.py [--model DIR] [--batch 32,256] [--steps 40] [--repeats 3]
+    python -m scripts.benchmarks.control_plane [--model DIR] [--batch 32,256] [--steps 40] [--repeats 3]
         [--modes sync,async-output,async-scheduling] [--device cuda]
 
 Starts an LLM in process (LocalExecutor), puts `batch` requests in (8-token prompts, greedy, ignore_eos), makes
@@ -35,11 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
+from engine import LLM, SamplingParams
 
 PARTS = ("schedule", "commit", "publish")
 

@@ -1,6 +1,6 @@
 """Benchmark of the multi-process executor (prints ratios; not a timed test).
 
-    python scripts/bench_parallel.py [--batches 1,32,256] [--steps 30] [--skip-sim]
+    python -m scripts.benchmarks.parallel [--batches 1,32,256] [--steps 30] [--skip-sim]
 
 1. Controller-to-worker cost of one step. The same decode steps (context 64)
    run on a MultiprocExecutor with one worker (tp = pp = 1) and then on the
@@ -26,22 +26,19 @@ from __future__ import annotations
 import argparse
 import pickle
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from engine.batch import ModelBatch, SequenceResult, SequenceWork
+from engine.config import EngineConfig
+from engine.executor import messages as m
+from engine.executor.local import LocalExecutor
+from engine.executor.multiproc import MultiprocExecutor
+from engine.model.config import OPTConfig
+from engine.sampling_params import SamplingParams
+from modelmaker.tiny_model import ensure_tiny_model
 
-from engine.batch import ModelBatch, SequenceResult, SequenceWork  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.executor import messages as m  # noqa: E402
-from engine.executor.local import LocalExecutor  # noqa: E402
-from engine.executor.multiproc import MultiprocExecutor  # noqa: E402
-from engine.model.config import OPTConfig  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from modelmaker.tiny_model import ensure_tiny_model  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 CONTEXT = 64
 BLOCK = 16
@@ -124,7 +121,7 @@ def transport_cost(model_dir: Path, batches: list[int], steps: int) -> None:
 
 
 def pipeline_throughput(num_prompts: int, rate: float, lengths: Path) -> None:
-    import simulate
+    from fastserve import simulate
 
     print(f"\n2. simulator: OPT-175B on 16 A100s as 2 stages x 8 GPUs, lengths from {lengths.name}, "
           f"{num_prompts} requests at {rate:g} req/s (past capacity), fcfs and skip-join-mlfq")

@@ -1,8 +1,8 @@
 """Scheduler tick benchmark: what one scheduling decision costs under load,
 against the model step it schedules.
 
-    python scripts/bench_scheduler.py                  # 1,000 and 10,000 waiting + 256 running jobs
-    python scripts/bench_scheduler.py --waiting 1000 --ticks 200 --model DIR
+    python -m scripts.benchmarks.scheduler             # 1,000 and 10,000 waiting + 256 running jobs
+    python -m scripts.benchmarks.scheduler --waiting 1000 --ticks 200 --model DIR
 
 One tick is the scheduler's share of an engine step: policy.schedule(), the
 batch's profiled cost (cost_model.iteration_cost) and policy.on_step_done();
@@ -31,17 +31,11 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import bench_engine  # noqa: E402  (scripts/ is this script's folder)
-
-from engine import LLM  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy  # noqa: E402
-from scheduler.policy import MLFQ_LADDERS, CostModel  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy
+from scheduler.policy import MLFQ_LADDERS, CostModel
 
 AIM_MS = {1000: 0.2, 10000: 0.5}  # waiting jobs -> aim for the median tick (ms); other sizes: the larger
 
@@ -92,8 +86,18 @@ def summary(times: list[float]) -> tuple[float, float]:
 
 
 def decode_step_times(llm: LLM, steps: int) -> list[float]:
-    """Wall seconds of each Engine.step() of one decoding request (batch 1, ~16-token context)."""
-    return bench_engine.decode_step_times(llm.engine, [[2] + list(range(10, 25))], steps)
+    """Wall seconds of each Engine.step() of one decoding request (batch 1, ~16-token context), after its prefill."""
+    engine, times = llm.engine, []
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    engine.add_request("baseline", [2, *range(10, 25)], params)
+    engine.step()  # the prefill
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return times
 
 
 def loaded_policy(name: str, cost: CostModel, waiting: int, running: int, seed: int,

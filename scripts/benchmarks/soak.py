@@ -2,9 +2,9 @@
 malformed bodies and a mix of n, stop strings, logprobs, chat and completions; then checks that the server
 kept its promises.
 
-    python scripts/soak.py --requests 10000                 # starts server.py (small KV: swapping under load)
-    python scripts/soak.py --requests 300 -- --kv-policy recompute      # flags after -- go to the server
-    python scripts/soak.py --base-url http://127.0.0.1:8000 --requests 500   # a running server (no RSS check)
+    python -m scripts.benchmarks.soak --requests 10000      # starts server.py (small KV: swapping under load)
+    python -m scripts.benchmarks.soak --requests 300 -- --kv-policy recompute      # flags after -- go to the server
+    python -m scripts.benchmarks.soak --base-url http://127.0.0.1:8000 --requests 500   # a running server, no RSS check
 
 Capacity is measured first: a burst of --calibration well-formed requests, all sent at once; capacity =
 requests / seconds until the last finished. Then --requests arrive as a Poisson process at --load x capacity:
@@ -38,7 +38,8 @@ from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
+
+from fastserve.server_process import ServerProcess
 
 # Started by this script: a small device KV (and host tier) so that the load preempts, offloads and recomputes.
 SERVER_ARGS = ("--profile", "analytic", "--num-gpu-blocks-override", "64", "--num-host-blocks-override", "256",

@@ -1,7 +1,7 @@
 """KV-policy benchmark: proactive vs reactive vs recompute on the live engine.
 
-    python scripts/bench_swap.py                      # tiny model, ShareGPT lengths, three rates
-    python scripts/bench_swap.py --rates 4,8 --num-prompts 40
+    python -m scripts.benchmarks.swap                 # tiny model, ShareGPT lengths, three rates
+    python -m scripts.benchmarks.swap --rates 4,8 --num-prompts 40
 
 Drives the engine's async API (no HTTP) with a Poisson trace of ShareGPT
 lengths (fastserve/bench/workload.py), on a device KV tier sized so jobs must be
@@ -18,22 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+import torch
 
-import torch  # noqa: E402
+from engine import SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.simulation import p95  # the project's one quantile rule
+from fastserve.bench.workload import load_workload
 
-from engine import SamplingParams  # noqa: E402
-from engine.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.simulation import p95  # noqa: E402  (the project's one quantile rule)
-from fastserve.bench.workload import load_workload  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 DEFAULT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
 

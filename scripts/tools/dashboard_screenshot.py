@@ -1,7 +1,7 @@
 """A picture of the dashboard under load: starts server.py (small device KV, so jobs are preempted and
 offloaded), runs a steady mixed load for --seconds, and saves /dashboard as headless Chromium renders it.
 
-    python scripts/dashboard_screenshot.py --out docs/dashboard.png [--seconds 25] [-- SERVER FLAGS]
+    python -m scripts.tools.dashboard_screenshot --out docs/dashboard.png [--seconds 25] [-- SERVER FLAGS]
 
 The load (`steady_load`) and the page reader (`page_numbers`) are shared with tests/test_dashboard_browser.py.
 Exit status: 0, 1 when the page logged errors or the server failed, 2 on bad flags.
@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
-from headless_chromium import Chromium
-from server_process import ServerProcess
+
+from fastserve.server_process import ServerProcess
+from scripts.tools.headless_chromium import Chromium
 
 # Small device KV and host tier: a steady load preempts, offloads and uploads.
 SERVER_ARGS = ("--profile", "analytic", "--num-gpu-blocks-override", "40", "--num-host-blocks-override", "192")

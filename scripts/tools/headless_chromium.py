@@ -7,7 +7,7 @@
         await page.screenshot(Path("shot.png"))
         page.errors            # console errors, uncaught exceptions, failed loads, CSP violations
 
-Used by the dashboard's browser test and scripts/dashboard_screenshot.py. The browser is Debian's
+Used by the dashboard's browser test and scripts/tools/dashboard_screenshot.py. The browser is Debian's
 `chromium` package (`make browser` installs it; FASTSERVE_CHROMIUM=/path picks another). What this is not:
 a general browser-automation library (one browser, plain pages, no frames).
 """

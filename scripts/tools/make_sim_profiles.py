@@ -1,6 +1,6 @@
 """Write the simulator's profiles for the paper's setups (profiles/sim/).
 
-    python scripts/make_sim_profiles.py [--out DIR]      # default: profiles/sim
+    python -m scripts.tools.make_sim_profiles [--out DIR]      # default: profiles/sim
 
 The FastServe paper's setups: OPT-13B on one A100, OPT-66B on four, OPT-175B
 on sixteen, host<->GPU over PCIe 4.0. We have no A100 here, so each profile is
@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engine.analytic_profile import roofline_profile
+from engine.model.config import OPTConfig
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config
 
-from engine.analytic_profile import roofline_profile  # noqa: E402
-from engine.model.config import OPTConfig  # noqa: E402
-from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 A100_FLOPS = 312e12
 A100_VARIANTS = {"40gb": (1.555e12, 40 * 2**30), "80gb": (2.039e12, 80 * 2**30)}  # HBM bytes/s, memory
