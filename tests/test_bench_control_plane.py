@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.benchmarks import control_plane as bench_control_plane
+from scripts.benchmarks import control_plane
 
 
-@pytest.mark.parametrize("mode", bench_control_plane.MODES)
+@pytest.mark.parametrize("mode", control_plane.MODES)
 def test_measure_splits_a_decode_step_into_compute_and_the_engine_around_it(tiny_model_dir, mode):
-    r = bench_control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
+    r = control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
     assert r["batch"] == 4 and r["steps"] >= 4 and r["mode"] == mode
     assert r["execute"] > 0 and r["wall"] > 0 and r["schedule"] > 0 and r["commit"] > 0 and r["publish"] > 0
     assert r["idle"] >= 0  # from one step's compute ending to the next one's starting, in the step thread

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastserve import compare as live_sweep
+from fastserve import compare
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,11 +18,11 @@ ALPACA = REPO / "tests" / "data" / "alpaca_lengths_head20.csv"  # the first 20 r
 
 def test_two_policies_swept_live_give_a_summary_per_policy_and_a_plot(tiny_model_dir, tmp_path, capsys):
     out, plot = tmp_path / "results", tmp_path / "fig11.png"
-    rc = live_sweep.main(["--policies", "fcfs,skip-join-mlfq", "--dataset-path", str(ALPACA), "--num-prompts", "5",
-                          "--sweep", "4,8", "--slo-per-token", "10", "--result-dir", str(out), "--plot", str(plot),
-                          "--max-concurrency", "3",  # not compare's: passed on to loadgen.py
-                          "--", "--model", str(tiny_model_dir), "--profile", "analytic",
-                          "--num-gpu-blocks-override", "256", "--num-host-blocks-override", "256"])
+    rc = compare.main(["--policies", "fcfs,skip-join-mlfq", "--dataset-path", str(ALPACA), "--num-prompts", "5",
+                       "--sweep", "4,8", "--slo-per-token", "10", "--result-dir", str(out), "--plot", str(plot),
+                       "--max-concurrency", "3",  # not compare's: passed on to loadgen.py
+                       "--", "--model", str(tiny_model_dir), "--profile", "analytic",
+                       "--num-gpu-blocks-override", "256", "--num-host-blocks-override", "256"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["server_args"][:2] == ["--model", str(tiny_model_dir)]
@@ -47,7 +47,7 @@ def test_side_by_side_table_by_hand():
     summary = {p: {"rates": [1.0, 2.0], "mean_per_token_s": means, "p95_per_token_s": p95s, "failed": failed}
                for p, means, p95s, failed in (("fcfs", [0.03, 0.09], [0.05, 0.2], [0, 2]),
                                               ("skip-join-mlfq", [0.02, 0.03], [0.04, 0.05], [0, 0]))}
-    lines = live_sweep.format_side_by_side(summary).splitlines()
+    lines = compare.format_side_by_side(summary).splitlines()
     assert lines[2].split() == ["1", "30.0", "/", "50.0", "20.0", "/", "40.0", "1.50x"]
     assert lines[3].split() == ["2", "90.0", "/", "200.0", "(2", "failed)", "30.0", "/", "50.0", "3.00x"]
 

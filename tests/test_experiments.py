@@ -40,7 +40,7 @@ def test_throughput_at_slo_edges():
 
 
 def test_fig13_bisection_narrows_every_bracket_to_the_resolution():
-    """Fig. 13's goodput searches (experiment_sections/latency_curves.py) bisect to 2%: after the steps, every
+    """Fig. 13's goodput searches (scripts/experiments/latency_curves.py) bisect to 2%: after the steps, every
     bracket of the grid (and the one below its lowest point) is narrower than that; one step fewer is not."""
     from scripts.experiments.latency_curves import LOADS, RESOLUTION, bisection_steps
 

@@ -152,7 +152,7 @@ def test_bad_profile_file_is_a_clear_error(tiny_config, tmp_path, content, probl
         load_cost_model(EngineConfig(profile=str(path)), tiny_config, FakeExecutor())
     message = str(e.value)
     assert str(path) in message and problem in message
-    assert "scripts/profile_model.py" in message and "--profile analytic" in message
+    assert "`fastserve profile`" in message and "--profile analytic" in message
 
 
 def test_engine_refuses_a_missing_profile(tiny_model_dir, tmp_path):

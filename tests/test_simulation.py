@@ -500,7 +500,7 @@ def test_quantile_is_numpys_percentile(values, q):
 
 
 def test_a_profile_without_a_host_capacity_gets_the_live_engines_host_tier(tiny_model_dir):
-    """tests/data/tiny_profile.json (what scripts/replay_in_sim.py replays live runs with) names no host tier:
+    """tests/data/tiny_profile.json (what `fastserve replay` replays live runs with) names no host tier:
     the simulated engine then has the live engine's (swap_space GiB), not none. With none, every preemption
     dropped its KV and the oracle, which preempts most, recomputed 3.6x the work and read 4-7x worse than FCFS."""
     from engine.config import EngineConfig

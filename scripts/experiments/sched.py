@@ -1,5 +1,5 @@
 """Sections of `make experiments` on scheduling past capacity and on the KV
-ranking (registered in experiment_sections/__init__.py; each takes its Ctx):
+ranking (registered in __init__.py; each takes its Ctx):
 
 - enst_ablation: what ENST ranking buys the proactive planner over LRU/FIFO
   and random ranking, with the thrash count of each;

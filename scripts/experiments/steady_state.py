@@ -264,10 +264,9 @@ def kv_usage(times: Sequence[float], device: Sequence[int], host: Sequence[int],
             "kv_run_peak_blocks": max(total), "kv_peak_device_blocks": max(device), "kv_series": series}
 
 
-def run_point(setup: Setup, policy: str, rate: float, seed: int, make_scheduler=None) -> dict:
+def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
     """One simulation; its windowed metrics plus KV counters and the wall time (with setup.track_kv, kv_usage's
-    fields too). make_scheduler(engine), if given, returns the scheduling policy that replaces the engine's (a study's
-    own order; not cached by Runner)."""
+    fields too)."""
     from engine.simulation import run_trace, simulated_engine
     from fastserve.make_model import config_only_model
 
@@ -280,8 +279,6 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int, make_scheduler=
         engine = misprofiled_engine(config_only_model(shape), REPO / profile, setup.profiler_error, policy, kw)
     if setup.planner_ranking != "enst":
         rank_planner(engine, setup.planner_ranking)
-    if make_scheduler is not None:
-        engine.scheduler = make_scheduler(engine)
     tracker = KVUsageTracker(engine) if setup.track_kv else None
     t = time.perf_counter()
     result = run_trace(engine, trace)
