@@ -28,18 +28,19 @@ def free_port() -> int:
 class ServerProcess:
     """`python server.py --port P ARGS`, logging to LOG_DIR/server-NAME.log (NAME: the port by default);
     `command` runs another form of it (e.g. [".venv/bin/fastserve", "serve"]); `session`: in a process group of
-    its own (as a terminal's foreground job: os.killpg(proc.pid, SIGINT) is a Ctrl-C)."""
+    its own (as a terminal's foreground job: os.killpg(proc.pid, SIGINT) is a Ctrl-C); `cwd`: the folder it runs in
+    (default: this process's)."""
 
     def __init__(self, args: Sequence[str], log_dir: Path, name: str | None = None,
                  env: Mapping[str, str] | None = None, command: Sequence[str] | None = None,
-                 session: bool = False) -> None:
+                 session: bool = False, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"server-{name or self.port}.log"
         command = [sys.executable, str(SERVER)] if command is None else list(command)
         cmd = [*command, "--port", str(self.port), *args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=None if env is None else dict(env), start_new_session=session)
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
