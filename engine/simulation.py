@@ -187,7 +187,7 @@ def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: fl
     clock.advance(max(min(events) - now, 0.0) or 1e-9)
 
 
-# -- multi-turn chat (issue 28) ---------------------------------------------------------------------------------
+# -- multi-turn chat ----------------------------------------------------------------------------------------------
 THINK_TIME_DISTRIBUTIONS = ("exponential", "constant")
 
 

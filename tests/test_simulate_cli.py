@@ -92,7 +92,7 @@ def test_synthetic_lengths_take_vllms_random_flags(models_here, tmp_path):
 
 
 def test_chunked_prefill_flags_reach_the_engine_and_itl_is_reported(models_here, tmp_path):
-    """--max-num-batched-tokens and --enable-chunked-prefill / --no-enable-chunked-prefill (issue 25): prompts of 1,500
+    """--max-num-batched-tokens and --enable-chunked-prefill / --no-enable-chunked-prefill: prompts of 1,500
     tokens under a 256-token budget are split (each chunk priced over its prefix), and the summary has ITL and P99
     TTFT; without chunking the same trace's P99 ITL holds a whole 1,500-token prefill."""
     runs = {}

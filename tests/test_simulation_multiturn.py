@@ -1,4 +1,4 @@
-"""The simulator's multi-turn chat replay (engine/simulation.py, run_conversations; issue 28): each turn's prompt is
+"""The simulator's multi-turn chat replay (engine/simulation.py, run_conversations): each turn's prompt is
 the conversation so far, sent after the previous answer plus a think time; with prefix caching the simulated KV
 manager (the real one) finds the history cached and the cost model charges only the uncached tokens."""
 
