@@ -92,7 +92,8 @@ def note_replaced(path: Path, names: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m scripts.experiments", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "experiments.md")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(FIGURES)}; prints the "
                                                  "sections and writes their figures, not the document")

@@ -465,7 +465,8 @@ def markdown(setup: Setup, cap: dict, data: dict, loads: Sequence[float], polici
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m scripts.experiments.steady_state", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scale", default="opt-13b", choices=sorted(SCALES))
     ap.add_argument("--dataset", default="sharegpt", choices=sorted(DATASETS))
     ap.add_argument("--dataset-path", default=None)
