@@ -60,12 +60,6 @@ class AlwaysFits:
     def room_for(self, num_tokens: int) -> bool:
         return True
 
-    def parked(self) -> tuple[Job, ...]:
-        return ()  # nothing is parked on a host
-
-    def parked_unfit(self) -> tuple[Job, ...]:
-        return ()
-
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
         return False  # evictions free their blocks at once: no copy is ever in flight
 
@@ -74,6 +68,12 @@ class AlwaysFits:
 
     def evict(self, job: Job) -> None:
         job.num_computed = 0
+
+    def parked(self) -> tuple[Job, ...]:
+        return ()  # nothing is parked on a host
+
+    def parked_unfit(self) -> tuple[Job, ...]:
+        return ()
 
 
 def none_or_float(value: str) -> float | None:

@@ -13,8 +13,11 @@ Every one is measured the steady-state way (steady_state.py).
 from __future__ import annotations
 
 import math
+import time
 
 from scripts.experiments.common import MAIN, Ctx
+from scripts.experiments.fig15 import kv_setup
+from scripts.experiments.steady_state import OUTPUT_BUCKETS, Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
 RANKINGS = ("enst", "lru", "random")
@@ -23,10 +26,6 @@ ABLATION_LOADS = (1.0, 1.5)  # x C: the planner moves KV at and past capacity
 
 def section_enst_ablation(ctx: Ctx) -> str:
     """The proactive planner's ranking (Setup.planner_ranking), steady state, the engine's defaults."""
-    import time
-
-    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
     n = ctx.args.steady_prompts
@@ -81,8 +80,6 @@ ALPHA_LOADS = (0.8, 1.25)  # x C
 def section_alpha(ctx: Ctx) -> str:
     """Skip-join with alpha set (the paper's promotion, on top of the defaults) against the default, steady state
     (scripts/experiments/steady_state.py; the runs at alpha None are Fig. 12's)."""
-    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
     cap = capacity(runner, Setup(MAIN, "sharegpt", ctx.args.steady_prompts), range(3))
@@ -124,10 +121,6 @@ ROBUSTNESS_LOADS = (1.0, 1.5)  # x C (below capacity no case differs: the previo
 def section_robustness(ctx: Ctx) -> str:
     """Profiler error and bursty arrivals, steady state (scripts/experiments/steady_state.py: Setup.profiler_error and
     Setup.burstiness), in units of FCFS's capacity under Poisson arrivals."""
-    import time
-
-    from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
-
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
     n = ctx.args.steady_prompts
@@ -195,11 +188,6 @@ KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
 def section_kv_steady(ctx: Ctx) -> str:
     """Skip-join MLFQ under each KV policy at 0.8x, 1x and 1.5x of FCFS's capacity, steady state (Fig. 15's points,
     so its cached runs), the per-token latency split by output length (steady_state.OUTPUT_BUCKETS)."""
-    import time
-
-    from scripts.experiments.fig15 import kv_setup
-    from scripts.experiments.steady_state import OUTPUT_BUCKETS, Runner, capacity, fmt, stat, table
-
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
     n = ctx.args.steady_prompts
