@@ -13,7 +13,7 @@ a roofline estimate from published datasheet numbers, stated in the file's
 - multi-GPU: compute and bandwidth scale with the GPU count at 80% efficiency
   (tensor-parallel all-reduces, pipeline bubbles);
 - KV capacity: 90% of GPU memory minus the FP16 weights; host swap space 256 GiB.
-A measured profile from scripts/profile_model.py on real hardware replaces these.
+A measured profile from `fastserve profile` on real hardware replaces these.
 
 Two variants per setup, because the GPU's memory decides whether KV memory
 binds: A100 40GB, the GPU of the vLLM paper's OPT-13B/66B setups (its Table 1:
