@@ -25,7 +25,7 @@ $(CLIENTS_STAMP): $(STAMP) requirements-clients.txt
 	touch $(CLIENTS_STAMP)
 
 models/tiny-opt/config.json: $(STAMP)
-	$(PY) scripts/make_tiny_model.py --out models/tiny-opt
+	$(FASTSERVE) make-model --out models/tiny-opt
 
 model: models/tiny-opt/config.json
 
@@ -73,19 +73,19 @@ compare: $(STAMP) models/tiny-opt/config.json
 
 ## experiments: regenerate docs/experiments.md and docs/figures/ (simulated at the paper's scale + a live check)
 experiments: $(STAMP)
-	$(PY) scripts/experiments.py $(ARGS)
+	$(PY) -m scripts.experiments $(ARGS)
 
 ## bench-sim-vs-live: the same trace on the live engine and in the simulator; prints the ratio
 bench-sim-vs-live: $(STAMP)
-	$(PY) scripts/bench_sim_vs_live.py $(ARGS)
+	$(PY) -m scripts.benchmarks.sim_vs_live $(ARGS)
 
 ## dashboard-screenshot: docs/dashboard.png, the dashboard under a steady load (headless chromium)
 dashboard-screenshot: $(STAMP) browser models/tiny-opt/config.json
-	$(PY) scripts/dashboard_screenshot.py --out docs/dashboard.png $(ARGS)
+	$(PY) -m scripts.tools.dashboard_screenshot --out docs/dashboard.png $(ARGS)
 
-## soak: scripts/soak.py, 10,000 requests at 1.5x capacity (the test suite runs a short one)
+## soak: scripts/benchmarks/soak.py, 10,000 requests at 1.5x capacity (the test suite runs a short one)
 soak: $(STAMP) models/tiny-opt/config.json
-	$(PY) scripts/soak.py --requests 10000 $(ARGS)
+	$(PY) -m scripts.benchmarks.soak --requests 10000 $(ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache

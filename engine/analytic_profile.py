@@ -1,5 +1,5 @@
 """analytic_profile: a job profile estimated from the model's shape, used
-when no measured profile (scripts/profile_model.py) is given.
+when no measured profile (`fastserve profile`) is given.
 
 Roofline estimate: an iteration costs max(FLOPs / peak FLOP/s, bytes / memory
 bandwidth), with conservative per-device-kind numbers. It only needs to rank

@@ -1,6 +1,6 @@
 """The job profiler: measured iteration costs of a model on the hardware at hand.
 
-What it is: the measuring functions that scripts/profile_model.py (the CLI)
+What it is: the measuring functions that `fastserve profile` (the CLI)
 and engine/profiles.py (the short start-up profile) share. They drive an
 executor with real ModelBatches over hand-built block tables and time
 `executor.execute()`: the first iteration t_init(s) of one prompt of s tokens

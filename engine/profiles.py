@@ -8,7 +8,7 @@ load_cost_model() picks, in this order:
 3. a profile in the profile folder whose key matches this engine's (model
    name, dtype, tensor/pipeline parallel sizes, hardware). The folder is
    `profiles/` at the repository root, or $FASTSERVE_PROFILE_DIR when set;
-   scripts/profile_model.py writes there by default (profiles/README.md);
+   `fastserve profile` writes there by default (profiles/README.md);
 4. otherwise a short profile measured now, on the engine's own executor
    (engine/job_profiler.STARTUP_GRID), announced by one log line (a warning,
    but INFO for the built-in tiny model, which is always measured this way:
@@ -103,7 +103,7 @@ def load_cost_model(config: EngineConfig, model_config: OPTConfig,
     log.log(
         logging.INFO if config.model is None else logging.WARNING,
         "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s); "
-        "for a fuller one run scripts/profile_model.py --model DIR", key["model"], key["dtype"],
+        "for a fuller one run `fastserve profile --model DIR`", key["model"], key["dtype"],
         key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,
         time.perf_counter() - start,
     )
@@ -126,6 +126,6 @@ def _read(path: Path, origin: str) -> ProfiledCostModel:
     except ValueError as e:
         problem = str(e)
     raise ValueError(
-        f"{origin}: cannot use job profile {path}: {problem}. Write one with scripts/profile_model.py, "
+        f"{origin}: cannot use job profile {path}: {problem}. Write one with `fastserve profile`, "
         f"or pass --profile {ANALYTIC} for an estimate from the model's shape"
     )

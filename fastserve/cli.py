@@ -1,29 +1,30 @@
-"""`fastserve`: the project's one command (installed by `pip install -e .`, as `make install` does).
+"""`fastserve`: the project's one command (installed by `pip install .`, or `pip install -e .` as `make install` does).
 
     fastserve serve [MODEL] [flags]     the OpenAI-compatible server (server.py; MODEL = --model, as `vllm serve`)
     fastserve bench serve [flags]       the load generator, with vLLM `vllm bench serve`'s flags (fastserve/bench/)
-    fastserve simulate [flags]          the engine, scheduler and KV manager on a virtual clock (scripts/simulate.py)
+    fastserve simulate [flags]          the engine, scheduler and KV manager on a virtual clock (fastserve/simulate.py)
     fastserve compare [flags] [-- SERVER FLAGS]
                                         FCFS vs skip-join MLFQ served live on the tiny model, the same load
-                                        (scripts/live_sweep.py with `make compare`'s settings)
+                                        (fastserve/compare.py with `make compare`'s settings)
+    fastserve replay [flags]            a load generator result replayed in the simulator (fastserve/replay.py)
+    fastserve profile [flags]           measure a model's job profile on this machine (fastserve/profile.py)
+    fastserve make-model [flags]        write a random-weight OPT checkpoint (fastserve/make_model.py)
 
 `fastserve COMMAND --help` lists a command's flags. A bad command or flag is one line on stderr, exit 2.
-`python server.py ...` and `python -m fastserve ...` work too. `simulate` and `compare` run scripts of the
-source checkout (they are development tools, not shipped in a wheel); this file finds them beside itself.
+`python server.py ...` and `python -m fastserve ...` work too, and so does `python -m fastserve.NAME` for each
+command's module.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 PROG = "fastserve"
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
-USAGE = f"usage: {PROG} {{serve,bench serve,simulate,compare}} ...  ({PROG} --help for more)"
+USAGE = f"usage: {PROG} {{serve,bench serve,simulate,compare,replay,profile,make-model}} ...  ({PROG} --help for more)"
 
 # `make compare`'s settings: the tiny model, 30 requests a rate at 1 and 2 req/s, a per-token SLO of 45 ms,
 # and a KV cache small enough that memory matters; flags given after these win (argparse keeps the last).
@@ -31,7 +32,8 @@ COMPARE_ARGS = ["--policies", "fcfs,skip-join-mlfq", "--num-prompts", "30", "--s
                 "--slo-per-token", "0.045", "--result-dir", "results/compare"]
 COMPARE_SERVER_ARGS = ["--num-gpu-blocks-override", "987", "--num-host-blocks-override", "8192",
                        "--max-model-len", "512"]
-COMPARE_DATA = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"  # ShareGPT's lengths, when present
+# ShareGPT's lengths, when the checkout has the project's shared datasets beside it
+COMPARE_DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "sharegpt_lengths.csv"
 COMPARE_SYNTHETIC = ["--dataset-name", "synthetic", "--random-input-len", "120", "--random-output-len", "200",
                      "--random-range-ratio", "0.9"]
 
@@ -61,19 +63,14 @@ def _bench(argv: list[str]) -> int:
     return main(argv[1:])
 
 
-def _script(name: str, prog: str, argv: list[str]) -> int:
-    """Run scripts/NAME.py's main(argv) in this process, its parser named `prog` and its errors one line."""
-    path = SCRIPTS / f"{name}.py"
-    if not path.is_file():
-        raise CommandError(prog, f"needs the source checkout ({path} is missing; this command runs the "
-                                 "repository's scripts/, which a wheel does not ship)")
-    if str(SCRIPTS) not in sys.path:  # the scripts import their neighbours by name (server_process.py)
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(f"fastserve_scripts_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.build_parser = _renamed(module.build_parser, prog)
-    return module.main(argv)
+def _run(module: ModuleType, prog: str, argv: list[str]) -> int:
+    """The command module's main(argv) in this process, its parser named `prog` and its errors one line."""
+    build_parser = module.build_parser
+    module.build_parser = _renamed(build_parser, prog)
+    try:
+        return module.main(argv)
+    finally:
+        module.build_parser = build_parser
 
 
 def _renamed(build_parser: Callable[[], argparse.ArgumentParser], prog: str):
@@ -86,12 +83,8 @@ def _renamed(build_parser: Callable[[], argparse.ArgumentParser], prog: str):
     return build
 
 
-def _simulate(argv: list[str]) -> int:
-    return _script("simulate", f"{PROG} simulate", argv)
-
-
 def compare_argv(argv: Sequence[str], data: Path = COMPARE_DATA) -> list[str]:
-    """scripts/live_sweep.py's command line for `fastserve compare ARGV`: `make compare`'s settings, then the
+    """fastserve/compare.py's command line for `fastserve compare ARGV`: `make compare`'s settings, then the
     caller's flags (which win), then `--`, the server's settings and the caller's server flags."""
     argv = list(argv)
     ours, server = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -101,15 +94,42 @@ def compare_argv(argv: Sequence[str], data: Path = COMPARE_DATA) -> list[str]:
 
 
 def _compare(argv: list[str]) -> int:
+    from fastserve import compare
+
     ours = argv[:argv.index("--")] if "--" in argv else argv
     if "-h" in ours or "--help" in ours:
         print(f"{PROG} compare [flags] [-- SERVER FLAGS]: FCFS and skip-join MLFQ, each served live on the tiny "
               f"model and swept with the same load (ShareGPT's lengths from {COMPARE_DATA} when it exists, else "
               f"synthetic lengths); prints their per-token latency side by side.\nIts settings: "
               f"{' '.join(COMPARE_ARGS)} -- {' '.join(COMPARE_SERVER_ARGS)}; flags given here win. "
-              f"scripts/live_sweep.py's flags:\n")
-        return _script("live_sweep", f"{PROG} compare", ["--help"])
-    return _script("live_sweep", f"{PROG} compare", compare_argv(argv))
+              f"Its flags:\n")
+        return _run(compare, f"{PROG} compare", ["--help"])
+    return _run(compare, f"{PROG} compare", compare_argv(argv))
+
+
+# Each command's module is imported when it runs (the server's and the simulator's imports take seconds).
+def _simulate(argv: list[str]) -> int:
+    from fastserve import simulate
+
+    return _run(simulate, f"{PROG} simulate", argv)
+
+
+def _replay(argv: list[str]) -> int:
+    from fastserve import replay
+
+    return _run(replay, f"{PROG} replay", argv)
+
+
+def _profile(argv: list[str]) -> int:
+    from fastserve import profile
+
+    return _run(profile, f"{PROG} profile", argv)
+
+
+def _make_model(argv: list[str]) -> int:
+    from fastserve import make_model
+
+    return _run(make_model, f"{PROG} make-model", argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
@@ -117,6 +137,9 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "bench": (_bench, "benchmarks against a running server: fastserve bench serve (the load generator)"),
     "simulate": (_simulate, "a serving run on a virtual clock with profiled costs"),
     "compare": (_compare, "FCFS vs skip-join MLFQ served live on the tiny model (what `make compare` runs)"),
+    "replay": (_replay, "a load generator result replayed in the simulator under each policy"),
+    "profile": (_profile, "measure a model's job profile (iteration costs) on this machine"),
+    "make-model": (_make_model, "write a random-weight OPT checkpoint (the built-in tiny model, ...)"),
 }
 
 

@@ -1,7 +1,7 @@
 """modelmaker: development tooling that makes models — random-weight OPT checkpoints in Hugging Face layout
 (opt_checkpoint.py), the tiny model's tokenizer (tiny_tokenizer.py) and the built-in tiny model (tiny_model.py).
 
-Used by server.py (building the tiny model when no --model is given), scripts/ (make_tiny_model.py, the
+Used by server.py (building the tiny model when no --model is given), the `fastserve` commands (make-model, the
 simulator's shapes) and the tests. The engine, scheduler, memory, kernels and serving packages never import it:
-they load models; making them is `make`'s and the scripts' (tests/test_package_boundaries.py checks this).
+they load models; making them is the commands' (tests/test_package_boundaries.py checks this).
 """

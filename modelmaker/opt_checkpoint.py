@@ -1,6 +1,6 @@
 """Random-weight OPT checkpoints in the real Hugging Face layout.
 
-What it is: the writer behind scripts/make_tiny_model.py, the built-in tiny
+What it is: the writer behind `fastserve make-model` (fastserve/make_model.py), the built-in tiny
 model (modelmaker/tiny_model.py) and the tests' checkpoints — config.json plus weights (single or sharded
 safetensors, or pytorch_model.bin), named exactly as facebook/opt-* name them,
 from a seeded CPU generator so every machine writes identical bytes.

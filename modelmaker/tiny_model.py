@@ -4,7 +4,7 @@
 loads it from engine.config.DEFAULT_MODEL_DIR (`LLM(model=None)`, EngineConfig(model=None)) and never
 builds it. It is a random-weight OPT of ~5M parameters (2048-token context) with its own byte-level BPE
 tokenizer, written deterministically by modelmaker/opt_checkpoint.py and modelmaker/tiny_tokenizer.py
-(scripts/make_tiny_model.py is the CLI).
+(`fastserve make-model`, fastserve/make_model.py, is the CLI).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Training of the built-in tiny model's tokenizer.
 
 What this is: `train_tiny_tokenizer`, which trains a byte-level BPE (GPT-2/OPT style) on the small English
-corpus in scripts/data/tiny_corpus.txt and writes it in OPT's Hugging Face layout, so that both
+corpus in modelmaker/tiny_corpus.txt and writes it in OPT's Hugging Face layout, so that both
 `engine.tokenizer.Tokenizer` and transformers' AutoTokenizer load it and give the same ids (BOS "</s>" first).
 Training is deterministic: the same files, byte for byte, on every run and machine.
 
@@ -9,7 +9,7 @@ Training is deterministic: the same files, byte for byte, on every run and machi
 any other): a random-weight model's output then survives decode -> encode, as a trained model's text does, and
 a byte-level BPE's random output does not (random byte tokens merge differently when re-encoded, and stray
 bytes become U+FFFD). Multi-turn benchmarks of prefix caching need that: the next turn sends the previous
-answer back as text (scripts/live_prefix_caching.py --tokenizer word).
+answer back as text (fastserve make-model --tokenizer word).
 
 What this is not: a tokenizer for real text (the corpus is ~26 KB; OPT checkpoints ship their own), and
 not the loader (engine/tokenizer.py), which the engine uses; this module is development tooling
@@ -27,7 +27,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 
 from engine.tokenizer import Tokenizer, TokenizerError
 
-CORPUS = Path(__file__).resolve().parents[1] / "scripts" / "data" / "tiny_corpus.txt"
+CORPUS = Path(__file__).resolve().parent / "tiny_corpus.txt"  # shipped in the wheel (pyproject package-data)
 SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3, as in OPT's vocab.json
 BYTE_ALPHABET_SIZE = 256  # byte-level BPE starts from every byte, so any text can be encoded
 
@@ -48,7 +48,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def train_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 4096) -> Tokenizer:
-    """Train on scripts/data/tiny_corpus.txt and write tokenizer.json, vocab.json, merges.txt,
+    """Train on modelmaker/tiny_corpus.txt and write tokenizer.json, vocab.json, merges.txt,
     tokenizer_config.json and special_tokens_map.json into `out_dir`; return the loaded tokenizer.
 
     `vocab_size` is an upper bound: training stops early once every word of the corpus is one token.

@@ -12,7 +12,6 @@ import json
 import os
 import select
 import socket
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
+from fastserve.server_process import ServerProcess
 
-from server_process import ServerProcess  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # Fast start-up: small KV tiers (16k device tokens is plenty here) and the analytic job profile (no
 # start-up measurement).

@@ -1,20 +1,16 @@
-"""scripts/bench_control_plane.py: a step's wall time against the executor's compute time (tp = pp = 1), in
+"""scripts/benchmarks/control_plane.py: a step's wall time against the executor's compute time (tp = pp = 1), in
 synchronous mode, with async output processing and with async scheduling."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_control_plane  # noqa: E402
+from scripts.benchmarks import control_plane
 
 
-@pytest.mark.parametrize("mode", bench_control_plane.MODES)
+@pytest.mark.parametrize("mode", control_plane.MODES)
 def test_measure_splits_a_decode_step_into_compute_and_the_engine_around_it(tiny_model_dir, mode):
-    r = bench_control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
+    r = control_plane.measure(str(tiny_model_dir), batch=4, steps=6, mode=mode)
     assert r["batch"] == 4 and r["steps"] >= 4 and r["mode"] == mode
     assert r["execute"] > 0 and r["wall"] > 0 and r["schedule"] > 0 and r["commit"] > 0 and r["publish"] > 0
     assert r["idle"] >= 0  # from one step's compute ending to the next one's starting, in the step thread

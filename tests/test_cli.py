@@ -1,6 +1,7 @@
 """The `fastserve` command (fastserve/cli.py) as a user types it: the console script the package installs, each
 command for real (`serve MODEL` answering over HTTP, `bench serve` against a fake server, `simulate`, a small
-`compare`), and every bad command or flag as one line on stderr with exit status 2."""
+`compare`, `make-model`, `profile` and `replay`), and every bad command or flag as one line on stderr with exit
+status 2. tests/test_wheel.py runs the same commands from a wheel installed into a fresh virtualenv."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_the_package_installs_the_console_script():
     assert FASTSERVE.is_file() and os.access(FASTSERVE, os.X_OK), \
         f"{FASTSERVE} is missing: the package's [project.scripts] entry is not installed (make install)"
     r = run("--help")
-    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "bench serve", "simulate", "compare"))
+    assert r.returncode == 0 and all(c in r.stdout for c in ("serve", "bench serve", "simulate", "compare", "replay",
+                                                             "profile", "make-model"))
     # `python -m fastserve` is the same command
     r2 = subprocess.run([sys.executable, "-m", "fastserve", "--help"], cwd=REPO, capture_output=True, text=True)
     assert r2.returncode == 0 and r2.stdout == r.stdout
@@ -36,7 +38,8 @@ def test_the_package_installs_the_console_script():
 
 @pytest.mark.parametrize("args, message", [
     ([], "fastserve: error: a command is required"),
-    (["srve"], "fastserve: error: unknown command 'srve' (choose from serve, bench, simulate, compare)"),
+    (["srve"], "fastserve: error: unknown command 'srve' (choose from serve, bench, simulate, compare, replay, "
+               "profile, make-model)"),
     (["bench", "latency"], "fastserve bench: error: unknown benchmark 'latency' (choose from serve)"),
     (["serve", "--no-such-flag"], "fastserve serve: error: unrecognized arguments: --no-such-flag"),
     (["serve", "--port", "http"], "fastserve serve: error: argument --port: invalid int value: 'http'"),
@@ -48,9 +51,14 @@ def test_the_package_installs_the_console_script():
     (["simulate", "--model", "opt-13b"], "fastserve simulate: error: the following arguments are required: "
                                          "--profile"),
     (["compare", "--no-such-flag"], "fastserve compare: error: unrecognized arguments: --no-such-flag"),
+    (["replay", "--profile", "p.json"], "fastserve replay: error: the following arguments are required: --result"),
+    (["profile", "--batch-sizes", "0"], "fastserve profile: error: argument --batch-sizes: expected comma-separated"),
+    (["make-model", "--shape", "opt-1b"], "fastserve make-model: error: argument --shape: invalid choice: 'opt-1b'"),
+    (["make-model", "--shape", "opt-125m", "--tokenizer", "word"], "fastserve make-model: error: --tokenizer applies "
+                                                                   "to --shape tiny only"),
 ])
 def test_a_bad_command_or_flag_is_one_line_and_exit_2(tmp_path, args, message):
-    r = run(*args, cwd=tmp_path)  # from anywhere: the command finds its scripts beside itself
+    r = run(*args, cwd=tmp_path)  # from anywhere
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
     assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())  # nothing started, nothing written
@@ -87,7 +95,7 @@ def test_bench_serve_is_the_load_generator(tmp_path):
     assert len(fake.bodies) == 3 and all(b["max_tokens"] == 4 for b in fake.bodies)
 
 
-def test_simulate_runs_scripts_simulate(tmp_path):
+def test_simulate_runs_a_trace_on_a_virtual_clock(tmp_path):
     out, lengths = tmp_path / "s.json", tmp_path / "lengths.csv"
     lengths.write_text("input_tokens,output_tokens\n" + "".join(f"{20 + 7 * i},{10 + 3 * i}\n" for i in range(30)))
     r = run("simulate", "--model", "opt-13b", "--profile", PROFILE, "--dataset-name", "lengths", "--dataset-path",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -15,11 +14,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.server_fixtures import REPO, shared_server, wait_idle
-
-sys.path.insert(0, str(REPO / "scripts"))
-from dashboard_screenshot import SERVER_ARGS, page_numbers, steady_load  # noqa: E402
-from headless_chromium import Chromium, ChromiumMissing, find_chromium  # noqa: E402
+from scripts.tools.dashboard_screenshot import SERVER_ARGS, page_numbers, steady_load
+from scripts.tools.headless_chromium import Chromium, ChromiumMissing, find_chromium
+from tests.server_fixtures import shared_server, wait_idle
 
 
 def js_fixed(x: float, digits: int) -> str:

@@ -3,19 +3,14 @@ shapes, counted the way bench_gpu counts the bytes a decode step reads."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
 from engine.loader import load_model_stage
 from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_gpu  # noqa: E402
-import device_expectations as dx  # noqa: E402
+from scripts import bench_gpu
+from scripts import device_expectations as dx
 
 
 def test_weight_and_kv_bytes_are_counted_as_bench_gpu_counts_them(tiny_model_dir):

@@ -5,7 +5,6 @@ back to the config; compare passes the ones given on to its servers; simulate's 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,9 @@ import pytest
 import server
 from engine.args import FIELDS, add_engine_args, config_from_args, engine_args_given, engine_argv, engine_flag
 from engine.config import EngineConfig
+from fastserve import compare, simulate
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
-
-try:  # the commands' modules, in fastserve/ once they live there
-    from fastserve import compare, simulate
-except ImportError:
-    import live_sweep as compare
-    import simulate
 
 PROFILES = REPO / "profiles" / "sim"
 # Engine settings a command names otherwise: simulate's --model also takes a shape name and its --profile is

@@ -15,14 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
-
-from server_process import ServerProcess  # noqa: E402
-
-from fastserve.bench import loadgen  # noqa: E402
-from fastserve.bench.client import DONE, RequestResult, StreamState, parse_sse_line, send_request  # noqa: E402
-from fastserve.bench.metrics import (  # noqa: E402
+from fastserve.bench import loadgen
+from fastserve.bench.client import DONE, RequestResult, StreamState, parse_sse_line, send_request
+from fastserve.bench.metrics import (
     compute_metrics,
     format_report,
     parse_goodput,
@@ -30,6 +25,9 @@ from fastserve.bench.metrics import (  # noqa: E402
     run_json,
     slo_points,
 )
+from fastserve.server_process import ServerProcess
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # -- metric arithmetic on fake timings ------------------------------------------------------------------------

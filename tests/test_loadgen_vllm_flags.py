@@ -1,7 +1,7 @@
 """The load generator (fastserve bench serve) as a vLLM user types it: --backend openai|openai-chat|vllm,
 --host/--port, text prompts by default, the tokenizer chosen without being named (and a warning when it cannot
 be the server's), failed requests named beside the SLO verdict, vLLM's top-level result fields; against the
-in-test fake server and, end to end, against the real server.py with the issue's first command."""
+in-test fake server and, end to end, against the real server.py with no tokenizer named."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from fastserve.bench import loadgen
+from fastserve.bench import plot as loadgen_plot
+from fastserve.bench import tokens as loadgen_tokenizer
+from fastserve.server_process import ServerProcess
 from tests.test_loadgen import REPO, FakeServer
-
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
-
-from server_process import ServerProcess  # noqa: E402
-
-from fastserve.bench import loadgen  # noqa: E402
-from fastserve.bench import plot as loadgen_plot  # noqa: E402
-from fastserve.bench import tokens as loadgen_tokenizer  # noqa: E402
 
 CONVERSATIONS = [("Tell me about the sea and the sky today", "The sea is blue and the sky is wide open"),
                  ("What is a good name for a small red cat", "A good name is Pepper or maybe Ginger"),
@@ -130,7 +126,7 @@ def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
         loadgen_tokenizer.choose_counter(str(tmp_path), None, None, None)
 
 
-def test_the_issues_first_command_against_the_real_server(tiny_model_dir, sharegpt, tmp_path):
+def test_sharegpt_with_no_tokenizer_named_against_the_real_server(tiny_model_dir, sharegpt, tmp_path):
     """No tokenizer named: the server lists its --model directory, and the load generator counts with it."""
     srv = ServerProcess(["--model", str(tiny_model_dir), "--profile", "analytic", "--num-gpu-blocks-override",
                          "512", "--num-host-blocks-override", "64"], tmp_path)

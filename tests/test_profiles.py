@@ -5,7 +5,6 @@ well-formed batches, and lookups on the pinned profile are monotone."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from concurrent.futures import Future
@@ -24,13 +23,6 @@ from scheduler.cost_model import ProfiledCostModel
 
 REPO = Path(__file__).resolve().parents[1]
 PINNED = Path(__file__).parent / "data" / "tiny_profile.json"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def pinned_with_key(key: dict) -> dict:
@@ -64,7 +56,8 @@ def tiny_config(tiny_model_dir) -> OPTConfig:
 
 def test_profiler_writes_a_valid_profile_for_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path))
-    profiler = load_script("profile_model")
+    from fastserve import profile as profiler
+
     rc = profiler.main(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
                         "--prompt-lens", "1,8,32", "--batch-sizes", "1,2", "--context-lens", "8,32",
                         "--repeats", "1", "--warmup", "1", "--num-gpu-blocks-override", "64", "--quiet"])
@@ -159,7 +152,7 @@ def test_bad_profile_file_is_a_clear_error(tiny_config, tmp_path, content, probl
         load_cost_model(EngineConfig(profile=str(path)), tiny_config, FakeExecutor())
     message = str(e.value)
     assert str(path) in message and problem in message
-    assert "scripts/profile_model.py" in message and "--profile analytic" in message
+    assert "`fastserve profile`" in message and "--profile analytic" in message
 
 
 def test_engine_refuses_a_missing_profile(tiny_model_dir, tmp_path):

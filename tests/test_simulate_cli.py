@@ -1,19 +1,17 @@
-"""scripts/simulate.py as a user types it: a shape name for --model (its config-only directory written on first
-use), ShareGPT counted with a named or default tokenizer, and bad values as one line with exit status 2."""
+"""`fastserve simulate` (fastserve/simulate.py) as a user types it: a shape name for --model (its config-only
+directory written on first use), ShareGPT counted with a named or default tokenizer, and bad values as one line
+with exit status 2."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: its modules import each other by name
+from fastserve import make_model, simulate
 
-import make_tiny_model  # noqa: E402
-import simulate  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PROFILE = str(REPO / "profiles" / "sim" / "opt-13b-a100-40gb-x1.json")
 GPT2_BPE = REPO / "tests" / "data" / "gpt2-bpe"
@@ -35,7 +33,7 @@ def sharegpt(tmp_path) -> Path:
 @pytest.fixture
 def models_here(tmp_path, monkeypatch) -> Path:
     """Shape names resolve under tmp_path/models instead of the repository's models/."""
-    monkeypatch.setattr(make_tiny_model, "REPO", tmp_path)
+    monkeypatch.setattr(make_model, "MODELS_DIR", tmp_path / "models")
     return tmp_path / "models"
 
 
@@ -94,7 +92,7 @@ def test_synthetic_lengths_take_vllms_random_flags(models_here, tmp_path):
 
 
 def test_chunked_prefill_flags_reach_the_engine_and_itl_is_reported(models_here, tmp_path):
-    """--max-num-batched-tokens and --enable-chunked-prefill / --no-enable-chunked-prefill (issue 25): prompts of 1,500
+    """--max-num-batched-tokens and --enable-chunked-prefill / --no-enable-chunked-prefill: prompts of 1,500
     tokens under a 256-token budget are split (each chunk priced over its prefix), and the summary has ITL and P99
     TTFT; without chunking the same trace's P99 ITL holds a whole 1,500-token prefill."""
     runs = {}

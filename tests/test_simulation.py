@@ -373,7 +373,7 @@ def test_every_request_finishes_under_every_kv_policy_with_slow_copies(sim_dirs,
     assert eng.kv.device.num_free == eng.kv.device.num_blocks and eng.kv.host.num_used == 0
 
 
-# Found by the property test above (session 16): 30 requests, 28 device blocks, 0.5 GB/s copies.
+# Found by the property test above: 30 requests, 28 device blocks, 0.5 GB/s copies.
 LIVELOCK_TRACE = [(0.0, 397, 43), (0.0, 305, 23), (0.0, 200, 72), (0.0, 174, 16), (0.2, 8, 6), (1.2, 194, 62),
                   (1.4, 44, 53), (2.4, 128, 66), (3.4, 26, 23), (3.4, 274, 7), (3.4, 1, 77), (3.6, 10, 71),
                   (3.6, 325, 28), (3.65, 46, 8), (3.85, 64, 55), (4.85, 146, 24), (4.85, 273, 58), (5.05, 100, 53),
@@ -393,7 +393,7 @@ def test_reactive_blocking_with_prefix_caching_finishes(sim_dirs, tmp_path_facto
 
 
 def test_reactive_with_prefix_caching_runs_every_upload_on_demand(sim_dirs, tmp_path_factory):
-    """Found by the property test above at 600 examples (session 18; it fails before as well): 20 requests, 27
+    """Found by the property test above at 600 examples (it fails before as well): 20 requests, 27
     device blocks, MLFQ, 0.5 GB/s copies. Each tick the policy picked a job on the host (a swap miss, or a new
     job whose prefix is on the host) and evicted for it the job whose upload had just landed, which the tick's
     order (changed by starvation promotion while every job waited) no longer picked: no step ran. A job uploaded
@@ -408,7 +408,7 @@ def test_reactive_with_prefix_caching_runs_every_upload_on_demand(sim_dirs, tmp_
 
 
 def test_a_cache_copy_that_lands_after_the_last_poll_is_reaped(sim_dirs, tmp_path_factory):
-    """Found by the property test above in session 16's review (12 requests, 66 device blocks, 2 GB/s copies): a
+    """Found by the property test above in a review (12 requests, 66 device blocks, 2 GB/s copies): a
     cache copy of a finished request's blocks lands after the engine's last poll. It was thought a copy the
     simulated executor did not know; it was settle_kv_copies asking for the next completion before reaping the
     copies already done (it now polls first)."""
@@ -500,7 +500,7 @@ def test_quantile_is_numpys_percentile(values, q):
 
 
 def test_a_profile_without_a_host_capacity_gets_the_live_engines_host_tier(tiny_model_dir):
-    """tests/data/tiny_profile.json (what scripts/replay_in_sim.py replays live runs with) names no host tier:
+    """tests/data/tiny_profile.json (what `fastserve replay` replays live runs with) names no host tier:
     the simulated engine then has the live engine's (swap_space GiB), not none. With none, every preemption
     dropped its KV and the oracle, which preempts most, recomputed 3.6x the work and read 4-7x worse than FCFS."""
     from engine.config import EngineConfig

@@ -1,4 +1,4 @@
-"""The simulator's multi-turn chat replay (engine/simulation.py, run_conversations; issue 28): each turn's prompt is
+"""The simulator's multi-turn chat replay (engine/simulation.py, run_conversations): each turn's prompt is
 the conversation so far, sent after the previous answer plus a think time; with prefix caching the simulated KV
 manager (the real one) finds the history cached and the cost model charges only the uncached tokens."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -165,11 +164,9 @@ def chats(tmp_path) -> Path:
 
 
 def test_simulate_cli_multi_turn_with_and_without_caching(chats, tmp_path, monkeypatch, capsys):
-    sys.path.insert(0, str(REPO / "scripts"))
-    import make_tiny_model
-    import simulate
+    from fastserve import make_model, simulate
 
-    monkeypatch.setattr(make_tiny_model, "REPO", tmp_path)  # the shape's config-only directory goes under tmp_path
+    monkeypatch.setattr(make_model, "MODELS_DIR", tmp_path)  # the shape's config-only directory goes under tmp_path
     runs = {}
     for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
         out = tmp_path / f"{flag}.json"

@@ -1,18 +1,15 @@
-"""A short soak (scripts/soak.py) in the default suite: a few hundred requests at 1.5x the measured capacity
+"""A short soak (scripts/benchmarks/soak.py) in the default suite: a few hundred requests at 1.5x the measured capacity
 with disconnecting clients, malformed bodies and a mix of n / stop / logprobs / chat, against a real server
 process with a small KV cache; every check of the script must pass. `make soak` runs 10,000."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
-from tests.server_fixtures import REPO, shared_server, wait_idle
-
-sys.path.insert(0, str(REPO / "scripts"))
-from soak import SERVER_ARGS, SoakConfig, format_report, soak  # noqa: E402
+from scripts.benchmarks.soak import SERVER_ARGS, SoakConfig, format_report, soak
+from tests.server_fixtures import shared_server, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,11 @@ from engine import LLM
 from engine.config import EngineConfig
 from fastserve_kernels import paged_attention as ref
 from fastserve_kernels.attention_backend import AttentionBackendError, attention_function, resolve_attention_backend
+from scripts import triton_registers
 from tests.paged_batches import make_batch
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import triton_registers  # noqa: E402
 
 
 def test_triton_kernels_match_reference_under_the_interpreter():

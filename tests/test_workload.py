@@ -305,7 +305,7 @@ def test_load_workload_reports_what_the_filter_dropped(tmp_path):
 
 def test_simulate_filters_instead_of_clipping(tmp_path, capsys):
     """A request that does not fit vLLM's filter is dropped (and counted), not clipped to the context."""
-    import simulate
+    from fastserve import simulate
 
     rows = [(2000, 10), (10, 2100), (100, 50)] * 3
     path = write(tmp_path, "l.csv", "input_tokens,output_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))

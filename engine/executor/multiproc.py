@@ -11,7 +11,7 @@ over TCP, so workers on other nodes connect the same way). A step is pickled
 once and written to every rank; only the sampling rank (last stage, tensor
 rank 0) replies with tokens; every rank reports the copies it completed. Why
 not a shared-memory ring: one socket write per rank costs tens of
-microseconds for the few KB a step holds (scripts/bench_parallel.py), sockets
+microseconds for the few KB a step holds (scripts/benchmarks/parallel.py), sockets
 reach other nodes unchanged, and a closed socket is how a dead worker shows.
 
 Swaps: the KVManager's copies become TransferOrders carried with the next
@@ -162,7 +162,7 @@ class MultiprocExecutor(Executor):
         self._procs: dict[int, subprocess.Popen] = {}
         self._conns: dict[int, Connection] = {}
         self._closed = False
-        self.last_message_bytes = 0  # size of the last message sent (scripts/bench_parallel.py)
+        self.last_message_bytes = 0  # size of the last message sent (scripts/benchmarks/parallel.py)
         self._start(config, model_dir, max_model_len)
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="fastserve-workers")
         self._reader.start()

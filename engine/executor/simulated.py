@@ -1,9 +1,9 @@
 """SimulatedExecutor: runs no model; advances a VirtualClock by each
 iteration's profiled cost, so the real engine loop, scheduler and KV manager
-run at any scale on a laptop (scripts/simulate.py).
+run at any scale on a laptop (`fastserve simulate`).
 
 Parallelism: the profile gives the cost of one iteration on the setup's GPUs
-(tensor parallelism is inside that number: scripts/make_sim_profiles.py
+(tensor parallelism is inside that number: scripts/tools/make_sim_profiles.py
 scales compute and bandwidth by the GPU count). With pipeline parallelism the
 setup's GPUs form `pp` stages of tp GPUs each; a stage holds 1/pp of the
 layers on 1/pp of the GPUs, so it takes the profiled time, and a batch passes

@@ -41,7 +41,7 @@ def plot_results(results: Sequence[dict], png: str, slo_s: float) -> list[str]:
     import matplotlib.pyplot as plt
 
     fig, (lat, parts) = plt.subplots(1, 2, figsize=(12, 4.5))
-    # The run's --label (live_sweep.py: the policy; --compare files without one: their file name).
+    # The run's --label (compare.py: the policy; --compare files without one: their file name).
     labels = [r.get("label") or Path(str(r.get("model_id", "run"))).name for r in results]
     rates = sorted({rate for r in results for rate, _ in _points(r)})
     width, top = 0.8 / max(1, len(results)), 0.0
