@@ -62,7 +62,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 bench: $(STAMP)
-	$(PY) scripts/bench_engine.py $(ARGS)
+	$(PY) -m scripts.benchmarks.engine $(ARGS)
 
 ## compare: `fastserve compare`: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at
 ## 1 and 2 req/s (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores).

@@ -5,7 +5,7 @@ capability, driver via nvidia-smi); writes them to --json; exits 1 at once, sayi
 device. The check runs with the machine's own versions: nothing is installed (the device machine has no network,
 and a CUDA build of the pinned torch is gigabytes).
 
-    python scripts/device_env.py --json results/env.json
+    python -m scripts.device_env --json results/env.json
 """
 
 from __future__ import annotations
