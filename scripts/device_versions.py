@@ -7,6 +7,7 @@ The GPU machines carry torch 2.11.0 (+cu130), triton 3.6.0 and transformers 5.17
 kernel tests under Triton's interpreter (tests/test_triton_kernels.py without the `cuda` and `slow` ones: the
 interpreter cases, the interpreted engine end to end against transformers, and the kernels compiled for sm_90
 with that Triton's ptxas) and the reference tests (tests/test_model_reference.py, tests/test_paged_attention.py).
+NumPy is held below 2.4 there (INTERPRETER_PINS: Triton 3.6.0's interpreter needs it).
 
 torch 2.11.0 on PyPI is the CUDA 13 build (a 531 MB wheel; no CPU build of it is on PyPI, and no other index is
 reachable from here), and it names multi-GB CUDA libraries as dependencies (cuDNN, cuBLAS, NCCL, cuSPARSELt, ...).
@@ -35,6 +36,10 @@ VERSIONS = {"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0"}
 # torch 2.11.0's own requirements, less the CUDA ones (its METADATA's Requires-Dist)
 TORCH_DEPS = ["filelock", "typing-extensions>=4.10.0", "setuptools<82", "sympy>=1.13.3", "networkx>=2.5.1", "jinja2",
               "fsspec>=0.8.5"]
+# Triton 3.6.0's interpreter turns a loaded scalar (a one-element array) into an int with int(), which NumPy 2.4
+# refuses (3.7 squeezes it first): under it every kernel with a loop bound from memory fails. Compiled kernels (the
+# GPU machine) never take that path.
+INTERPRETER_PINS = ["numpy<2.4"]
 TESTS = [
     ("kernels under the interpreter, the interpreted engine end to end, sm_90 compiles",
      ["-m", "not cuda and not slow", "tests/test_triton_kernels.py"]),
@@ -159,13 +164,13 @@ def build(venv: Path, rebuild: bool) -> Path:
     """The virtual environment with the image's versions (kept: rebuilt when asked or when its stamp differs)."""
     python = venv / "bin" / "python"
     stamp = venv / ".device-versions.json"
-    want = dict(VERSIONS, requirements=requirements())
+    want = dict(VERSIONS, requirements=requirements() + INTERPRETER_PINS)
     if not rebuild and stamp.exists() and json.loads(stamp.read_text()) == want:
         return python
     shutil.rmtree(venv, ignore_errors=True)
     run([sys.executable, "-m", "venv", str(venv)])
     pip = [str(python), "-m", "pip", "install", "--quiet"]
-    run([*pip, *requirements(), *TORCH_DEPS, f"triton=={VERSIONS['triton']}",
+    run([*pip, *requirements(), *INTERPRETER_PINS, *TORCH_DEPS, f"triton=={VERSIONS['triton']}",
          f"transformers=={VERSIONS['transformers']}"])
     run([*pip, "--no-deps", f"torch=={VERSIONS['torch']}"])  # its CUDA libraries: stubs, below
     lib_dir = Path(subprocess.run([str(python), "-c", "import importlib.util as u; "

@@ -126,6 +126,7 @@ def test_the_check_fails_at_once_without_a_gpu_and_still_archives_its_table(tmp_
     env = json.loads(files["device_check/env.json"])
     assert env["cuda_available"] is False and env["pinned_torch"] == "2.13.0" and env["torch"]
     assert "triton" in env and env["pinned_triton"]  # the machine's Triton beside the pinned one
+    assert env["c_compiler"]  # Triton builds its launchers with it: a path, or "none found"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("fastserve-device-check")] == []  # cleaned up
 
 
