@@ -1,4 +1,4 @@
-"""scripts/benchmarks/gpu.py on CPU, with the tiny model (issue 26): the prefill is timed with every attention backend
+"""scripts/benchmarks/gpu.py on CPU, with the tiny model: the prefill is timed with every attention backend
 the decode rows use (it used to run after the script switched back to torch, so the Triton prefill that serving
 uses was never timed), and the swaps' memcpy baseline copies the way the swapper does (one host buffer allocated
 and pinned at once, device blocks block-major contiguous), not across the host tier's separately pinned chunks."""

@@ -54,7 +54,7 @@ def test_cuda_greedy_equals_cpu(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_half_precision_serves(tiny_model_dir, dtype):
-    """Both dtypes in one process: the first LLM's close() gives its memory back (issue 26), so the second sizes
+    """Both dtypes in one process: the first LLM's close() gives its memory back, so the second sizes
     its cache against the whole device, not against what is left (0 blocks before)."""
     free_before = torch.cuda.mem_get_info()[0]
     with LLM(model=str(tiny_model_dir), device="cuda", dtype=dtype, profile="analytic") as llm:
@@ -96,8 +96,8 @@ def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
 
 
 def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_model_dir):
-    """Issue 25's default: on where the model runs on CUDA, with the budget the job profile picks; a prompt split
-    under a small budget gives the unchunked run's greedy tokens."""
+    """Chunked prefill is on by default where the model runs on CUDA, with the budget the job profile picks; a
+    prompt split under a small budget gives the unchunked run's greedy tokens."""
     from engine.config import UNCHUNKED_BATCHED_TOKENS
     from scheduler.cost_model import chunk_budget
 
@@ -118,7 +118,7 @@ def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_
 
 
 def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(tiny_model_dir):
-    """Issue 26's control plane on the device: step k+1 queued while step k runs (CUDA graphs for its decode
+    """Async scheduling on the device: step k+1 queued while step k runs (CUDA graphs for its decode
     steps), its placeholders filled from step k's tokens: the greedy tokens of the synchronous engine."""
     params = [greedy(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), greedy(logprobs=1)]
     outs = {}
