@@ -6,7 +6,7 @@ FASTSERVE := $(VENV)/bin/fastserve
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: serve test test-clients test-datasets test-slow lint model bench compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
+.PHONY: serve test test-clients test-datasets test-slow lint model bench device-versions compare experiments bench-sim-vs-live browser dashboard-screenshot soak clean
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,7 +62,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 bench: $(STAMP)
-	$(PY) scripts/bench_engine.py $(ARGS)
+	$(PY) -m scripts.benchmarks.engine $(ARGS)
+
+## device-versions: with the GPU image's versions (torch 2.11.0, triton 3.6.0, transformers 5.17.0) in a second
+## virtualenv, .venv-device (built on first use, ~0.8 GB): the kernel tests under Triton's interpreter, the interpreted
+## engine end to end, sm_90 compiles and the reference tests, on the CPU (scripts/device_versions.py; docs/gpu.md)
+device-versions:
+	$(PYTHON) -m scripts.device_versions $(ARGS)
 
 ## compare: `fastserve compare`: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at
 ## 1 and 2 req/s (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores).
@@ -88,4 +94,4 @@ soak: $(STAMP) models/tiny-opt/config.json
 	$(PY) -m scripts.benchmarks.soak --requests 10000 $(ARGS)
 
 clean:
-	rm -rf $(VENV) models .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-device models .pytest_cache .ruff_cache

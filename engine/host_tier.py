@@ -12,7 +12,9 @@ and locks every page before it returns, which for a 100+ GiB swap space
 holds start-up for tens of seconds. Instead the tier is allocated pageable
 (torch.empty: virtual memory, pages untouched) and a thread page-locks it
 chunk by chunk, in block order, with cudaHostRegister; `blocks_ready` counts
-the leading blocks whose chunks are locked. The KV manager hands out only
+the leading blocks whose chunks are locked. The tensor starts on a page
+boundary and chunks hold whole pages (a page-locker works in pages: two
+chunks sharing a page would lock it twice, and the second lock fails). The KV manager hands out only
 those (memory/kv_manager.py grows its host allocator up to it), so every
 copy touches pinned memory and stays asynchronous; serving starts at once,
 with a host tier that grows to its full size as the thread goes (how fast
@@ -33,6 +35,8 @@ cudaHostRegister so that this is tested on the CPU with real worker processes.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 import threading
 import time
@@ -45,6 +49,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 30  # page-locked per cudaHostRegister call
+PAGE_BYTES = mmap.PAGESIZE  # the unit memory is locked in
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor whose first byte starts a page (torch.empty's large buffers start 64 bytes
+    past one: malloc's header)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE_BYTES
+    return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
 def _cuda_register(ptr: int, size: int) -> None:
@@ -106,12 +120,16 @@ class HostTier:
         chunk_bytes: int = CHUNK_BYTES,
         register: Callable[[int, int], None] | None = None,  # (pointer, bytes): page-lock; CUDA's by default
         unregister: Callable[[int], None] | None = None,  # (pointer): undo it
+        page_bytes: int | None = None,  # chunks hold whole multiples: PAGE_BYTES pinned by CUDA's locker, else 1
     ) -> None:
         # Uninitialised: a host block is always written by an offload before an upload reads it.
-        self.blocks = torch.empty((num_blocks, *block_shape), dtype=dtype)  # [NH, L, 2, H, bs, D]
+        self.blocks = page_aligned_empty((num_blocks, *block_shape), dtype)  # [NH, L, 2, H, bs, D]
         self.num_blocks = num_blocks
         block_bytes = max(1, self.blocks[0].numel() * self.blocks.element_size()) if num_blocks else 1
-        self.chunk_blocks = max(1, chunk_bytes // block_bytes)
+        # Whole pages a chunk: its block count a multiple of the blocks that fill whole pages exactly.
+        page = page_bytes or (PAGE_BYTES if pin and register is None else 1)
+        period = page // math.gcd(block_bytes, page)
+        self.chunk_blocks = max(period, chunk_bytes // block_bytes // period * period)
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
         self._registered: list[int] = []  # pointers of the locked chunks, in order

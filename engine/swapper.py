@@ -6,8 +6,11 @@ the block-major layout one block is one contiguous
 piece holding every layer's K and V for block_size tokens — and returns a
 handle:
 - CUDA: the copies are queued on a copy stream of their direction (one for
-  device-to-host, one for host-to-device) after the compute stream's pending
-  work (so an offload reads what compute wrote), into pinned host memory
+  device-to-host, one for host-to-device) after the pending work of the
+  compute stream, named when the Swapper is made (by default the device's
+  default stream, where the engine computes: nothing in it sets another), so
+  an offload reads what compute wrote whichever thread asks for the copy
+  (not the asking thread's current stream), into pinned host memory
   (engine/host_tier.py: only page-locked host blocks are handed out, and no
   copy crosses one of its chunks' boundaries), non-blocking; the handle is a
   CUDA event.
@@ -67,8 +70,10 @@ def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 class Swapper:
-    def __init__(self, device_cache: torch.Tensor, host: torch.Tensor | HostTier, copy_delay_s: float = 0.0) -> None:
-        """host: the host tier (engine/host_tier.py), or a plain host tensor whose blocks are all usable."""
+    def __init__(self, device_cache: torch.Tensor, host: torch.Tensor | HostTier, copy_delay_s: float = 0.0,
+                 compute_stream: torch.cuda.Stream | None = None) -> None:
+        """host: the host tier (engine/host_tier.py), or a plain host tensor whose blocks are all usable.
+        compute_stream (CUDA): the stream whose work a copy waits for; the device's default stream if None."""
         self.device_cache = device_cache  # [NB, L, 2, H, bs, D]
         self.tier = host if isinstance(host, HostTier) else None
         self.host_cache = host.blocks if isinstance(host, HostTier) else host  # [NH, L, 2, H, bs, D]
@@ -79,6 +84,7 @@ class Swapper:
         # between them: an offload's device blocks are reused, and an upload's host blocks freed, only after
         # their copy completed; each copy reads or writes only blocks its job owns.
         if self._cuda:
+            self.compute_stream = compute_stream or torch.cuda.default_stream(device_cache.device)
             self._streams = {d: torch.cuda.Stream(device=device_cache.device) for d in Direction}
         else:
             self._threads = {d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fastserve-{d.value}")
@@ -114,7 +120,7 @@ class Swapper:
         runs = self.runs(direction, pairs)
         if self._cuda:
             stream = self._streams[direction]
-            stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))  # after compute queued so far
+            stream.wait_stream(self.compute_stream)  # after the compute queued so far
             with torch.cuda.stream(stream):
                 for s, d, n in runs:
                     dst[d : d + n].copy_(src[s : s + n], non_blocking=True)

@@ -2,11 +2,13 @@
 # fake steps). Bash only, no Python: it must report even when the machine's Python is broken.
 #
 #   source scripts/device_check_steps.sh
-#   dc_begin RESULTS_DIR BUDGET_S           # results (logs, JSON, the table) go to RESULTS_DIR
+#   dc_begin RESULTS_DIR BUDGET_S [ARCHIVE] # results (logs, JSON, the table) go to RESULTS_DIR; with ARCHIVE, the
+#                                           # archive is rewritten after every step (a run cut short keeps it)
 #   dc_step NAME LIMIT_S CMD [ARG...]       # CMD under `timeout`, output to RESULTS_DIR/NAME.log; returns its status
 #   dc_stop "why"                           # every later step is recorded SKIP with this reason, not run
-#   dc_finish ARCHIVE                       # the table (stdout + table.txt, summary.json), ARCHIVE (tar.gz) of
-#                                           # RESULTS_DIR; returns 0 only if every step passed
+#   dc_finish [ARCHIVE]                     # the table (stdout + table.txt, summary.json), ARCHIVE (tar.gz) of
+#                                           # RESULTS_DIR (dc_begin's when not given); returns 0 only if every step
+#                                           # passed
 #
 # A step is PASS (exit 0), FAIL (any other exit), TIMEOUT (killed at its limit: `timeout` exits 124, or 137
 # when TERM was not enough and KILL followed 10 s later) or SKIP (not run: dc_stop, or the budget was spent).
@@ -18,9 +20,10 @@
 DC_RESERVE_S=${DC_RESERVE_S:-10}
 DC_MIN_STEP_S=${DC_MIN_STEP_S:-5}
 
-dc_begin() {  # RESULTS_DIR BUDGET_S
+dc_begin() {  # RESULTS_DIR BUDGET_S [ARCHIVE]
   DC_DIR=$1
   DC_BUDGET_S=$2
+  DC_ARCHIVE=${3:-}
   DC_START=$SECONDS
   DC_STOP_REASON=""
   DC_ROWS=()
@@ -39,8 +42,21 @@ _dc_compiles() {  # the number of compiled Triton kernels in the cache, or - wit
   fi
 }
 
-_dc_record() {  # NAME STATUS SECONDS LIMIT COMPILES EXIT NOTE
+_dc_record() {  # NAME STATUS SECONDS LIMIT COMPILES EXIT NOTE; the archive is rewritten with the new row
   DC_ROWS+=("$1|$2|$3|$4|$5|$6|$7")
+  if [ -n "$DC_ARCHIVE" ]; then
+    _dc_archive "$DC_ARCHIVE" >/dev/null || echo "[device_check] could not write $DC_ARCHIVE"
+  fi
+}
+
+_dc_archive() {  # ARCHIVE: table.txt and summary.json as they stand, then RESULTS_DIR packed into ARCHIVE (whole
+  # or not at all: written beside it, then renamed)
+  local archive=$1
+  dc_table >"$DC_DIR/table.txt"
+  dc_summary_json >"$DC_DIR/summary.json"
+  mkdir -p "$(dirname "$archive")" &&
+    tar -czf "$archive.partial" -C "$(dirname "$DC_DIR")" "$(basename "$DC_DIR")" &&
+    mv -f "$archive.partial" "$archive"
 }
 
 dc_step() {  # NAME LIMIT_S CMD [ARG...]
@@ -133,13 +149,11 @@ dc_ok() {  # whether every step passed (and there was one)
   done
 }
 
-dc_finish() {  # ARCHIVE: print and keep the table, pack RESULTS_DIR into ARCHIVE; 0 only if every step passed
-  local archive=$1
+dc_finish() {  # [ARCHIVE]: print and keep the table, pack RESULTS_DIR into ARCHIVE; 0 only if every step passed
+  local archive=${1:-$DC_ARCHIVE}
   echo
-  dc_table | tee "$DC_DIR/table.txt"
-  dc_summary_json >"$DC_DIR/summary.json"
-  mkdir -p "$(dirname "$archive")"
-  if tar -czf "$archive" -C "$(dirname "$DC_DIR")" "$(basename "$DC_DIR")"; then
+  dc_table
+  if _dc_archive "$archive"; then
     echo "[device_check] results: $archive ($(du -k "$archive" | cut -f1) KB: the logs, JSON and this table)"
   else
     echo "[device_check] could not write $archive"

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every Triton kernel (fastserve_kernels/triton_attention.py), compiled for an
 NVIDIA GPU without one.
 
-    .venv/bin/python scripts/triton_registers.py [--arch 90] [--block-size 16]
+    .venv/bin/python -m scripts.triton_registers [--arch 90] [--block-size 16]
 
 Each kernel is compiled as the host code launches it (its tile sizes, num_warps and argument types for a dtype
 and head dim) with triton.compile(ASTSource, GPUTarget("cuda", arch, 32)): Triton's front end, LLVM, PTX and
@@ -13,6 +13,8 @@ Needs TRITON_INTERPRET unset. tests/test_triton_kernels.py checks the limits wit
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -24,8 +26,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (dtype, head dim) of the configurations that serve: OPT-125m/1.3b/6.7b (D = 64, 80 for 2.7b), 13b and up (128).
 CONFIGS = [(torch.float16, 64), (torch.float16, 80), (torch.float16, 128), (torch.bfloat16, 128),
@@ -89,19 +89,59 @@ def launches(module, dtype: torch.dtype, d: int, bs: int, layers: int = 4):
     qkv = torch.empty(t, 3, h, d, dtype=dtype, device="meta")  # the model's fused projection: q, k, v are views
     q, k, v = qkv.unbind(1)
     kv_cache = torch.empty(next_block + 64, layers, 2, h, bs, d, dtype=dtype, device="meta")
+    with recording(module) as recorded:
+        module.paged_attention(q, k, v, kv_cache, layers - 1, meta, d**-0.5)
+    return recorded
+
+
+KERNELS = ["_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"]
+
+
+@contextlib.contextmanager
+def recording(module):
+    """Inside: every kernel launch of `module` (fastserve_kernels.triton_attention) is recorded in the list yielded,
+    as (kernel, grid, args, kwargs), instead of run; call the host code on meta tensors."""
     recorded: list = []
-    names = ["_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"]
-    real = {name: getattr(module, name) for name in names}
+    real = {name: getattr(module, name) for name in KERNELS}
     try:
-        for name in names:
+        for name in KERNELS:
             setattr(module, name, _Recorder(real[name], recorded))
         module.forget_last_step()
-        module.paged_attention(q, k, v, kv_cache, layers - 1, meta, d**-0.5)
+        yield recorded
     finally:
-        for name in names:
+        for name in KERNELS:
             setattr(module, name, real[name])
         module.forget_last_step()
-    return recorded
+
+
+def specializations(launches) -> set[tuple]:
+    """The distinct compilations of these launches, as Triton keys them: one a (kernel, signature, constexprs,
+    divisibility attributes, options). Each is one compiled kernel (one *.cubin) on an empty cache."""
+    keys = set()
+    for kernel, _grid, args, kwargs in launches:
+        signature, constexprs, attrs, options = specialize(kernel, args, dict(kwargs))
+        keys.add((kernel.fn.__name__, *(repr(sorted(x.items())) for x in (signature, constexprs, attrs, options))))
+    return keys
+
+
+def kernel_test_launches(module) -> list:
+    """The launches of tests/test_triton_kernels.py's compiled-kernel test on CUDA (its dtypes, head dims, batch
+    and both decode split sizes), recorded on meta tensors: what the device check's kernels step compiles."""
+    from tests.paged_batches import make_batch
+
+    seqs = [(0, 1), (0, 200), (15, 1), (16, 1), (17, 1), (1500, 1), (100, 37), (64, 130), (2047, 1)]
+    launches = []
+    for dtype in (torch.float16, torch.float32):
+        for d in (64, 80, 128):
+            q, k, v, kv, meta, _ = make_batch(seqs, h=4, d=d, bs=16, dtype=dtype, seed=5)
+            q, k, v, kv, meta = (x.to("meta") for x in (q, k, v, kv, meta))
+            with recording(module) as recorded:
+                module.paged_attention(q, k, v, kv, 1, meta, d**-0.5)
+                for tokens_per_split in (64, 256):
+                    module.decode_attention(q, kv, 1, meta.decode_token_index, meta.decode_block_tables,
+                                            meta.decode_context_lens, d**-0.5, torch.empty_like(q), tokens_per_split)
+            launches += recorded
+    return launches
 
 
 def specialize(kernel, args, kwargs):
@@ -202,8 +242,15 @@ def main() -> None:
     parser.add_argument("--module", help="another version of fastserve_kernels/triton_attention.py to measure, e.g. "
                         "git show HEAD~1:fastserve_kernels/triton_attention.py > /tmp/old.py; --module /tmp/old.py")
     parser.add_argument("--unaligned", action="store_true", help="without the launch's divisibility hints")
+    parser.add_argument("--count-kernel-tests", action="store_true", help="only count the kernels the device check's "
+                        "kernels step compiles (tests/test_triton_kernels.py on CUDA), by kernel")
     args = parser.parse_args()
     module = load_module(args.module) if args.module else None
+    if args.count_kernel_tests:
+        keys = specializations(kernel_test_launches(module or attention_module()))
+        by_kernel = collections.Counter(key[0] for key in keys)
+        print(f"{len(keys)} specializations: " + ", ".join(f"{n} {name}" for name, n in sorted(by_kernel.items())))
+        return
     print("| dtype | D | kernel | warps | registers | spill stores / loads (bytes) | stack | shared |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype, d in CONFIGS:

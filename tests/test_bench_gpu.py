@@ -1,12 +1,9 @@
-"""scripts/bench_gpu.py on CPU, with the tiny model (issue 26): the prefill is timed with every attention backend
+"""scripts/benchmarks/gpu.py on CPU, with the tiny model: the prefill is timed with every attention backend
 the decode rows use (it used to run after the script switched back to torch, so the Triton prefill that serving
 uses was never timed), and the swaps' memcpy baseline copies the way the swapper does (one host buffer allocated
 and pinned at once, device blocks block-major contiguous), not across the host tier's separately pinned chunks."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +14,7 @@ from engine.model.config import OPTConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from fastserve_kernels.paged_attention import paged_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import bench_gpu  # noqa: E402
+from scripts.benchmarks import gpu as bench_gpu
 
 
 @pytest.fixture
@@ -91,3 +86,41 @@ def test_the_swap_benchmark_compares_against_that_baseline(runner, monkeypatch):
     r = bench_gpu.bench_swap(runner, jobs=2, blocks_per_job=4, repeat=1)
     assert r["gb_per_s"]["memcpy_d2h"] == pytest.approx(r["bytes"] / 1.0 / 1e9)
     assert r["offload_contiguous_vs_memcpy"] > 1 and r["upload_fragmented_vs_memcpy"] > 1
+
+
+def test_each_backends_decode_rows_run_with_that_backends_graph_buckets(runner, monkeypatch):
+    """The graph buckets depend on the backend (engine/decode_inputs.graph_buckets): while a backend's rows are
+    timed, the runner's backend is that one (torch rows used to replay through Triton's widest-table buckets),
+    and afterwards the runner is back on the backend it started with."""
+    seen = []
+    real = runner.use_decode_graphs
+
+    def spy(*args, **kwargs):
+        seen.append((runner.attention_backend, runner.model.attention))
+        return real(*args, **kwargs)
+
+    def triton_stand_in(*args, **kwargs):
+        return paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "use_decode_graphs", spy)
+    monkeypatch.setattr(bench_gpu, "attention_backends",
+                        lambda device: ({"torch": paged_attention, "triton": triton_stand_in}, None))
+    first = runner.attention_backend
+    rows, _ = bench_gpu.bench_decode(runner, [1, 2], context=20, max_model_len=64, bandwidth=1e9, repeat=1)
+    assert [name for name, _ in seen] == ["torch", "torch", "triton", "triton"]
+    assert [fn for _, fn in seen] == [paged_attention, paged_attention, triton_stand_in, triton_stand_in]
+    assert runner.attention_backend == first and runner.model.attention is paged_attention
+    # 20 tokens in blocks of 4: 5 blocks a row eagerly, the next bucket width (8) through the padded buffers
+    assert {(r["mode"], r["table_width"]) for r in rows} == {("eager", 5), ("padded", 8)}
+
+
+@pytest.mark.parametrize("memory_gb", [80, 141], ids=["H100", "H200"])
+def test_the_default_cuda_batches_fit_both_cards(memory_gb):
+    """Every default CUDA batch's OPT-13B KV at the default context, the weights and the reserve fit an H100's
+    and an H200's memory, so no default row is dropped (batch 256, 107 GB of KV, fit neither)."""
+    from scripts import device_expectations as dx
+
+    cfg = dx.model_config(bench_gpu.CUDA_SHAPE)
+    weights, per_token = dx.weight_bytes(cfg, torch.float16), dx.kv_bytes_per_token(cfg, torch.float16)
+    for batch in bench_gpu.CUDA_BATCHES:
+        assert weights + batch * bench_gpu.CONTEXT * per_token + bench_gpu.KV_RESERVE_BYTES <= memory_gb * 1e9, batch

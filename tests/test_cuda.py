@@ -54,7 +54,7 @@ def test_cuda_greedy_equals_cpu(tiny_model_dir):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_half_precision_serves(tiny_model_dir, dtype):
-    """Both dtypes in one process: the first LLM's close() gives its memory back (issue 26), so the second sizes
+    """Both dtypes in one process: the first LLM's close() gives its memory back, so the second sizes
     its cache against the whole device, not against what is left (0 blocks before)."""
     free_before = torch.cuda.mem_get_info()[0]
     with LLM(model=str(tiny_model_dir), device="cuda", dtype=dtype, profile="analytic") as llm:
@@ -82,33 +82,22 @@ def test_the_gpu_row_the_engine_runs_on_carries_rank_0(tiny_model_dir):
 
 
 def test_cuda_host_tier_is_locked_in_the_background_and_copies_round_trip():
-    """The host tier starts pageable, is page-locked chunk by chunk in a thread (cudaHostRegister), copies
-    through it round-trip on the copy streams, and close() unlocks it."""
-    from engine.host_tier import HostTier
-    from engine.swapper import Swapper
-    from memory.transfers import Direction
+    """The host tier starts pageable and page-aligned, is page-locked chunk by chunk in a thread
+    (cudaHostRegister), copies through it round-trip on the copy streams, shutdown() keeps it locked and close()
+    unlocks it (tests/test_device_check_host_tier.py runs the same with a fake locker)."""
+    from engine.host_tier import PAGE_BYTES, HostTier
+    from tests.test_device_check_host_tier import BLOCK, round_trip_then_close
 
-    block = (2, 2, 4, 16, 8)  # [L, 2, H, bs, D]
-    device = torch.randn(16, *block, device="cuda")
+    device = torch.randn(16, *BLOCK, device="cuda")
     block_bytes = device[0].numel() * 4
-    tier = HostTier(40, block, torch.float32, pin=True, chunk_bytes=8 * block_bytes)  # 5 chunks
-    assert tier.wait_pinned(timeout=60) and tier.blocks_ready == 40
-    assert tier.blocks[0].is_pinned() and tier.blocks[39].is_pinned()
-    swapper = Swapper(device, tier)
-    pairs = [(d, 6 + d) for d in range(16)]  # host 6..21: crosses chunks at 8 and 16
-    swapper.copy(Direction.OFFLOAD, pairs).wait()
-    back = device.clone()
-    device.zero_()
-    swapper.copy(Direction.UPLOAD, [(h, d) for d, h in pairs]).wait()
-    torch.cuda.synchronize()
-    assert torch.equal(device, back)
-    swapper.shutdown()
-    assert not tier.blocks[0].is_pinned()
+    tier = HostTier(40, BLOCK, torch.float32, pin=True, chunk_bytes=8 * block_bytes)  # 5 chunks
+    assert tier.blocks.data_ptr() % PAGE_BYTES == 0
+    round_trip_then_close(device, tier, lambda: tier.blocks[0].is_pinned() and tier.blocks[39].is_pinned())
 
 
 def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_model_dir):
-    """Issue 25's default: on where the model runs on CUDA, with the budget the job profile picks; a prompt split
-    under a small budget gives the unchunked run's greedy tokens."""
+    """Chunked prefill is on by default where the model runs on CUDA, with the budget the job profile picks; a
+    prompt split under a small budget gives the unchunked run's greedy tokens."""
     from engine.config import UNCHUNKED_BATCHED_TOKENS
     from scheduler.cost_model import chunk_budget
 
@@ -129,7 +118,7 @@ def test_chunked_prefill_is_on_by_default_on_cuda_with_the_profiles_budget(tiny_
 
 
 def test_async_scheduling_on_cuda_gives_the_synchronous_tokens(tiny_model_dir):
-    """Issue 26's control plane on the device: step k+1 queued while step k runs (CUDA graphs for its decode
+    """Async scheduling on the device: step k+1 queued while step k runs (CUDA graphs for its decode
     steps), its placeholders filled from step k's tokens: the greedy tokens of the synchronous engine."""
     params = [greedy(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), greedy(logprobs=1)]
     outs = {}

@@ -1,15 +1,16 @@
 """Engine benchmark: the decode step against its bare matmuls, and the engine
 against transformers' generate, on an opt-125m-shaped random checkpoint.
 
-    python scripts/bench_engine.py                  # writes/uses models/opt-125m-random
-    python scripts/bench_engine.py --quick          # smaller workloads, for a smoke run
-    python scripts/bench_engine.py --parts decode,fixed --repeats 3 --threads 1   # the two targets only
+    python -m scripts.benchmarks.engine             # writes/uses models/opt-125m-random
+    python -m scripts.benchmarks.engine --quick     # smaller workloads, for a smoke run
+    python -m scripts.benchmarks.engine --parts decode,fixed --repeats 3 --threads 1   # the two targets only
 
 Every number is a ratio against a baseline measured in the same run:
 1. decode-step time at batch 1, 8, 32 (context ~128) / time of that step's
    bare matrix multiplications (q/k/v, out, fc1, fc2 per layer, lm_head), beside
    the floor no step can beat: those matmuls plus one read of the step's K and V
-   at the memory read bandwidth measured in the same run;
+   at the read bandwidth of the memory the KV cache is in (the device's: host DRAM
+   on CPU, the GPU's memory on CUDA), measured in the same run;
 2. 32 prompts x 128 tokens, 64 new tokens each: engine vs generate (same prefill work);
 3. 64 requests with ShareGPT lengths (capped at 128; --lengths says whose): generate in static
    batches of 32 run to their longest member vs continuous batching, useful
@@ -31,17 +32,17 @@ import argparse
 import csv
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from engine import LLM, SamplingParams
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
+from modelmaker.tiny_tokenizer import train_tiny_tokenizer
 
-from engine import LLM, SamplingParams  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PARTS = {"decode", "fixed", "sharegpt", "batch1"}
 SHAREGPT_LENGTHS = REPO.parent / "shared" / "datasets" / "sharegpt_lengths.csv"
@@ -94,14 +95,29 @@ def decode_step_times(eng, prompts: list[list[int]], steps: int) -> list[float]:
     return times
 
 
-def memory_read_gbps(gib: float = 1.0, repeats: int = 3) -> float:
-    """Read bandwidth to memory, GB/s: the median time to sum a `gib` GiB float32 tensor with torch's threads
-    (larger than the last-level cache, so it comes from DRAM). A decode step cannot read its KV cache faster."""
-    buf = torch.ones(int(gib * 2**30) // 4)
+def write_model(out: Path) -> Path:
+    """An opt-125m-shaped checkpoint of random weights (float32) with the tiny model's tokenizer, unless `out`
+    already holds one."""
+    if not (out / "config.json").exists():
+        train_tiny_tokenizer(out)
+        write_opt_checkpoint(out, opt_config(**OPT_SHAPES["opt-125m"]))
+    return out
+
+
+def memory_read_gbps(device: torch.device, gib: float = 1.0, repeats: int = 3) -> float:
+    """Read bandwidth of `device`'s memory, GB/s: the median time to sum a `gib` GiB float32 tensor there (host
+    DRAM with torch's threads on CPU, the GPU's memory on CUDA; larger than the last-level cache either way). A
+    decode step cannot read its KV cache, which lives on that device, faster."""
+    buf = torch.ones(int(gib * 2**30) // 4, device=device)
+    buf.sum()  # first use: kernels loaded, caches warm
     times = []
     for _ in range(repeats):
+        if buf.is_cuda:
+            torch.cuda.synchronize(device)
         t = time.perf_counter()
         buf.sum()
+        if buf.is_cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
@@ -155,11 +171,12 @@ def decode_step_vs_matmul(llm: LLM, batch: int, context: int, steps: int, repeat
         eng.step()
     wall = spread([s / m for s, _, m, _ in rounds])
     cpu = spread([s / m for _, s, _, m in rounds])
-    # The floor: the matmuls, then one read of the KV cache at the memory's read bandwidth (measured now), at the
-    # rounds' middle context. No decode step can beat it: the attention must read every cached K and V once.
+    # The floor: the matmuls, then one read of the KV cache at the read bandwidth of the memory it is in (the
+    # executor's device, measured now), at the rounds' middle context. No decode step can beat it: the attention
+    # must read every cached K and V once.
     # Bytes of K and V the step reads: a KV block's bytes (every layer, every head) per token it holds.
     kv_bytes = eng.executor.kv_block_bytes // eng.executor.block_size * batch * (context + 1 + steps * repeats // 2)
-    gbps = memory_read_gbps()
+    gbps = memory_read_gbps(eng.executor.device)
     matmul_s = statistics.median(r[2] for r in rounds)
     return {"batch": batch, "context": context, "context_end": context + 1 + steps * repeats,
             "kv_mb_per_step": kv_bytes / 1e6, "memory_read_gbps": gbps,
@@ -234,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--parts", default="decode,fixed,sharegpt,batch1",
                     help="comma-separated subset of decode (1), fixed (2), sharegpt (3), batch1 (4); default all")
+    ap.add_argument("--model-only", action="store_true", help="write --model's checkpoint if it is missing, then "
+                    "exit (the device check's control_plane step runs on it)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if parts - PARTS:
@@ -242,10 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = 1 if args.quick else 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not (args.model / "config.json").exists():
-        from make_tiny_model import main as make_model  # scripts/ is on sys.path as the script's folder
-
-        make_model(["--shape", "opt-125m", "--out", str(args.model)])
+    write_model(args.model)
+    if args.model_only:
+        return 0
 
     from transformers import OPTForCausalLM
 

@@ -1,7 +1,7 @@
 """GPU benchmark of one model stage: decode, prefill and swaps against floors measured in the same run.
 
-    python scripts/bench_gpu.py --device cuda                 # OPT-13B-shaped dummy weights, float16
-    python scripts/bench_gpu.py                               # CPU: opt-125m shape, float32, the parts CPU has
+    python -m scripts.benchmarks.gpu --device cuda            # OPT-13B-shaped dummy weights, float16
+    python -m scripts.benchmarks.gpu                          # CPU: opt-125m shape, float32, the parts CPU has
 
 Runs the ModelRunner directly (no scheduler, no HTTP) on random weights
 (--load-format dummy, engine/dummy_weights.py) made from a config alone, so
@@ -12,11 +12,16 @@ the same run on the same device:
    bytes read + bytes written per second (what a memory-bound kernel can
    stream);
 2. decode step (prepare + forward + greedy sampling, context 512) at batch
-   1, 32 and 256 / the floor = (weight bytes + the KV bytes the step reads)
+   1 and 32 / the floor = (weight bytes + the KV bytes the step reads)
    / copy bandwidth; goal within 1.3x at batch 1. For each attention backend
    (torch; triton when fastserve_kernels/attention_backend.py is in the tree and Triton
    runs) with CUDA graphs and eagerly, on the same batches; graphs/eager is
-   printed as a ratio too;
+   printed as a ratio too. Each backend's rows run with that backend's graph
+   buckets (engine/decode_inputs.graph_buckets: torch pads the block table to
+   the next power of two, Triton to the widest), and each row says the table
+   width it ran with. (Batch 256 at context 512 is 107 GB of OPT-13B KV: it fits
+   neither an H100 nor an H200 beside the weights, so it is not a default;
+   --batches asks for it, and a batch that does not fit is left out, saying so);
 3. prefill of 8 x 1024 tokens / bare GEMMs of the same FLOPs (matmul
    FLOPs of every layer + causal attention + the sampled rows' lm_head; the
    GEMM is the model's fc1 shape, tokens x E x F, timed and scaled), with
@@ -42,27 +47,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from engine.batch import ModelBatch, SequenceWork  # noqa: E402
-from engine.loader import load_model_stage  # noqa: E402
-from engine.model.config import OPTConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.parallel import ParallelLayout, TensorParallelGroup  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from fastserve_kernels.paged_attention import paged_attention  # noqa: E402
-from memory.transfers import Direction  # noqa: E402
-from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint  # noqa: E402
+from engine.batch import ModelBatch, SequenceWork
+from engine.loader import load_model_stage
+from engine.model.config import OPTConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import ParallelLayout, TensorParallelGroup
+from engine.sampling_params import SamplingParams
+from fastserve_kernels.paged_attention import paged_attention
+from memory.transfers import Direction
+from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
 
 GREEDY = SamplingParams(temperature=0)
+# What a CUDA run measures by default (the device check's bench_gpu step; docs/gpu.md lists the expected figures).
+CUDA_SHAPE = "opt-13b"
+CUDA_BATCHES = (1, 32)
+CONTEXT = 512
+KV_RESERVE_BYTES = 12 << 30  # headroom left beside a batch's KV (activations, graphs, the swap benchmark's blocks)
 
 
 def sync(device: torch.device) -> None:
@@ -118,6 +124,14 @@ def kv_bytes_read(runner: ModelRunner, batch: int, context: int) -> int:
     return batch * context * runner.kv_block_bytes // runner.block_size
 
 
+def use_backend(runner: ModelRunner, name: str, fn) -> None:
+    """Run the model on attention backend `name` (its function `fn`), the runner's graph buckets included: they
+    depend on the backend (graph_buckets), so a model switched alone would replay torch through Triton's
+    widest-table buckets."""
+    runner.model.use_attention(fn)
+    runner.attention_backend = name
+
+
 def attention_backends(device: torch.device) -> tuple[dict, str | None]:
     """{name: paged_attention function} available here, and why triton is missing (None when it is there)."""
     fns = {"torch": paged_attention}
@@ -139,6 +153,7 @@ def bench_decode(runner: ModelRunner, batches: list[int], context: int, max_mode
     if why_not:
         notes.append(f"triton backend not measured: {why_not}")
     cuda = dev.type == "cuda"
+    first_backend = runner.attention_backend
     if not cuda:
         notes.append("CUDA graphs need CUDA: 'padded' rows run the persistent padded buffers eagerly (what a graph "
                      "replays), 'eager' the unpadded path")
@@ -147,32 +162,38 @@ def bench_decode(runner: ModelRunner, batches: list[int], context: int, max_mode
     rows = []
     weights = weight_bytes_read(runner)
     for name, fn in backends.items():
-        if not hasattr(runner.model, "use_attention"):
-            if name != "torch":
-                continue
-        else:
-            runner.model.use_attention(fn)
+        use_backend(runner, name, fn)
         for b in batches:
             batch = decode_batch(b, context, runner.block_size, vocab)
             floor = (weights + kv_bytes_read(runner, b, context)) / bandwidth
-            times = {}
+            times, widths = {}, {}
             for mode in modes:
                 if mode == "eager":
                     runner.stop_decode_graphs()
                 else:
                     runner.use_decode_graphs(max(batches), max_model_len, capture=cuda)
+                widths[mode] = table_width(runner, batch)
                 times[mode] = median_time(lambda batch=batch: run_step(runner, batch), dev, repeat)
             runner.stop_decode_graphs()
             for mode in modes:
                 rows.append({"backend": name, "mode": mode, "batch": b, "context": context,
-                             "step_ms": times[mode] * 1e3, "floor_ms": floor * 1e3, "vs_floor": times[mode] / floor,
-                             "vs_eager": times[mode] / times["eager"]})
+                             "table_width": widths[mode], "step_ms": times[mode] * 1e3, "floor_ms": floor * 1e3,
+                             "vs_floor": times[mode] / floor, "vs_eager": times[mode] / times["eager"]})
                 r = rows[-1]
                 print(f"{name:<7} {mode:<7} batch {b:4d}: step {r['step_ms']:9.3f} ms  floor {r['floor_ms']:9.3f} ms"
-                      f"  {r['vs_floor']:6.2f}x floor  {r['vs_eager']:5.2f}x eager", flush=True)
-    if hasattr(runner.model, "use_attention"):
-        runner.model.use_attention(paged_attention)
+                      f"  {r['vs_floor']:6.2f}x floor  {r['vs_eager']:5.2f}x eager  ({r['table_width']} blocks a "
+                      "row)", flush=True)
+    use_backend(runner, first_backend, backends.get(first_backend, paged_attention))
     return rows, notes
+
+
+def table_width(runner: ModelRunner, batch: ModelBatch) -> int:
+    """Blocks a row of the block table holds in this batch's decode step as the runner prepares it now: the
+    bucket's width through the persistent buffers, the batch's own widest table eagerly."""
+    inputs = runner.prepare(batch)
+    if inputs.decode_bucket is not None:
+        return inputs.decode_bucket[1]
+    return max(len(s.block_table) for s in batch.seqs)
 
 
 # -- 3. prefill --------------------------------------------------------------------------------------------------
@@ -189,10 +210,11 @@ def bench_prefill(runner: ModelRunner, seqs: int, tokens: int, repeat: int) -> l
     same GEMM baseline; the model is left on the torch backend."""
     backends, _ = attention_backends(runner.device)
     rows = []
+    first_backend = runner.attention_backend
     for name, fn in backends.items():
-        runner.model.use_attention(fn)
+        use_backend(runner, name, fn)
         rows.append(dict(bench_prefill_once(runner, seqs, tokens, repeat, name), backend=name))
-    runner.model.use_attention(paged_attention)
+    use_backend(runner, first_backend, backends.get(first_backend, paged_attention))
     return rows
 
 
@@ -274,7 +296,8 @@ def bench_swap(runner: ModelRunner, jobs: int, blocks_per_job: int, repeat: int)
 
 
 def goals(results: dict) -> list[str]:
-    """The issue's targets, met or not, from this run's ratios."""
+    """The targets (decode within 1.3x of its floor at batch 1, swaps at 80% of a memcpy), met or not, from this
+    run's ratios."""
     out = []
     for r in results["decode"]:
         if r["batch"] == 1 and r["mode"] in ("graphs", "eager"):
@@ -330,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", help="model shape (modelmaker/opt_checkpoint.py OPT_SHAPES); default opt-13b on CUDA, "
                     "opt-125m on CPU")
     ap.add_argument("--dtype", help="default float16 on CUDA, float32 on CPU")
-    ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,32,256 on CUDA, 1,8,32 on CPU)")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,32 on CUDA, 1,8,32 on CPU)")
+    ap.add_argument("--context", type=int, default=CONTEXT)
     ap.add_argument("--prefill", default=None, help="SEQSxTOKENS (default 8x1024 on CUDA, 2x256 on CPU)")
     ap.add_argument("--swap-blocks", default=None, help="JOBSxBLOCKS offloaded and uploaded (default 16x32 on "
                     "CUDA, 8x8 on CPU)")
@@ -345,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: --device cuda, but torch sees no CUDA device (run without --device for the "
                          "CPU parts)")
-    shape = args.shape or ("opt-13b" if cuda else "opt-125m")
+    shape = args.shape or (CUDA_SHAPE if cuda else "opt-125m")
     dtype = getattr(torch, args.dtype or ("float16" if cuda else "float32"))
-    batches = [int(b) for b in (args.batches or ("1,32,256" if cuda else "1,8,32")).split(",")]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else list(CUDA_BATCHES if cuda else (1, 8, 32))
     p_seqs, p_tokens = (int(x) for x in (args.prefill or ("8x1024" if cuda else "2x256")).split("x"))
     s_jobs, s_blocks = (int(x) for x in (args.swap_blocks or ("16x32" if cuda else "8x8")).split("x"))
     repeat = args.repeat or (10 if cuda else 3)
@@ -355,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "notes": []}
     print(f"# bench_gpu: {shape} (dummy weights), {results['device']}, {results['dtype']}", flush=True)
     if not cuda:
-        results["notes"].append("CPU run: CUDA graphs, Triton kernels, pinned memory and copy streams need CUDA; "
-                                "run `python scripts/bench_gpu.py --device cuda` on a GPU (scripts/device_check.sh)")
+        results["notes"].append("CPU run: CUDA graphs, Triton kernels, pinned memory and copy streams need CUDA; run "
+                                "`python -m scripts.benchmarks.gpu --device cuda` on a GPU (scripts/device_check.sh)")
         print("# " + results["notes"][-1])
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -369,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     results["copy_bandwidth_gb_s"] = bw / 1e9
     print(f"\n## device-to-device copy: {bw / 1e9:.1f} GB/s (read + write)", flush=True)
 
-    fit = fitting_batches(runner, batches, args.context, reserve=12 << 30)
+    fit = fitting_batches(runner, batches, args.context, reserve=KV_RESERVE_BYTES)
     if fit != batches:
         results["notes"].append(f"batches {sorted(set(batches) - set(fit))} left out: their KV does not fit")
         print("# " + results["notes"][-1])
