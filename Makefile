@@ -89,9 +89,9 @@ bench-sim-vs-live: $(STAMP)
 dashboard-screenshot: $(STAMP) browser models/tiny-opt/config.json
 	$(PY) -m scripts.tools.dashboard_screenshot --out docs/dashboard.png $(ARGS)
 
-## soak: scripts/benchmarks/soak.py, 10,000 requests at 1.5x capacity (the test suite runs a short one)
+## soak: `fastserve bench soak`, 10,000 requests at 1.5x capacity (the test suite runs a short one)
 soak: $(STAMP) models/tiny-opt/config.json
-	$(PY) -m scripts.benchmarks.soak --requests 10000 $(ARGS)
+	$(FASTSERVE) bench soak --requests 10000 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-device models .pytest_cache .ruff_cache

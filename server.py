@@ -55,7 +55,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.args import add_engine_args, config_from_args
+from engine.args import OneLineErrorParser, add_engine_args, config_from_args
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ValidationError
@@ -472,13 +472,8 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
 
 
 # -- command line ----------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="FastServe: an OpenAI-compatible server for OPT models.")
+    p = OneLineErrorParser(prog=prog, description="FastServe: an OpenAI-compatible server for OPT models.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="the model directory, the same as --model (`fastserve serve MODEL`, as `vllm serve MODEL`)")
 

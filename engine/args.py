@@ -117,3 +117,11 @@ def engine_argv(values: Mapping[str, Any]) -> list[str]:
         else:
             argv += [flag, "none" if value is None else str(value)]
     return argv
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (`PROG: error: MESSAGE`) and exit status 2, no usage dump:
+    every command's parser."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")

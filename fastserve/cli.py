@@ -2,6 +2,7 @@
 
     fastserve serve [MODEL] [flags]     the OpenAI-compatible server (server.py; MODEL = --model, as `vllm serve`)
     fastserve bench serve [flags]       the load generator, with vLLM `vllm bench serve`'s flags (fastserve/bench/)
+    fastserve bench soak [flags]        a soak at 1.5x capacity, then checks KV, /metrics and memory
     fastserve simulate [flags]          the engine, scheduler and KV manager on a virtual clock (fastserve/simulate.py)
     fastserve compare [flags] [-- SERVER FLAGS]
                                         FCFS vs skip-join MLFQ served live on the tiny model, the same load
@@ -52,15 +53,17 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    benchmarks = ("serve",)
+    from fastserve.bench import loadgen, soak
+
+    benchmarks = {"serve": loadgen.main, "soak": soak.main}
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {PROG} bench serve [flags]   (the load generator; {PROG} bench serve --help)")
+        print(f"usage: {PROG} bench {{serve,soak}} [flags]   (serve: the load generator; soak: a long run at 1.5x "
+              f"capacity with disconnects and malformed bodies, then checks KV, /metrics and memory; "
+              f"{PROG} bench NAME --help)")
         return 0 if argv else 2
     if argv[0] not in benchmarks:
         raise CommandError(f"{PROG} bench", f"unknown benchmark {argv[0]!r} (choose from {', '.join(benchmarks)})")
-    from fastserve.bench.loadgen import main
-
-    return main(argv[1:])
+    return benchmarks[argv[0]](argv[1:])
 
 
 def _run(module: ModuleType, prog: str, argv: list[str]) -> int:
@@ -134,7 +137,7 @@ def _make_model(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "the OpenAI-compatible server: fastserve serve [MODEL] [--port 8000] ..."),
-    "bench": (_bench, "benchmarks against a running server: fastserve bench serve (the load generator)"),
+    "bench": (_bench, "benchmarks against a server: fastserve bench serve (the load generator), fastserve bench soak"),
     "simulate": (_simulate, "a serving run on a virtual clock with profiled costs"),
     "compare": (_compare, "FCFS vs skip-join MLFQ served live on the tiny model (what `make compare` runs)"),
     "replay": (_replay, "a load generator result replayed in the simulator under each policy"),

@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.args import add_engine_args, config_from_args, engine_args_given
+from engine.args import OneLineErrorParser, add_engine_args, config_from_args, engine_args_given
 from fastserve.bench.tokens import choose_counter, mismatch_warning
 from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload
 from modelmaker.opt_checkpoint import OPT_SHAPES
@@ -57,13 +57,9 @@ REPO = Path(__file__).resolve().parents[1]  # the checkout (profiles/sim/); site
 TEXT_DATASETS = ("sharegpt", "alpaca")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="simulate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineErrorParser(prog="fastserve simulate", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     profiles = ", ".join(sorted(p.name for p in (REPO / "profiles" / "sim").glob("*.json")))
     ap.add_argument("--model", required=True, help=f"an OPT directory, or a shape: {', '.join(OPT_SHAPES)}")
     ap.add_argument("--profile", required=True, help=f"job profile JSON (+ optional transfer/capacity fields); "
@@ -211,11 +207,12 @@ def make_engine(args: argparse.Namespace, model: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         summary = run(args)
     except (ValueError, OSError) as e:  # bad paths and values, malformed datasets and profiles (DatasetError)
-        print(f"simulate.py: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")

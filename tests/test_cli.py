@@ -40,7 +40,8 @@ def test_the_package_installs_the_console_script():
     ([], "fastserve: error: a command is required"),
     (["srve"], "fastserve: error: unknown command 'srve' (choose from serve, bench, simulate, compare, replay, "
                "profile, make-model)"),
-    (["bench", "latency"], "fastserve bench: error: unknown benchmark 'latency' (choose from serve)"),
+    (["bench", "latency"], "fastserve bench: error: unknown benchmark 'latency' (choose from serve, soak)"),
+    (["bench", "soak", "--requests", "0"], "fastserve bench soak: error: --requests and --calibration must be >= 1"),
     (["serve", "--no-such-flag"], "fastserve serve: error: unrecognized arguments: --no-such-flag"),
     (["serve", "--port", "http"], "fastserve serve: error: argument --port: invalid int value: 'http'"),
     (["serve", "models/a", "--model", "models/b"], "fastserve serve: error: MODEL 'models/a' and --model 'models/b' "

@@ -1,6 +1,7 @@
-"""A short soak (scripts/benchmarks/soak.py) in the default suite: a few hundred requests at 1.5x the measured capacity
-with disconnecting clients, malformed bodies and a mix of n / stop / logprobs / chat, against a real server
-process with a small KV cache; every check of the script must pass. `make soak` runs 10,000."""
+"""A short soak (`fastserve bench soak`, fastserve/bench/soak.py) in the default suite: a few hundred requests at
+1.5x the measured capacity with disconnecting clients, malformed bodies and a mix of n / stop / logprobs / chat,
+against a real server process with a small KV cache; every check of the script must pass. `make soak` runs
+10,000."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 
 import pytest
 
-from scripts.benchmarks.soak import SERVER_ARGS, SoakConfig, format_report, soak
+from fastserve.bench.soak import SERVER_ARGS, SoakConfig, format_report, soak
 from tests.server_fixtures import shared_server, wait_idle
 
 

@@ -50,6 +50,7 @@ except ImportError as e:  # the system Python: say how to run it instead of a tr
                      "(`make test` or `make serve` creates it)") from None
 from tqdm import tqdm
 
+from engine.args import OneLineErrorParser
 from fastserve.bench.client import RequestResult, ServerInfo, send_request, server_info
 from fastserve.bench.metrics import (
     LATENCY_METRICS,
@@ -73,13 +74,8 @@ PROG = "fastserve bench serve"
 CHAT_TEMPLATE_MARGIN = 16  # tokens a server's chat template may add around a message
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2, no usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = OneLineErrorParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--backend", choices=sorted(BACKENDS), default=None,

@@ -2,9 +2,9 @@
 malformed bodies and a mix of n, stop strings, logprobs, chat and completions; then checks that the server
 kept its promises.
 
-    python -m scripts.benchmarks.soak --requests 10000      # starts server.py (small KV: swapping under load)
-    python -m scripts.benchmarks.soak --requests 300 -- --kv-policy recompute      # flags after -- go to the server
-    python -m scripts.benchmarks.soak --base-url http://127.0.0.1:8000 --requests 500   # a running server, no RSS check
+    fastserve bench soak --requests 10000      # starts a server (small KV: swapping under load)
+    fastserve bench soak --requests 300 -- --kv-policy recompute      # flags after -- go to the server
+    fastserve bench soak --base-url http://127.0.0.1:8000 --requests 500   # a running server, no RSS check
 
 Capacity is measured first: a burst of --calibration well-formed requests, all sent at once; capacity =
 requests / seconds until the last finished. Then --requests arrive as a Poisson process at --load x capacity:
@@ -26,7 +26,6 @@ Exit status: 0 all checks passed, 1 a check failed (or the server could not star
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -39,6 +38,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.args import OneLineErrorParser
 from fastserve.server_process import ServerProcess
 
 # Started by this script: a small device KV (and host tier) so that the load preempts, offloads and recomputes.
@@ -423,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     server_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     d = SoakConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", help="a running server (default: start server.py with a small KV cache)")
+    p = OneLineErrorParser(prog="fastserve bench soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", help="a running server (default: start one with a small KV cache)")
     p.add_argument("--requests", type=int, default=d.requests, help="requests in the soak (default: %(default)s)")
     for name, default, doc in (("load", d.load, "arrival rate / capacity"),
                                ("disconnect", d.disconnect, "fraction of clients that disconnect mid-stream"),
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(soak(args.base_url or srv.url, srv.proc.pid if srv else None, cfg,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True)))
         except (RuntimeError, OSError, aiohttp.ClientError) as e:
-            print(f"soak.py: error: {e}", file=sys.stderr)
+            print(f"fastserve bench soak: error: {e}", file=sys.stderr)
             return 1
         finally:
             if srv is not None:
