@@ -236,7 +236,7 @@ def sharegpt_lengths(n: int, cap: int, path: Path = SHAREGPT_LENGTHS) -> tuple[l
     return [min(cap, max(2, i)) for i, _ in rows], [min(cap, o) for _, o in rows]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "models" / "opt-125m-random")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
@@ -253,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of decode (1), fixed (2), sharegpt (3), batch1 (4); default all")
     ap.add_argument("--model-only", action="store_true", help="write --model's checkpoint if it is missing, then "
                     "exit (the device check's control_plane step runs on it)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     parts = set(args.parts.split(","))
     if parts - PARTS:
         raise SystemExit(f"--parts: unknown {', '.join(sorted(parts - PARTS))}; choose from {', '.join(sorted(PARTS))}")
