@@ -1,13 +1,13 @@
 """Simulate a serving run: the real engine, scheduler and KV manager on a
 virtual clock, with costs from a job profile (engine/simulation.py).
 
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \\
         --num-prompts 3000 --request-rate 3 --scheduling-policy skip-join-mlfq --kv-policy proactive
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --num-prompts 200 --request-rate 2
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --multi-turn --num-prompts 200 --request-rate 0.4 \\
         --enable-prefix-caching      # whole conversations, each turn over its history
@@ -63,7 +63,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="simulate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="fastserve simulate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     profiles = ", ".join(sorted(p.name for p in (REPO / "profiles" / "sim").glob("*.json")))
     ap.add_argument("--model", required=True, help=f"an OPT directory, or a shape: {', '.join(OPT_SHAPES)}")
     ap.add_argument("--profile", required=True, help=f"job profile JSON (+ optional transfer/capacity fields); "
@@ -211,11 +211,12 @@ def make_engine(args: argparse.Namespace, model: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         summary = run(args)
     except (ValueError, OSError) as e:  # bad paths and values, malformed datasets and profiles (DatasetError)
-        print(f"simulate.py: error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4f}" if isinstance(v, float) else f"{k:>20}: {v}")

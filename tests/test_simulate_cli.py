@@ -67,7 +67,7 @@ def test_sharegpt_without_a_tokenizer_counts_with_the_models_and_warns(models_he
 def test_bad_values_are_one_line_and_exit_2(models_here, capsys, args, words):
     assert simulate.main(args) == 2
     err = capsys.readouterr().err
-    assert err.startswith("simulate.py: error: ") and words in err and err.count("\n") == 1, err
+    assert err.startswith("fastserve simulate: error: ") and words in err and err.count("\n") == 1, err
 
 
 def test_bad_choices_list_the_allowed_values(capsys):

@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(soak(args.base_url or srv.url, srv.proc.pid if srv else None, cfg,
                                       progress=lambda line: print(line, file=sys.stderr, flush=True)))
         except (RuntimeError, OSError, aiohttp.ClientError) as e:
-            print(f"soak.py: error: {e}", file=sys.stderr)
+            print(f"scripts.benchmarks.soak: error: {e}", file=sys.stderr)
             return 1
         finally:
             if srv is not None:
