@@ -26,7 +26,7 @@ vocab_size; X-Request-Id is echoed or generated; vLLM's extras (top_k, min_p, mi
 stop_token_ids, repetition_penalty, priority, cache_salt, skip_special_tokens, include_stop_str_in_output,
 truncate_prompt_tokens, prompt_logprobs, stream_options.continuous_usage_stats, chat echo, ...) are
 served with vLLM's meaning, and those that cannot be honoured are refused naming the field
-(README.md's "Request fields" table).
+(docs/api.md's "Request fields" table).
 
 A client that disconnects has its requests aborted (a watcher polls the transports of live
 requests; a failed write does the same); a stream whose client stops reading for

@@ -20,7 +20,7 @@ from fastserve_kernels.attention_backend import ATTENTION_BACKENDS
 from scheduler.policy import MLFQ_LADDERS, PolicyName
 
 # Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
-# The engine only loads it; server.py, `make model` and scripts/make_tiny_model.py build it (modelmaker/).
+# The engine only loads it; server.py, `make model` and `fastserve make-model` build it (modelmaker/).
 DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
                                         / "tiny-opt"))
 KV_POLICIES = ("proactive", "reactive", "reactive-blocking", "recompute")
@@ -62,7 +62,7 @@ class EngineConfig:
     pipeline_parallel_size: int = setting(1, "pipeline stages; simulate: the profile's unless given (each stage "
                                              "takes the profiled time)")
     nnodes: int = setting(1, "nodes the tp x pp workers span (the controller runs on the first); start the other "
-                             "nodes' workers with `python -m engine.executor.node` (README, \"Many GPUs\")")
+                             "nodes' workers with `python -m engine.executor.node` (docs/parallel.md, \"Two nodes\")")
     master_addr: str = setting("127.0.0.1", "address of the workers' torch.distributed rendezvous and of the "
                                             "controller's worker port")
     master_port: int | None = setting(None, "rendezvous port; the workers' control port is the next one (default: "
@@ -72,16 +72,15 @@ class EngineConfig:
         None, "most tokens one iteration computes (without chunked prefill a longer prompt runs alone); default: "
               "with chunked prefill, the budget the job profile picks (a chunk's iteration at most twice a decode "
               f"step's time, at least --max-num-seqs; scheduler/cost_model.py), without it {UNCHUNKED_BATCHED_TOKENS}")
-    # Chunked prefill's default, as measured (docs/benchmarks.md, "Chunked prefill: the default"; Engine resolves
-    # it, engine/engine.py resolve_chunking).
+    # Chunked prefill's default, as measured (docs/scheduling.md, "Chunked prefill"; Engine resolves it,
+    # engine/engine.py resolve_chunking).
     enable_chunked_prefill: bool | None = setting(
         None, "split a prompt that does not fit the rest of an iteration's --max-num-batched-tokens into chunks run "
               "in later iterations, the last batch's decodes first (scheduler/policy.py, SchedulingPolicy.chunk); "
               "--no-enable-chunked-prefill: prompts run whole; default: on on CUDA, off on the CPU and in the "
               "simulator")
     # A cap of the stall-safe chunk (128) under the picked budget (256) changed neither P99 ITL nor throughput on
-    # the OPT-13B A100 80GB profile (docs/benchmarks.md, chunked prefill: "the 80GB profile, a per-prompt cap"),
-    # so none is picked.
+    # the OPT-13B A100 80GB profile in the simulator, so none is picked (docs/scheduling.md, "Chunked prefill").
     long_prefill_token_threshold: int = setting(
         0, "with chunked prefill, at most this many of one prompt's tokens in an iteration (vLLM's; 0: only "
            "--max-num-batched-tokens bounds a chunk)")
@@ -115,7 +114,8 @@ class EngineConfig:
                      "reactive-blocking swaps so too, but no iteration starts while a copy is in flight (the paper's "
                      "reactive baseline); recompute drops the KV and rebuilds it", choices=KV_POLICIES)
     # alpha is off by default: past capacity every waiting job is older than alpha and promoting them all turns
-    # the queues into round robin (docs/benchmarks.md, "Skip-join at capacity"); age promotion bounds waits instead.
+    # the queues into round robin (docs/scheduling.md, "Skip-join MLFQ"; docs/experiments.md, "Sensitivity to
+    # alpha"); age promotion bounds waits instead.
     starvation_threshold: float | None = setting(
         None, "alpha: seconds of waiting before a job is promoted to Q1 (the paper's rule, with 0.3 s); "
               "'none' (the default) = off")
@@ -132,7 +132,7 @@ class EngineConfig:
                    "longest prompt's first iteration (the paper's); scheduler/policy.py", choices=MLFQ_LADDERS)
     # Off by default: the lengths it learns from are those that finished, and past capacity those are the short ones,
     # so a heavy tail can read as alike (Azure's 2023 conversation lengths at 1.5x capacity: one seed of two 2.7x
-    # worse; docs/benchmarks.md, "Skip-join on alike lengths").
+    # worse; docs/scheduling.md, "Skip-join MLFQ", alike-lengths mode).
     adapt_to_alike_lengths: bool = setting(
         False, "skip-join, opt-in: once the output lengths of finished jobs say a started job is the nearer to "
                "finishing (alike lengths), no job sinks and a started job runs to completion first "
@@ -143,13 +143,13 @@ class EngineConfig:
               "plus its own fits in this many device caches, and never more than both tiers; 'none' (the "
               "default): both tiers less an eighth of the device (the room started jobs grow into), no limit "
               "without a host tier (engine/engine.py, _make_kv_manager)")
-    profile: str | None = setting(None, "'analytic' or a job-profile JSON (scripts/profile_model.py) (default: a "
+    profile: str | None = setting(None, "'analytic' or a job-profile JSON (`fastserve profile`) (default: a "
                                         "stored matching profile, else one measured at start)")
     enforce_eager: bool = setting(
         False, "run every step eagerly: no CUDA graphs for decode steps (engine/cuda_graphs.py; graphs are only used "
                "on CUDA with one tensor-parallel rank, on CPU every step is eager anyway)")
     # On the 2-core CPU it takes 2/3 of the engine's work off the critical path, but no gain in the step's period
-    # could be measured (docs/benchmarks.md, control plane: "async output processing").
+    # could be measured (docs/benchmarks.md, "Control plane").
     async_output_processing: bool = setting(
         False, "as vLLM V0's: launch step k+1 once step k's tokens are committed, and decode step k's text and build "
                "its outputs while step k+1 computes (same batches, tokens and outputs; not in the simulator or with "
@@ -232,5 +232,6 @@ def builtin_model_dir() -> Path:
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(
             f"no model given and the built-in tiny model is not built at {DEFAULT_MODEL_DIR}: run `make model` "
-            "(scripts/make_tiny_model.py) or `python server.py` once, which build it, or pass a model directory")
+            f"(`fastserve make-model --out {DEFAULT_MODEL_DIR}`) or `python server.py` once, which build it, or pass a "
+            "model directory")
     return DEFAULT_MODEL_DIR

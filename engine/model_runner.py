@@ -129,7 +129,8 @@ class ModelRunner:
         """Decode-only steps run eagerly, unpadded, from the persistent buffers: their inputs are staged in one
         host buffer (pinned on CUDA) and moved with one non-blocking copy (tensor-parallel workers, which do not
         replay graphs; engine/executor/worker.py). On CPU too: writing the host buffer through its numpy view
-        and copying it beats building the block tables' tensor from lists (docs/benchmarks.md, TP decode inputs).
+        and copying it beats building the block tables' tensor from lists (docs/benchmarks.md, "Control plane":
+        tensor-parallel decode inputs).
         stage=False: written in place (CPU only; benchmarks)."""
         self.use_decode_graphs(max_num_seqs, max_model_len, capture=False, staged_only=True, stage=stage)
 

@@ -3,7 +3,7 @@ generator (`fastserve bench serve`) --sweep against it over real HTTP, stop it. 
 rate and its throughput at the per-token SLO, saves every loadgen result JSON plus a summary, and can draw the paper's
 Fig. 11 (per-token latency vs rate, one line per policy).
 
-    python scripts/live_sweep.py --policies fcfs,skip-join-mlfq --dataset-name lengths \\
+    python -m fastserve.compare --policies fcfs,skip-join-mlfq --dataset-name lengths \\
         --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 60 --sweep 1,2,4 \\
         --slo-per-token 0.05 --result-dir results/live --plot fig11.png --num-gpu-blocks-override 990
 

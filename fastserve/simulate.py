@@ -1,13 +1,13 @@
 """Simulate a serving run: the real engine, scheduler and KV manager on a
 virtual clock, with costs from a job profile (engine/simulation.py).
 
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \\
         --num-prompts 3000 --request-rate 3 --scheduling-policy skip-join-mlfq --kv-policy proactive
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --num-prompts 200 --request-rate 2
-    python scripts/simulate.py --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
+    fastserve simulate --model opt-13b --profile profiles/sim/opt-13b-a100-40gb-x1.json \\
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --multi-turn --num-prompts 200 --request-rate 0.4 \\
         --enable-prefix-caching      # whole conversations, each turn over its history

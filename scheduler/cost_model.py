@@ -1,6 +1,6 @@
 """The job profiler's cost model: profiled iteration times, interpolated.
 
-A profile (written by scripts/profile_model.py, schema "fastserve.profile/1"):
+A profile (written by `fastserve profile`, fastserve/profile.py; schema "fastserve.profile/1"):
 
     {
       "schema": "fastserve.profile/1",
@@ -244,8 +244,8 @@ class ProfiledCostModel:
 # The chunk budget's reference iteration: a decode batch of this many sequences at this context.
 BUDGET_DECODE_BATCH = 16
 BUDGET_DECODE_CONTEXT = 512
-# How much longer a streamed token's gap may get while a long prompt is prefilled in chunks (issue 25's goal:
-# P99 inter-token latency at most twice the median).
+# How much longer a streamed token's gap may get while a long prompt is prefilled in chunks (chunked prefill's
+# aim, docs/scheduling.md, "Chunked prefill": P99 inter-token latency at most twice the median).
 BUDGET_STALL_RATIO = 2.0
 
 
@@ -267,5 +267,5 @@ def chunk_budget(cost: ProfiledCostModel, block_size: int, max_num_seqs: int, ca
     the stall-safe chunk (stall_safe_chunk), then at least max_num_seqs (vLLM's rule: every sequence of a full
     batch can decode) and at most cap (but never below block_size). On the OPT-13B A100 40GB profile this is 256,
     the budget the simulator measured as the only one keeping P99 ITL under twice the median (docs/benchmarks.md,
-    "Chunked prefill: the token budget")."""
+    "Chunked prefill")."""
     return max(block_size, min(cap, max(stall_safe_chunk(cost, block_size, cap), max_num_seqs)))

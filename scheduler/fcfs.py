@@ -1,6 +1,6 @@
 """FCFS: iteration-level, run-to-completion batching, as vLLM and Orca do it.
 
-Rule (DESIGN.md, "FCFS, once"):
+Rule (docs/scheduling.md, "Policies"):
 - a running job is never preempted by policy;
 - waiting jobs join in arrival order while batch slots, the batched-token
   budget and device KV memory allow (admission stops at the first that does

@@ -8,7 +8,7 @@ HBM floor of one decode step = (weight bytes + KV bytes read) / HBM bandwidth, t
 what the step must read once; a step cannot be faster, and the device check's bench_gpu reports each decode
 step against the same floor with its measured copy bandwidth in place of the datasheet figure.
 - weight bytes: every parameter of the model built on the meta device (engine/model/opt.py OPTStage, world size
-  1) except the position table, of which a decode step reads a few rows (scripts/bench_gpu.weight_bytes_read);
+  1) except the position table, of which a decode step reads a few rows (scripts/benchmarks/gpu.py weight_bytes_read);
   the tied lm head is the token embedding, read once.
 - KV bytes read: batch x context x layers x 2 (K, V) x hidden x dtype bytes (every cached token's K and V, every
   layer; engine/kv_cache.kv_block_bytes per token).

@@ -11,12 +11,12 @@ Rules:
   * Unknown fields are refused (400 naming them); OpenAI and vLLM parameters
     this server does not implement (best_of > 1, suffix, tools, response_format,
     guided_*, beam search, ...) are refused, saying why, when set to anything but
-    their "off" value. Nothing is ignored. README.md's "Request fields" table
-    lists every field and its status.
+    their "off" value. Nothing is ignored. docs/api.md's "Request fields"
+    table lists every field and its status.
   * vLLM's extras keep vLLM's meaning and defaults (continuous_usage_stats,
     include_stop_str_in_output, truncate_prompt_tokens, chat echo, ...); where
     this server differs (add_special_tokens defaults to true on chat; a
-    scoring-only echo counts 0 completion tokens) README.md says so.
+    scoring-only echo counts 0 completion tokens) docs/api.md says so.
   * Chat content is a string or a list of parts; text parts are joined with
     "\\n" (as vLLM does), any other part type is refused. The `developer` role
     (OpenAI's newer name for `system`) reaches the template as `system`; a

@@ -1,6 +1,6 @@
-"""The cache_salt request field (vLLM's; issue 28): requests with different salts never share cached KV blocks,
-requests with the same salt (or none) do. In the engine, and over real HTTP on both endpoints, with its
-validation (a non-empty string, else a 400 naming the field)."""
+"""The cache_salt request field (vLLM's; docs/kv-cache.md, "Prefix caching"): requests with different salts never share
+cached KV blocks, requests with the same salt (or none) do. In the engine, and over real HTTP on both endpoints, with
+its validation (a non-empty string, else a 400 naming the field)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chunked prefill (issue 25).
+"""Chunked prefill (docs/scheduling.md, "Chunked prefill").
 
 Prefill over a cached prefix: any number of new tokens attending to any number of cached tokens in the paged KV
 cache (causal within the new tokens), in the reference attention path against dense attention, and the model
@@ -433,7 +433,7 @@ PROFILES = Path(__file__).resolve().parents[1] / "profiles" / "sim"
 
 
 def test_the_picked_budget_is_the_one_the_simulator_measured_on_the_opt13b_profile():
-    """docs/benchmarks.md, "Chunked prefill: the token budget": on the OPT-13B A100 40GB profile only budget 256
+    """docs/benchmarks.md, "Chunked prefill" (the budget, simulated): on the OPT-13B A100 40GB profile only budget 256
     kept P99 ITL under twice the median; the rule picks 256 from the profile alone."""
     cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-40gb-x1.json")
     assert chunk_budget(cost, 16, max_num_seqs=1, cap=8192) == 256
@@ -475,8 +475,8 @@ def test_chunking_is_on_by_default_on_cuda_only_and_explicit_settings_win():
 
 def test_the_80gb_profiles_budget_is_max_num_seqs_above_their_stall_safe_chunk():
     """On the 80GB profiles the stall-safe chunk is 128 and max_num_seqs 256 raises the budget to 256 (measured
-    against a per-prompt cap of 128 in docs/benchmarks.md, "Chunked prefill, session 19": no difference, so the
-    cap stays off by default, as vLLM's)."""
+    in the simulator against a per-prompt cap of 128: no difference, so the cap stays off by default, as vLLM's;
+    docs/scheduling.md, "Chunked prefill")."""
     cost = ProfiledCostModel.from_json(PROFILES / "opt-13b-a100-80gb-x1.json")
     assert stall_safe_chunk(cost, 16, UNCHUNKED_BATCHED_TOKENS) == 128
     assert resolve_chunking(EngineConfig(), "cuda", cost, 16) == (True, 256)

@@ -63,7 +63,7 @@ def _run(tokens: list[int], logprobs: list[dict[int, float]]):
 
 
 def test_runs_compare_by_logprobs_and_may_part_ways_only_at_a_near_tie():
-    """The comparison the CUDA graphs-vs-eager test makes (issue 26: it demanded token-exact float16 equality
+    """The comparison the CUDA graphs-vs-eager test makes (it once demanded token-exact float16 equality
     between differently padded matmuls)."""
     peaked = {5: -0.01, 6: -5.0}
     tie_a, tie_b = {7: -0.690, 8: -0.700}, {8: -0.693, 7: -0.697}  # argmax flipped by rounding
@@ -245,7 +245,7 @@ def test_cuda_capture_all_writes_only_the_scratch_block(tiny_model_dir):
 
 
 def test_graph_buckets_are_a_bounded_set():
-    """Issue 26: up to 280 graphs (35 batch sizes x 8 widths) were captured lazily while serving; the start-up set
+    """Up to 280 graphs (35 batch sizes x 8 widths) were once captured lazily while serving; the start-up set
     is every batch size at the widest table for Triton, powers of two x every width for the torch gather."""
     sizes, widths = graph_buckets(256, 2048, 16, "triton")
     assert sizes == decode_batch_sizes(256) and widths == [128] and len(sizes) * len(widths) == 35
@@ -312,7 +312,7 @@ def test_start_up_captures_the_bounded_set_before_serving_and_logs_it(tiny_model
         llm.close()
 
 
-# -- staged decode inputs without graphs (tensor-parallel workers; issue 26) ------------------------------------
+# -- staged decode inputs without graphs (tensor-parallel workers; docs/parallel.md, "How it runs") -------------
 def _decode_batch(n: int, contexts: list[int], bs: int = 4) -> ModelBatch:
     greedy = SamplingParams(temperature=0)
     return ModelBatch([SequenceWork(f"j{i}", [10 + i], c, list(range(i * 20, i * 20 + c // bs + 1)), greedy, None, 1)

@@ -1,5 +1,5 @@
-"""scripts/device_expectations.py: the figures docs/benchmarks.md lists for the device check come from the model
-shapes, counted the way bench_gpu counts the bytes a decode step reads."""
+"""scripts/device_expectations.py: the figures docs/gpu.md lists for the device check come from the model shapes,
+counted the way the bench_gpu step (scripts/benchmarks/gpu.py) counts the bytes a decode step reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LLM.close() releases the engine's memory explicitly, at once, while references to it remain (issue 26).
+"""LLM.close() releases the engine's memory explicitly, at once, while references to it remain.
 
 On CUDA a second LLM in the same process sized its KV cache against the first one's leftovers whenever anything
 still referenced the first (a graph, a stream, an output, a traceback), and torch's allocator kept freed blocks

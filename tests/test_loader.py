@@ -184,7 +184,7 @@ class _Float32Bytes(TorchDispatchMode):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_half_precision_weights_are_never_made_in_float32(tmp_path, dtype, load_format):
-    """Issue 26: the stage was materialised in float32 and then cast, a peak of twice the final size. Now at most
+    """The stage was once materialised in float32 and then cast, a peak of twice the final size. Now at most
     one checkpoint tensor is ever float32 at a time (the read of a float32 file, or the dummy weights' float32
     draw), never the model; and the weights are the same as the float32 load cast."""
     shape = dict(SMALL_PRE_LN, num_hidden_layers=8)  # the largest tensor is a small part of the model

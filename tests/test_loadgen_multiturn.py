@@ -1,6 +1,7 @@
-"""The load generator's multi-turn ShareGPT replay (fastserve/bench/multiturn.py; issue 28): conversations read
-from a small file written here, each user turn sent over chat with the whole history after the previous answer
-and a think time, against a real server with prefix caching on; the report's per-turn figures and hit rate."""
+"""The load generator's multi-turn ShareGPT replay (fastserve/bench/multiturn.py; docs/kv-cache.md, "Prefix caching"):
+conversations read from a small file written here, each user turn sent over chat with the whole history after the
+previous answer and a think time, against a real server with prefix caching on; the report's per-turn figures and hit
+rate."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The packages' layers (DESIGN.md, "The shape"): no module imports one of a layer above its own, no modules import
-each other round a circle, and the `fastserve` command never reaches into scripts/ (which the wheel does not ship).
-The model-making tooling (modelmaker/) stays out of the serving stack's imports, and the built-in tiny model
+"""The packages' layers (docs/design.md, "Layout" and "Boundaries"): no module imports one of a layer above its own, no
+modules import each other round a circle, and the `fastserve` command never reaches into scripts/ (which the wheel does
+not ship). The model-making tooling (modelmaker/) stays out of the serving stack's imports, and the built-in tiny model
 still appears on a fresh machine: server.py with no --model builds it; the engine alone only loads it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.server_fixtures import REPO, ServerProcess
 
 TOOLING = "modelmaker"
-# The packages that serve models (DESIGN.md's layers); scripts/, tests/ and server.py may use the tooling.
+# The packages that serve models (docs/design.md, "Layout"); scripts/, tests/ and server.py may use the tooling.
 SERVING_STACK = ("engine", "scheduler", "memory", "fastserve_kernels", "serving")
 # Every top-level package (and server.py), lowest layer first: a module may import its own layer's and lower ones'.
 # The wheel ships all but scripts/ (maintainers' experiments, benchmarks and the device check).

@@ -1,4 +1,4 @@
-"""memory/prefix_cache.py: hash chains, reference counts, LRU eviction (issue 28, step 1).
+"""memory/prefix_cache.py: hash chains, reference counts, LRU eviction (docs/kv-cache.md, "Prefix caching").
 
 The property tests run jobs over random token lists built from a few shared prefixes, with a shadow of what
 each block holds: a job writes its blocks' contents when it computes them and reads them back on a hit, so a

@@ -1,4 +1,5 @@
-"""Automatic prefix caching through the engine (issue 28): outputs with the cache equal outputs without it.
+"""Automatic prefix caching through the engine (docs/kv-cache.md, "Prefix caching"): outputs with the cache equal
+outputs without it.
 
 Requests sharing prefixes (a common 'system prompt', staggered so later ones find the earlier ones' blocks while
 those run and after they end), a follow-up turn whose whole earlier conversation (prompt + answer) is cached, and
@@ -141,8 +142,9 @@ def test_cached_tokens_are_reported_per_request(uncached):
 
 def test_generated_blocks_are_named_when_the_job_leaves_the_device(uncached):
     """A decoding job's blocks are hashed when it ends (or is evicted), not as each fills: no request can hit them
-    before (issue 28's per-tick cost). The prompt's full blocks are named at once (others may share them while it
-    runs), and after the end a follow-up finds the whole conversation."""
+    before, and hashing them as they filled cost every tick (docs/benchmarks.md, "Prefix caching"). The prompt's full
+    blocks are named at once (others may share them while it runs), and after the end a follow-up finds the whole
+    conversation."""
     model_dir, _ = uncached
     engine = engine_of(model_dir, enable_prefix_caching=True)
     prompt = tokens(10, 11)  # two full blocks of BS 4, and a partial one

@@ -1,6 +1,6 @@
-"""Skip-join enters a request by the work it really needs (issue 28): with prefix caching the engine looks up a
-request's cached prefix when it is admitted (Job.num_cached_prompt_tokens) and the entry rule prices only the
-uncached rest; the real hit is still taken at the job's first allocation, so a job whose cached blocks were
+"""Skip-join enters a request by the work it really needs (docs/kv-cache.md, "Prefix caching"): with prefix caching the
+engine looks up a request's cached prefix when it is admitted (Job.num_cached_prompt_tokens) and the entry rule prices
+only the uncached rest; the real hit is still taken at the job's first allocation, so a job whose cached blocks were
 evicted in between computes its whole prompt and gives the same outputs."""
 
 from __future__ import annotations

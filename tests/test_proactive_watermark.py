@@ -1,7 +1,7 @@
 """The proactive planner's watermark is the room the batch's next iteration adds (memory/proactive.py, rule 1):
 a block for each job whose next token starts a new block, not one for every job of the batch. One block per job
 kept free ~16x the room a decode batch grows into, and at capacity the planner pushed idle jobs out to keep it,
-each coming back as an upload (docs/benchmarks.md, "Proactive prefetch, session 14")."""
+each coming back as an upload (docs/kv-cache.md, "Offload policies", the proactive rule)."""
 
 from __future__ import annotations
 

@@ -232,7 +232,7 @@ def test_truncate_prompt_tokens(server):
 
 
 def test_add_special_tokens(server):
-    """false: no BOS before the prompt (completions default true; chat too here, see README)."""
+    """false: no BOS before the prompt (completions default true; chat too here, see docs/api.md, "Request fields")."""
     with_bos = complete(server, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)["choices"][0]["logprobs"]
     without = complete(server, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
                        add_special_tokens=False)["choices"][0]["logprobs"]

@@ -86,7 +86,7 @@ def test_triton_asked_for_but_not_installed_is_one_clear_error(monkeypatch):
 
 
 # Per-thread register limits of each kernel compiled for sm_90 as the host code launches it (measured with
-# the pinned triton 3.7.1 / ptxas 12.8, block size 16, docs/benchmarks.md: write_kv 25-100, decode split 40-48
+# the pinned triton 3.7.1 / ptxas 12.8, block size 16, scripts/triton_registers.py: write_kv 25-100, decode split 40-48
 # (80 on 64-token tiles), reduce 22-28, prefill 94-158), and no spills. Before the kernels read the cache one
 # base pointer a KV block, the decode kernel took 64-143 registers (232-255 without the launch's alignment
 # hints) and prefill spilled.

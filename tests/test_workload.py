@@ -292,7 +292,7 @@ def test_bad_arrival_parameters(kwargs, message):
 
 
 def test_load_workload_reports_what_the_filter_dropped(tmp_path):
-    """simulate.py, the load generator and the experiments print this line: the one filter and its drops."""
+    """`fastserve simulate`, the load generator and the experiments print this line: the one filter and its drops."""
     rows = [(3, 10), (10, 3), (1025, 10), (1000, 1049), (1000, 1048), (20, 30)]
     path = write(tmp_path, "l.csv", "input_tokens,output_tokens\n" + "".join(f"{a},{b}\n" for a, b in rows))
     stats: dict = {}

@@ -104,7 +104,7 @@ def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_over_any_cached_prefix_matches_reference(dtype):
-    """Issue 25: any number of new tokens over any number of cached ones (prefixes of 0, mid-block, on a block
+    """Chunked prefill: any number of new tokens over any number of cached ones (prefixes of 0, mid-block, on a block
     boundary, past one query tile; chunks of 1, a block, sizes that divide nothing), in one flat batch."""
     seqs = [(0, 1), (1, 1), (3, 1), (4, 4), (3, 4), (5, 7), (8, 3), (7, 13), (16, 2), (2, 31), (21, 17), (0, 9)]
     q, k, v, kv, meta, _ = make_batch(seqs, h=2, d=16, bs=4, dtype=dtype, seed=11)
@@ -171,7 +171,7 @@ def test_llm_with_default_sizing_on_triton_kernels_matches_transformers(small_ch
 
 
 def test_engine_chunked_prefill_on_triton_kernels_matches_transformers(small_checkpoint):
-    """Issue 25: prompts split under a 5-token budget (chunks over a cached prefix through the prefill kernel,
+    """Chunked prefill: prompts split under a 5-token budget (chunks over a cached prefix through the prefill kernel,
     one-token chunks through the decode kernel, beside decodes) give transformers' greedy tokens and logprobs."""
     model_dir = small_checkpoint(SMALL_PRE_LN)
     engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, seed=0,

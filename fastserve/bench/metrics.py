@@ -6,9 +6,9 @@ What this is: pure functions of RequestResults (client.py) and a run's duration.
     the requested percentiles (numpy's linear interpolation), in ms; request / output / total token
     throughput; goodput = requests meeting every --goodput SLO (ttft, tpot, e2el in ms; a one-token
     request's tpot counts as 0) per second.
-  * The paper's (the team's design notes, Metrics): per-token latency of a request = e2e / output tokens,
-    mean and P95 over requests, in seconds; the mean queued / executing / swap-wait seconds per request, from the
-    server's per-request metrics when it sends them.
+  * The paper's (FastServe's evaluation; docs/experiments.md reports them): per-token latency of a request =
+    e2e / output tokens, mean and P95 over requests, in seconds; the mean queued / executing / swap-wait seconds
+    per request, from the server's per-request metrics when it sends them.
   * rate_at_slo(): the throughput at SLO of a sweep.
 What this is not: I/O, except that format_* return text and result_json() returns a JSON-ready dict.
 """

@@ -1,4 +1,5 @@
-"""Multi-turn chat replay (issue 28): ShareGPT conversations sent turn by turn to /v1/chat/completions.
+"""Multi-turn chat replay (docs/kv-cache.md, "Prefix caching"): ShareGPT conversations sent turn by turn to
+/v1/chat/completions.
 
     fastserve bench serve --multi-turn --dataset-name sharegpt \\
         --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json --num-prompts 50 \\

@@ -89,7 +89,8 @@ def main() -> int:
                     f"{TOLERANCE['float16']:g}, float32 {TOLERANCE['float32']:g})")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA device (on CPU the Triton kernels only run interpreted)")
+        sys.exit("python -m scripts.benchmarks.attention needs a CUDA device (on CPU the Triton kernels only run "
+                 "interpreted)")
     from fastserve_kernels.attention_backend import attention_function
 
     device = torch.device("cuda")

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    print(f"# bench_swap: {args.num_prompts} ShareGPT-length requests (capped at {args.max_len}), "
+    print(f"# scripts.benchmarks.swap: {args.num_prompts} ShareGPT-length requests (capped at {args.max_len}), "
           f"{args.device_blocks} device blocks x {args.block_size} tokens, skip-join-mlfq")
     print(f"{'rate':>6} {'kv-policy':>10} {'mean s/tok':>11} {'p95 s/tok':>10} {'swap%':>6} "
           f"{'offl':>5} {'upl':>5} {'drops':>5} {'wall s':>7}")

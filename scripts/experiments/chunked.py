@@ -5,7 +5,7 @@ intervals. Two tables: the token budget (--max-num-batched-tokens) against P99 /
 latency and the served rate at 0.8C, skip-join MLFQ; and its goals at --chunked-budget: skip-join chunked
 against skip-join unchunked and FCFS chunked (P99 / median ITL, the short requests' mean per-token latency and P99
 TTFT). (Throughput at saturation is not in it: a run offered 1.5C crashed before memory/kv_manager.py's fix of
-3548f13 and was not rerun; docs/benchmarks.md has live measurements of it.)
+3548f13 and was not rerun; docs/benchmarks.md, "Chunked prefill", has measurements of it.)
 
 Every point names enable_chunked_prefill (and the budget) explicitly, so the section measures the same thing
 whatever the engine's defaults are.

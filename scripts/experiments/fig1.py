@@ -1,5 +1,5 @@
 """Fig. 1: the queueing share of end-to-end latency under FCFS, by load, ShareGPT and Alpaca, measured as every
-comparison is (the design notes, "How a comparison is measured"; steady_state.py): loads in units of FCFS's
+comparison is (docs/scheduling.md, "How policies are compared"; steady_state.py): loads in units of FCFS's
 sustained capacity C, 3,000 requests a point, the requests arriving in the middle 80% of the trace counted, seeds
 with 95% intervals. The setups, capacities and loads are Fig. 12's, so its FCFS runs serve here from
 steady_state.Runner's cache (and these serve it).

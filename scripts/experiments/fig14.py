@@ -102,7 +102,7 @@ def section_fig14(ctx: Ctx) -> str:
               f"{100 * (GOAL - 1):.0f}% in {sum(v.mean <= GOAL for v in moded.values())} of {len(IO_RATIOS)} rows ("
               + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in moded.items()) + "). It is off by default: it learns "
               "from the jobs that finished, which past capacity are the short ones, so a heavy tail can read as "
-              "alike (docs/benchmarks.md, \"Skip-join on alike lengths\").", "",
+              "alike (docs/scheduling.md, \"Skip-join MLFQ\", alike-lengths mode).", "",
               "What changed since this section's previous version: it ran 120 requests a "
               "ratio, every one counted, one seed, at 1.5x a capacity estimated from the profile (not measured), "
               "with the old cost model and the defaults of its day (alpha 0.3 s, the paper's prefill ladder); it "

@@ -77,8 +77,8 @@ def section_fig15(ctx: Ctx) -> str:
               "with the old cost model and defaults, and had only the non-blocking reactive baseline; it read "
               "reactive / proactive 1.05x and recompute / proactive 1.95x at its highest rate. Measured at steady "
               "state, non-blocking reactive and proactive are tied at every load (the proactive planner's "
-              "prefetches do not arrive ahead of need: every upload is a miss, docs/benchmarks.md, \"Skip-join at "
-              "capacity\", part 5), and the paper's blocking baseline is what proactive beats, by the ratios above."]
+              "prefetches do not arrive ahead of need: every upload is a miss, docs/benchmarks.md, \"KV "
+              "policies\"), and the paper's blocking baseline is what proactive beats, by the ratios above."]
     fig, ax = plt.subplots(figsize=(5.6, 3.2))
     for kv in KV:
         ax.plot(LOADS, [stat(data[kv][(load, "skip-join-mlfq")]["mean_per_token_s"]).mean for load in LOADS],

@@ -97,7 +97,7 @@ def _reading(data: dict, gb: float, big: int, bound: int) -> str:
     def ratio(load, policy, metric="kv_peak_blocks"):
         return ratio_stat(data[(load, policy)][metric], data[(load, "fcfs")][metric])
 
-    def differs(r):  # the design notes' rule: an interval that includes 1.0 is no difference
+    def differs(r):  # docs/scheduling.md's rule: an interval that includes 1.0 is no difference
         return not (r.mean - r.half <= 1.0 <= r.mean + r.half)
 
     metrics = ("kv_peak_blocks", "kv_mean_blocks", "mean_per_token_s")

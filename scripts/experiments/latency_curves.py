@@ -1,6 +1,6 @@
 """Fig. 12 (P95 per-token latency against load) and Fig. 13 (goodput: the highest load within an SLO of 5x, 10x
 and 20x the light-load latency, per phase), OPT-13B, FCFS (vLLM's order) against skip-join MLFQ (FastServe),
-ShareGPT and Alpaca, measured the way every comparison is (the design notes, "How a comparison is measured";
+ShareGPT and Alpaca, measured the way every comparison is (docs/scheduling.md, "How policies are compared";
 steady_state.py): loads in units of FCFS's sustained capacity C, 3,000 requests a point, the requests
 arriving in the middle 80% of the trace counted, seeds with 95% intervals, and Fig. 13's loads searched by
 bisection to 2%. Both read the same runs (steady_state.Runner caches them on disk, shared with the capacity

@@ -65,7 +65,7 @@ def section_enst_ablation(ctx: Ctx) -> str:
               "watermark of 2026-12-03, nearly every upload is still the scheduler's own pick (the swap-miss "
               "column), so the planner's order decides only which idle job it offloads, and a random order's "
               "extra offloads and thrash cost no latency because each copy takes less than a step "
-              "(docs/benchmarks.md, \"Skip-join at capacity\", part 8). The old run's +3-7% was one seed of a "
+              "(docs/benchmarks.md, \"KV policies\"). The old run's +3-7% was one seed of a "
               "short trace.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "

@@ -1,5 +1,5 @@
-"""The section of `make experiments` measured the way every comparison should be (the team's design notes, "How a
-comparison is measured"; steady_state.py): skip-join MLFQ against FCFS and the SRPT oracle at 0.5x to 2x
+"""The section of `make experiments` measured the way every comparison should be (docs/scheduling.md, "How policies
+are compared"; steady_state.py): skip-join MLFQ against FCFS and the SRPT oracle at 0.5x to 2x
 of FCFS's sustained capacity, steady state, 3,000 requests a point, 5 seeds with 95% intervals; the engine's
 previous defaults beside it; and the other setups (Alpaca, the 80GB profile, OPT-66B on 4 GPUs, OPT-175B on 16).
 
@@ -30,8 +30,8 @@ CHANGED = ("What changed since this section's previous version (2026-12-02, code
            "-> 3.24 at 1.5C, 3.85 -> 3.81 at 2C; P95 / oracle 2.06 -> 2.09, 2.14 -> 2.18, 1.74 -> 1.78; served / FCFS "
            "1.128 -> 1.129 and 1.239 -> 1.24 past capacity. Before that (the version before it): with a host tier new "
            "jobs start only while the started jobs' KV fits both tiers less an eighth of the device, and with pipeline "
-           "parallelism a batch holds at most its share of the device's KV (docs/benchmarks.md, \"Skip-join at "
-           "capacity\", part 6).")
+           "parallelism a batch holds at most its share of the device's KV (docs/kv-cache.md, \"Offload policies\", "
+           "admission).")
 
 
 def section_capacity(ctx: Ctx) -> str:

@@ -1,4 +1,4 @@
-"""How a comparison is measured (the team's design notes, "How a comparison is measured"): steady state,
+"""How a comparison is measured (docs/scheduling.md, "How policies are compared"): steady state,
 load in units of FCFS's sustained capacity, several seeds with a 95% confidence interval, and the SRPT
 oracle in the same table. Shared by the experiments' sections (this package), and a command of its own:
 

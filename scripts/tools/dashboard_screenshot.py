@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             srv.wait_ready()
             errors = asyncio.run(capture(srv.url, args.out, args.seconds))
         except RuntimeError as e:
-            print(f"dashboard_screenshot.py: error: {e}", file=sys.stderr)
+            print(f"scripts.tools.dashboard_screenshot: error: {e}", file=sys.stderr)
             return 1
         finally:
             srv.stop()

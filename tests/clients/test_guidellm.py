@@ -21,7 +21,7 @@ REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 8, 32, 8
 
 
 def guidellm_command(url: str, endpoint: str, stream: bool, tokenizer: str, out: str) -> list[str]:
-    """The exact command line (the README quotes it)."""
+    """The exact command line (docs/api.md, "Clients tested", names the run)."""
     return [console_script("guidellm"), "run",
             "--backend", f"kind=openai_http,target={url},model={SERVED_NAME},request_format={endpoint},"
                          f"stream={str(stream).lower()}",
