@@ -102,6 +102,25 @@ def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dty
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize(("h", "h_kv", "bs"), [(4, 2, 4), (3, 1, 16)])
+def test_grouped_query_attention_matches_reference(h, h_kv, bs):
+    """Fewer KV heads than query heads (2 query heads a KV head; one KV head for 3): the cache write of the KV
+    heads, decode over several splits, prefill and chunked prefill over a cached prefix, in one mixed batch."""
+    seqs = [(0, 1), (0, 19), (9, 1), (3, 6), (8, 18), (40, 1), (37, 5)]
+    q, k, v, kv, meta, _ = make_batch(seqs, h=h, d=16, bs=bs, dtype=torch.float32, seed=7, h_kv=h_kv)
+    assert kv.shape[3] == h_kv and k.shape[1] == h_kv and q.shape[1] == h
+    expected_kv = kv.clone()
+    expected = ref.paged_attention(q, k, v, expected_kv, 1, meta, 16**-0.5)
+    out = tri.paged_attention(q, k, v, kv, 1, meta, 16**-0.5)
+    assert torch.equal(kv, expected_kv)
+    torch.testing.assert_close(out, expected, **tol(torch.float32))
+    rows = meta.decode_token_index
+    split = torch.full(q.shape, float("nan"))
+    tri.decode_attention(q.contiguous(), kv, 1, rows, meta.decode_block_tables, meta.decode_context_lens, 16**-0.5,
+                         split, 16)  # the 41-token context in 3 splits
+    torch.testing.assert_close(split[rows], expected[rows], **tol(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_over_any_cached_prefix_matches_reference(dtype):
     """Issue 25: any number of new tokens over any number of cached ones (prefixes of 0, mid-block, on a block
