@@ -91,9 +91,13 @@ def test_kernel_softmax_holds_for_flat_and_peaked_scores(op, spread):
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("bs", [4, 16, 32])  # a block's scores in part of a register, one, two
 @pytest.mark.parametrize("h_kv", [4, 2])  # 2: two query heads a KV head, written once, read by both
-def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs, h_kv):
+@pytest.mark.parametrize("own_k", [False, True], ids=["fused-k", "own-k"])  # own: k rotated, v still a view
+def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs, h_kv, own_k):
     lens = [1, bs, bs + 1, 3 * bs - 1, 9]
     q, k, v, kv, meta = decode_batch(lens, 4, 64, bs, torch.float32, h_kv=h_kv)
+    if own_k:  # as a model with rotary embeddings makes them: k a tensor of its own, v a view of the projection
+        k = k.contiguous()
+        assert k.stride() != v.stride()
     reference = kv.clone()
     layer = 1
     write_kv(reference, layer, k, v, meta)

@@ -283,7 +283,8 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
 
 template <typename T>
 void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,  // q [S, H, D], D contiguous
-                             const T* k_new, const T* v_new, int64_t kv_stride_s, int64_t kv_stride_h,
+                             const T* k_new, int64_t k_stride_s, int64_t k_stride_h,  // k, v [S, Hkv, D]
+                             const T* v_new, int64_t v_stride_s, int64_t v_stride_h,
                              T* cache, T* out,  // out [S, H, D] contiguous
                              const int64_t* tables, const int64_t* lens, const int64_t* slot_blocks,
                              const int64_t* slot_offsets, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t MB,
@@ -309,8 +310,8 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
   auto write_rows = [&](int64_t s, int64_t k0, int64_t k1) {
     T* dst = cache + slot_blocks[s] * block_stride + layer_offset + slot_offsets[s] * D;
     for (int64_t h = k0; h < k1; ++h) {
-      const T* ks = k_new + s * kv_stride_s + h * kv_stride_h;
-      const T* vs = v_new + s * kv_stride_s + h * kv_stride_h;
+      const T* ks = k_new + s * k_stride_s + h * k_stride_h;
+      const T* vs = v_new + s * v_stride_s + h * v_stride_h;
       std::copy(ks, ks + D, dst + h * head_stride);
       std::copy(vs, vs + D, dst + h * head_stride + v_offset);
     }
@@ -361,9 +362,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, double scale, bool write) {
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 6,
               "decode_attention: a contiguous CPU cache [NB, L, 2, H, bs, D]");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
-                  k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
-              "decode_attention: q, k, v [S, H, D] with D contiguous, k and v of the same strides");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "decode_attention: q, k, v [S, H, D] with D contiguous");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
                   v.scalar_type() == kv_cache.scalar_type(),
               "decode_attention: q, k, v and the cache of one dtype");
@@ -379,7 +380,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
     decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k.data_ptr<scalar_t>(),
-                                      v.data_ptr<scalar_t>(), k.stride(0), k.stride(1),
+                                      k.stride(0), k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1),
                                       kv_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), S, H, Hkv, D,
