@@ -1,6 +1,7 @@
 """A Llama-family model (2 KV heads under 8 query heads) on the live engine: the KV cache holds the KV heads (its
 block count for a memory budget follows from them), and greedy outputs do not depend on where the KV lives:
-kept, offloaded to the host and uploaded, dropped and recomputed, or built in chunks."""
+kept, offloaded to the host and uploaded, dropped and recomputed, built in chunks, found in the prefix cache,
+or split over tensor-parallel workers."""
 
 from __future__ import annotations
 
@@ -78,3 +79,32 @@ def test_chunked_prefill_gives_the_unchunked_outputs(llama_checkpoint, reference
     outs = llm.generate(PROMPTS, greedy())
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert any(start > 0 for start, _ in chunks), "no chunk ran over a cached prefix"
+
+
+def test_tensor_parallel_workers_with_one_kv_head_give_the_single_process_outputs(llama_checkpoint):
+    """Two worker processes (gloo on the CPU), 8 query heads over one KV head: each rank holds that KV head
+    (replicated) and its 4 query heads; greedy tokens equal tp = 1's."""
+    model_dir = str(llama_checkpoint(num_key_value_heads=1))
+    params = greedy(8)
+    with LLM(model=model_dir, block_size=4, num_gpu_blocks_override=256, profile="analytic") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    with LLM(model=model_dir, block_size=4, num_gpu_blocks_override=256, profile="analytic", device="cpu",
+             tensor_parallel_size=2) as llm:
+        assert llm.engine.executor.kv_block_bytes == LAYERS * 2 * 1 * 4 * HEAD_DIM * 4  # one KV head a rank
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    assert got == want
+
+
+def test_prefix_cache_hits_give_the_outputs_computed_from_scratch(llama_checkpoint):
+    """Prompts that extend earlier ones reuse their cached KV blocks (the KV heads' blocks) and give the greedy
+    tokens a run without prefix caching computes."""
+    model_dir = str(llama_checkpoint())
+    later = [p + [40 + i, 41, 42, 43, 44] for i, p in enumerate(PROMPTS)]
+    with LLM(model=model_dir, block_size=4, num_gpu_blocks_override=512, profile="analytic") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(later, greedy(8))]
+    with LLM(model=model_dir, block_size=4, num_gpu_blocks_override=512, profile="analytic",
+             enable_prefix_caching=True) as llm:
+        llm.generate(PROMPTS, greedy(8))
+        outs = llm.generate(later, greedy(8))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.num_cached_tokens for o in outs) >= sum(len(p) // 4 * 4 for p in PROMPTS)
