@@ -26,16 +26,13 @@ from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.sampling_params import SamplingParams as Params
 from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
+from tests.test_loader import assert_all_load_the_same
 from tests.test_parallel import _ThreadAllReduce
 
 
 def load(path, layout: ParallelLayout | None = None, group: TensorParallelGroup | None = None):
     group = group or TensorParallelGroup(layout or ParallelLayout())
     return load_model_stage(path, load_model_config(path), group, "float32", "cpu")
-
-
-def state(stage) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in stage.state_dict().items()}
 
 
 @pytest.mark.parametrize("named", [["GPTNeoXForCausalLM"], None])
@@ -67,18 +64,11 @@ def test_model_type_stands_in_for_architectures_and_other_architectures_in_the_l
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_every_weight_layout_loads_the_same_model(tmp_path, architecture):
     """One safetensors file, shards with model.safetensors.index.json, and pytorch_model.bin."""
-    ref = None
-    for fmt in ("safetensors", "sharded", "bin"):
-        d = write_llama_checkpoint(tmp_path / fmt, llama_config(architecture), seed=3, weight_format=fmt)
-        if fmt == "sharded":
-            assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("model-*"))) == 2
-        sd = state(load(d))
-        if ref is None:
-            ref = sd
-            continue
-        assert sd.keys() == ref.keys()
-        for k in sd:
-            assert torch.equal(sd[k], ref[k]), f"{fmt}: {k} differs"
+    dirs = {fmt: write_llama_checkpoint(tmp_path / fmt, llama_config(architecture), seed=3, weight_format=fmt)
+            for fmt in ("safetensors", "sharded", "bin")}
+    assert (dirs["sharded"] / "model.safetensors.index.json").is_file()
+    assert len(list(dirs["sharded"].glob("model-*.safetensors"))) == 2
+    assert_all_load_the_same(dirs, load)
 
 
 def test_qkv_with_biases_and_gate_up_are_fused_from_the_checkpoints_tensors(tmp_path):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from engine.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from engine.model.llama_config import LlamaConfig
 from engine.model.rotary import Rotary, Rotation
-from engine.model.stage import UNEXPECTED, DecoderStage, WeightTarget
+from engine.model.stage import NOT_A_LAYER, UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
 from fastserve_kernels.paged_attention import AttentionMetadata, paged_attention
 
@@ -136,7 +136,7 @@ class LlamaStage(DecoderStage):
             if module in ("self_attn.o_proj", "mlp.down_proj") and kind == "weight":
                 return WeightTarget(local + rest, 1, tp_piece)
             return WeightTarget(local + rest)  # norms, and the row-parallel biases (added once, whole)
-        if where != "":
+        if where != NOT_A_LAYER:  # another stage's layer, or one the model does not have
             return where
         if name == "embed_tokens.weight":
             return WeightTarget(name) if hasattr(self, "embed_tokens") else None

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
-from engine.model.stage import UNEXPECTED, DecoderStage, WeightTarget
+from engine.model.stage import NOT_A_LAYER, UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
 from fastserve_kernels.paged_attention import AttentionMetadata, cpu_decode_layers_op, paged_attention
 
@@ -136,7 +136,7 @@ class OPTStage(DecoderStage):
                 return WeightTarget(local + f"self_attn.qkv_proj.{proj[2]}", 0, self._tp_piece, proj[1][0])
             split = _SPLIT_DIM.get(rest)
             return WeightTarget(local + rest, split, self._tp_piece if split is not None else (0, 1))
-        if where != "":
+        if where != NOT_A_LAYER:  # another stage's layer, or one the model does not have
             return where
         if name == "embed_tokens.weight":
             return WeightTarget(name) if (self.is_first or self.is_last) else None

@@ -24,6 +24,7 @@ from fastserve_kernels.attention_backend import AttentionFn
 from fastserve_kernels.paged_attention import paged_attention
 
 UNEXPECTED = "unexpected"  # checkpoint_target's answer for a name no stage of the model knows
+NOT_A_LAYER = "not a layer"  # local_layer's answer for a name outside layers.N.*
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -71,11 +72,11 @@ class DecoderStage(nn.Module):
 
     def local_layer(self, name: str) -> tuple[str, str] | str | None:
         """For a per-layer checkpoint name (prefix stripped, "layers.N.rest"): (this stage's "layers.n." prefix,
-        rest); None for another stage's layer; UNEXPECTED for a layer the model does not have; "" if `name` is
-        not a layer's tensor."""
+        rest); None for another stage's layer; UNEXPECTED for a layer the model does not have; NOT_A_LAYER for a
+        name that is not a layer's tensor."""
         m = _LAYER.fullmatch(name)
         if m is None:
-            return ""
+            return NOT_A_LAYER
         layer, rest = int(m.group(1)), m.group(2)
         if layer not in self.layer_range:
             return None if 0 <= layer < self.cfg.num_hidden_layers else UNEXPECTED
