@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engine.checkpoint_files import CheckpointFiles
 from engine.dummy_weights import DummyWeights
 from engine.errors import CheckpointError
+from engine.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from engine.model.registry import ModelConfig, build_stage
 from engine.model.stage import UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
@@ -50,8 +51,9 @@ def load_model_stage(
     load_format: str = "auto",
     seed: int = 0,
 ) -> DecoderStage:
-    """load_format: "auto" (the directory's checkpoint files) or "dummy" (random weights made on the device from
-    config.json alone; engine/dummy_weights.py)."""
+    """model_dir: a Hugging Face model directory, or a GGUF file (engine/gguf_checkpoint.py). load_format: "auto"
+    (the checkpoint's files) or "dummy" (random weights made on the device from config.json alone;
+    engine/dummy_weights.py)."""
     dtype = _dtype_from_str(dtype)
     with torch.device("meta"):
         stage = build_stage(cfg, tp)
@@ -61,7 +63,10 @@ def load_model_stage(
     params = dict(stage.named_parameters())
     filled: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
-    source = DummyWeights(cfg, device, dtype, seed) if load_format == "dummy" else CheckpointFiles(model_dir)
+    if load_format == "dummy":
+        source = DummyWeights(cfg, device, dtype, seed)
+    else:
+        source = GGUFCheckpoint(model_dir) if is_gguf(model_dir) else CheckpointFiles(model_dir)
     with source as files:
         names = sorted(files.names())
         bar = tqdm(names, desc=f"loading {Path(model_dir).name}", unit="tensor",

@@ -5,6 +5,8 @@ jobs of different lengths across KV block boundaries."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import OPTForCausalLM
@@ -18,8 +20,12 @@ TOL = 1e-4
 
 
 def hf_logprobs(model_dir, token_ids: list[int], model_class=OPTForCausalLM) -> torch.Tensor:  # [len, V]
-    """transformers' log-probabilities of each next token after each prefix of token_ids, float32."""
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """transformers' log-probabilities of each next token after each prefix of token_ids, float32. model_dir: a
+    Hugging Face model directory, or a GGUF file (transformers dequantizes it to float32)."""
+    model_dir = Path(model_dir)
+    where = dict(pretrained_model_name_or_path=model_dir.parent, gguf_file=model_dir.name) if model_dir.suffix == (
+        ".gguf") else dict(pretrained_model_name_or_path=model_dir)
+    model = model_class.from_pretrained(**where, dtype=torch.float32).eval()
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 

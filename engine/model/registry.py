@@ -1,5 +1,6 @@
 """Which model a checkpoint holds: config.json's `architectures` picks the
-config class and the stage class (its `model_type` where it names none).
+config class and the stage class (its `model_type` where it names none); a
+GGUF file's metadata stands in for config.json (engine/gguf_checkpoint.py).
 
     OPTForCausalLM                                     OPTConfig    OPTStage
     LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM  LlamaConfig  LlamaStage
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.errors import CheckpointError
+from engine.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from engine.model.config import OPTConfig, read_config_json
 from engine.model.llama import LlamaStage
 from engine.model.llama_config import LLAMA_ARCHITECTURES, LlamaConfig
@@ -49,7 +51,10 @@ def model_config_from_dict(d: dict, name: str) -> ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """The config of the Hugging Face model directory `model_dir` (its config.json), for its architecture."""
+    """The config of the Hugging Face model directory `model_dir` (its config.json), or of a GGUF file."""
+    if is_gguf(model_dir):
+        with GGUFCheckpoint(model_dir) as gguf:
+            return model_config_from_dict(gguf.config_dict(), Path(model_dir).name)
     return model_config_from_dict(read_config_json(model_dir), Path(model_dir).name)
 
 
