@@ -1,9 +1,10 @@
-"""Text <-> token ids for OPT-family models, and streaming detokenization.
+"""Text <-> token ids, and streaming detokenization.
 
 What this is: a small typed wrapper around the Rust `tokenizers` library that loads a Hugging Face model
-directory the way transformers 5's AutoTokenizer does for facebook/opt-* (byte-level BPE, "</s>" prepended
-as BOS), and `IncrementalDetokenizer`, which turns generated ids into text one step at a time without ever
-emitting half of a UTF-8 character.
+directory the way transformers 5's AutoTokenizer does (for facebook/opt-*: byte-level BPE, "</s>" prepended
+as BOS; a tokenizer.json, as Llama-family checkpoints ship, brings its own pre-tokenizer and post-processor),
+and `IncrementalDetokenizer`, which turns generated ids into text one step at a time without ever emitting
+half of a UTF-8 character.
 
 A .gguf file path loads the tokenizer its metadata describes (engine/gguf_tokenizer.py). The model's own chat
 template (tokenizer_config.json's `chat_template`, a chat_template.jinja file, or a GGUF file's
