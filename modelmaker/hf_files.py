@@ -9,12 +9,24 @@ architecture's writer makes its own).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 WEIGHT_FORMATS = ("safetensors", "sharded", "bin", "none")
+
+
+def write_checkpoint(out_dir: str | Path, cfg: dict, state_dict: Callable[[dict], dict[str, torch.Tensor]],
+                     weight_format: str, dtype: torch.dtype, num_shards: int) -> Path:
+    """config.json (torch_dtype set to `dtype`) and, unless weight_format is "none", the weights state_dict(the
+    config written) into out_dir; returns it."""
+    out = Path(out_dir)
+    cfg = write_config(out, cfg, dtype)
+    if weight_format != "none":
+        write_weights(out, state_dict(cfg), weight_format, num_shards)
+    return out
 
 
 def write_config(out: Path, cfg: dict, dtype: torch.dtype) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.model.llama_config import LlamaConfig
-from modelmaker.hf_files import write_config, write_weights
+from modelmaker.hf_files import write_checkpoint
 from modelmaker.opt_checkpoint import LOGIT_STD
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
@@ -77,17 +77,8 @@ def random_llama_state_dict(cfg: dict, seed: int = 0, dtype: torch.dtype = torch
     return sd
 
 
-def write_llama_checkpoint(
-    out_dir: str | Path,
-    cfg: dict,
-    seed: int = 0,
-    weight_format: str = "safetensors",
-    dtype: torch.dtype = torch.float32,
-    num_shards: int = 2,
-) -> Path:
+def write_llama_checkpoint(out_dir: str | Path, cfg: dict, seed: int = 0, weight_format: str = "safetensors",
+                           dtype: torch.dtype = torch.float32, num_shards: int = 2) -> Path:
     """Write config.json and weights. weight_format: safetensors | sharded | bin | none (config only)."""
-    out = Path(out_dir)
-    cfg = write_config(out, cfg, dtype)
-    if weight_format != "none":
-        write_weights(out, random_llama_state_dict(cfg, seed, dtype), weight_format, num_shards)
-    return out
+    return write_checkpoint(out_dir, cfg, lambda written: random_llama_state_dict(written, seed, dtype),
+                            weight_format, dtype, num_shards)

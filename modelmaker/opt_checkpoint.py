@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.model.config import POSITION_OFFSET
-from modelmaker.hf_files import write_config, write_weights
+from modelmaker.hf_files import write_checkpoint
 
 # Shapes of the published checkpoints (their config.json fields that matter).
 OPT_SHAPES: dict[str, dict] = {
@@ -109,13 +109,10 @@ def write_opt_checkpoint(
     prefix: str = "model.decoder.",
 ) -> Path:
     """Write config.json and weights. weight_format: safetensors | sharded | bin | none (config only)."""
-    out = Path(out_dir)
-    cfg = write_config(out, cfg, dtype)
-    if weight_format == "none":
-        return out
-    sd = random_opt_state_dict(cfg, seed, dtype)
-    del sd["lm_head.weight"]  # tied: HF's save_pretrained leaves it out too
-    if prefix != "model.decoder.":
-        sd = {prefix + k.removeprefix("model.decoder."): t for k, t in sd.items()}
-    write_weights(out, sd, weight_format, num_shards)
-    return out
+
+    def state_dict(written: dict) -> dict[str, torch.Tensor]:
+        sd = random_opt_state_dict(written, seed, dtype)
+        del sd["lm_head.weight"]  # tied: HF's save_pretrained leaves it out too
+        return {prefix + k.removeprefix("model.decoder."): t for k, t in sd.items()}
+
+    return write_checkpoint(out_dir, cfg, state_dict, weight_format, dtype, num_shards)
