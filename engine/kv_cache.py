@@ -1,7 +1,10 @@
 """The KV cache tensors of one stage, and how many blocks fit.
 
-Layout (fastserve_kernels/paged_attention.py): [num_blocks, layers, 2, local_heads,
-block_size, head_dim], block-major, head-major inside a block. memory/ hands out the block ids.
+Layout (fastserve_kernels/paged_attention.py): [num_blocks, layers, 2, local_kv_heads,
+block_size, head_dim], block-major, head-major inside a block. The heads are the model's KV heads
+(num_key_value_heads: fewer than the query heads under grouped-query attention), those this rank holds
+(ParallelLayout.kv_heads), so a block's bytes, and the number of blocks a budget holds, follow from them.
+memory/ hands out the block ids.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import OPTConfig
+from engine.model.registry import ModelConfig
 from engine.parallel import ParallelLayout
 
 log = logging.getLogger("fastserve.kv_cache")
@@ -20,14 +23,14 @@ log = logging.getLogger("fastserve.kv_cache")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # CPU "device" tier when no override is given: 1 GiB
 
 
-def kv_block_shape(cfg: OPTConfig, layout: ParallelLayout, block_size: int) -> tuple[int, ...]:
-    """Shape of one block: [layers, 2, local_heads, block_size, head_dim]."""
+def kv_block_shape(cfg: ModelConfig, layout: ParallelLayout, block_size: int) -> tuple[int, ...]:
+    """Shape of one block: [layers, 2, local_kv_heads, block_size, head_dim]."""
     layers = len(layout.stage_layers(cfg.num_hidden_layers))
-    heads = layout.shard(cfg.num_attention_heads, "num_attention_heads")
-    return (layers, 2, heads, block_size, cfg.head_dim)
+    _, kv_heads = layout.kv_heads(cfg.num_key_value_heads)
+    return (layers, 2, kv_heads, block_size, cfg.head_dim)
 
 
-def kv_block_bytes(cfg: OPTConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(cfg: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype) -> int:
     n = 1
     for d in kv_block_shape(cfg, layout, block_size):
         n *= d
@@ -64,13 +67,14 @@ class KVReserve:
         return f"{self.total / 2**20:.1f} MiB ({parts})"
 
 
-def kv_reserve(cfg: OPTConfig, layout: ParallelLayout, dtype: torch.dtype, *, block_size: int, max_num_seqs: int,
+def kv_reserve(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, *, block_size: int, max_num_seqs: int,
                max_model_len: int, max_num_batched_tokens: int, attention_backend: str,
                graph_buckets: tuple[list[int], list[int]] | None) -> KVReserve:
     """What one rank allocates after KV sizing, from the shapes alone (every term is an upper estimate).
 
     elt: bytes of dtype; S = max_num_seqs; C = the longest context in whole blocks (ceil(max_model_len / bs) x
-    bs); E hidden size, H heads on this rank, D head dim, A = H x D, F = ffn_dim / tp, V vocabulary.
+    bs); E hidden size, H query heads on this rank (SDPA expands grouped KV heads to them), D head dim, A = H x D,
+    F = ffn_dim / tp, V vocabulary.
     - graph_pool (graph_buckets: the captured (batch sizes, widths), None without graphs), B the largest batch,
       Cg its widest context: every graph's output [b, E] (sum over buckets), the persistent inputs (B x (5 + MB)
       int64, and [B, E] on a later stage), one layer's activations B x (4E + 4A + 2F) x elt (the pool is reused
@@ -150,6 +154,6 @@ def blocks_that_fit(per_block_bytes: int, device: torch.device, gpu_memory_utili
 
 
 def allocate_kv_cache(
-    num_blocks: int, cfg: OPTConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype, device
+    num_blocks: int, cfg: ModelConfig, layout: ParallelLayout, block_size: int, dtype: torch.dtype, device
 ) -> torch.Tensor:
     return torch.zeros((num_blocks, *kv_block_shape(cfg, layout, block_size)), dtype=dtype, device=device)

@@ -1,19 +1,20 @@
-"""load_model_stage: build an OPTStage for one (tp, pp) rank and fill it,
-strictly, from a Hugging Face checkpoint.
+"""load_model_stage: build the stage of the config's architecture for one
+(tp, pp) rank (engine/model/registry.py) and fill it, strictly, from a Hugging
+Face checkpoint.
 
 The model is built on the meta device, materialised on the target device in the
 target dtype (never as float32 first) and filled tensor by tensor from
 memory-mapped files, reading only this rank's shard of each split tensor.
-Strict: every parameter of the stage must be filled with a tensor of the shape
-config.json implies; keys the model does not know are reported. Both
-`model.decoder.*` and `decoder.*` prefixes load.
+Where each checkpoint tensor goes is the stage's to say (checkpoint_target:
+its parameter, the piece this rank reads, the part of a fused parameter).
+Strict: every parameter of the stage, every part of a fused one, must be
+filled with a tensor of the shape config.json implies; keys the model does not
+know are reported.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,61 +23,14 @@ from tqdm import tqdm
 from engine.checkpoint_files import CheckpointFiles
 from engine.dummy_weights import DummyWeights
 from engine.errors import CheckpointError
-from engine.model.config import OPTConfig
-from engine.model.opt import OPTStage
+from engine.gguf_checkpoint import GGUFCheckpoint, is_gguf
+from engine.model.registry import ModelConfig, build_stage
+from engine.model.stage import UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
-_PREFIXES = ("model.decoder.", "decoder.")
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-# Tensor-parallel split of each per-layer tensor: the dim split across ranks, or None (replicated).
-_SPLIT_DIM = {
-    "self_attn.out_proj.weight": 1,
-    "fc1.weight": 0,
-    "fc1.bias": 0,
-    "fc2.weight": 1,
-}
 PROGRESS_BAR_MIN_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class _Target:
-    param: str  # local parameter name in the OPTStage
-    split_dim: int | None  # dim split across TP ranks
-    part: int | None = None  # for fused qkv: which third (q=0, k=1, v=2)
-
-
-def _target(name: str, stage: OPTStage) -> _Target | None | str:
-    """Where a checkpoint tensor goes: a _Target, None (another stage's), or "unexpected"."""
-    if name == "lm_head.weight":
-        return None  # tied to embed_tokens (OPT always ties); the tied copy is loaded from there
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-            break
-    else:
-        return "unexpected"
-    m = _LAYER.fullmatch(name)
-    if m:
-        layer, rest = int(m.group(1)), m.group(2)
-        if layer not in stage.layer_range:
-            return None if 0 <= layer < stage.cfg.num_hidden_layers else "unexpected"
-        local = f"layers.{layer - stage.layer_range.start}."
-        proj = rest.split(".")
-        if len(proj) == 3 and proj[0] == "self_attn" and proj[1] in _QKV:
-            return _Target(local + f"self_attn.qkv_proj.{proj[2]}", 0, _QKV[proj[1]])
-        return _Target(local + rest, _SPLIT_DIM.get(rest))
-    first = {"embed_positions.weight", "project_in.weight"}
-    last = {"final_layer_norm.weight", "final_layer_norm.bias", "project_out.weight"}
-    if name == "embed_tokens.weight":
-        return _Target(name, None) if (stage.is_first or stage.is_last) else None
-    if name in first:
-        return _Target(name, None) if stage.is_first else None
-    if name in last:
-        return _Target(name, None) if stage.is_last else None
-    return "unexpected"
 
 
 def _dtype_from_str(dtype: str | torch.dtype) -> torch.dtype:
@@ -90,33 +44,36 @@ def _dtype_from_str(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model_stage(
     model_dir: str | Path,
-    cfg: OPTConfig,
+    cfg: ModelConfig,
     tp: TensorParallelGroup,
     dtype: str | torch.dtype,
     device: str | torch.device,
     load_format: str = "auto",
     seed: int = 0,
-) -> OPTStage:
-    """load_format: "auto" (the directory's checkpoint files) or "dummy" (random weights made on the device from
-    config.json alone; engine/dummy_weights.py)."""
+) -> DecoderStage:
+    """model_dir: a Hugging Face model directory, or a GGUF file (engine/gguf_checkpoint.py). load_format: "auto"
+    (the checkpoint's files) or "dummy" (random weights made on the device from config.json alone;
+    engine/dummy_weights.py)."""
     dtype = _dtype_from_str(dtype)
     with torch.device("meta"):
-        stage = OPTStage(cfg, tp)
+        stage = build_stage(cfg, tp)
     # The dtype on the meta device (free), then the storage: each parameter is created once, in the target dtype
     # (materialising float32 and casting after would peak at twice the model: ~52 GB for OPT-13B in float16).
     stage = stage.to(dtype).to_empty(device=device)
     params = dict(stage.named_parameters())
-    filled: set[tuple[str, int | None]] = set()
+    filled: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
-    layout = tp.layout
-    source = DummyWeights(cfg, device, dtype, seed) if load_format == "dummy" else CheckpointFiles(model_dir)
+    if load_format == "dummy":
+        source = DummyWeights(cfg, device, dtype, seed)
+    else:
+        source = GGUFCheckpoint(model_dir) if is_gguf(model_dir) else CheckpointFiles(model_dir)
     with source as files:
         names = sorted(files.names())
         bar = tqdm(names, desc=f"loading {Path(model_dir).name}", unit="tensor",
                    disable=files.nbytes() < PROGRESS_BAR_MIN_BYTES)
         for name in bar:
-            target = _target(name, stage)
-            if target == "unexpected":
+            target = stage.checkpoint_target(name)
+            if target == UNEXPECTED:
                 unexpected.append(name)
                 continue
             if target is None:
@@ -125,11 +82,11 @@ def load_model_stage(
             if param is None:  # e.g. a bias in a checkpoint whose config says enable_bias=False
                 unexpected.append(name)
                 continue
-            _fill(files, name, param, target, layout.tp_rank, layout.tp_size)
+            _fill(files, name, param, target, stage.fused_parts(target.param))
             filled.add((target.param, target.part))
     missing = []
     for pname in params:
-        parts = (0, 1, 2) if ".qkv_proj." in pname else (None,)
+        parts = stage.fused_parts(pname) or (None,)
         missing += [pname for p in parts if (pname, p) not in filled]
     if missing:
         raise CheckpointError(
@@ -142,22 +99,22 @@ def load_model_stage(
     return stage.eval()
 
 
-def _fill(files: CheckpointFiles | DummyWeights, name: str, param: torch.Tensor, target: _Target, rank: int,
-          size: int) -> None:
-    """Copy this rank's shard of checkpoint tensor `name` into `param` (or its qkv third)."""
-    dest = param
-    if target.part is not None:
-        third = param.shape[0] // 3
-        dest = param.narrow(0, target.part * third, third)
+def _fill(files: CheckpointFiles | DummyWeights, name: str, param: torch.Tensor, target: WeightTarget,
+          parts: dict[str, tuple[int, int]]) -> None:
+    """Copy this rank's piece of checkpoint tensor `name` into `param` (or into its rows of target.part)."""
+    if target.part is not None and target.part not in parts:
+        raise CheckpointError(f"tensor {name}: the model has no part {target.part!r} in {target.param}")
+    dest = param if target.part is None else param.narrow(0, *parts[target.part])
+    index, count = target.piece
     expected = list(dest.shape)
     if target.split_dim is not None:
-        expected[target.split_dim] *= size
+        expected[target.split_dim] *= count
     shape = list(files.shape(name))
     if shape != expected:
         raise CheckpointError(f"tensor {name} has shape {shape}, but config.json implies {expected}")
-    if target.split_dim is None:
+    if target.split_dim is None or count == 1:
         tensor = files.read(name)
     else:
         n = dest.shape[target.split_dim]
-        tensor = files.read(name, target.split_dim, rank * n, (rank + 1) * n)
+        tensor = files.read(name, target.split_dim, index * n, (index + 1) * n)
     dest.copy_(tensor)

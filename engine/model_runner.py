@@ -33,7 +33,7 @@ from engine.decode_inputs import DecodeInputs, exact_buckets, graph_buckets
 from engine.device_memory import device_free_bytes, free_storage
 from engine.host_tier import HostTier, SlowLockForTests
 from engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_block_shape
-from engine.model.opt import OPTStage
+from engine.model.stage import DecoderStage
 from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.swapper import Swapper
@@ -74,7 +74,7 @@ class GraphCapture:
 
 
 class ModelRunner:
-    def __init__(self, model: OPTStage, device: torch.device, dtype: torch.dtype, block_size: int,
+    def __init__(self, model: DecoderStage, device: torch.device, dtype: torch.dtype, block_size: int,
                  seed: int = 0, attention_backend: str = "auto") -> None:
         self.model, self.device, self.dtype, self.block_size = model, device, dtype, block_size
         self.attention_backend = resolve_attention_backend(attention_backend, device)  # "torch" | "triton"

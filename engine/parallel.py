@@ -2,7 +2,9 @@
 process computes, and how its tensor-parallel peers combine results.
 
 Tensor parallelism splits attention heads and FFN columns across `tp_size`
-ranks (column-parallel in, row-parallel out, one all-reduce after each);
+ranks (column-parallel in, row-parallel out, one all-reduce after each); KV
+heads are split too, or, when a model has fewer KV heads than ranks, each is
+replicated on the ranks whose query heads read it (kv_heads);
 pipeline parallelism gives each of `pp_size` stages a contiguous layer range,
 the embeddings to the first stage and the head to the last. With
 tp = pp = 1 every collective is a no-op.
@@ -49,6 +51,18 @@ class ParallelLayout:
         if size % self.tp_size:
             raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size {self.tp_size}")
         return size // self.tp_size
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count): the KV heads this rank holds. num_kv_heads / tp_size each when tp_size divides them;
+        with fewer KV heads than ranks, one each, KV head i on the tp_size / num_kv_heads ranks that hold its
+        query heads (vLLM's replication), so a rank's query heads always read KV heads it holds."""
+        if num_kv_heads >= self.tp_size:
+            count = self.shard(num_kv_heads, "num_key_value_heads")
+            return self.tp_rank * count, count
+        if self.tp_size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) neither divides nor is divisible by "
+                             f"tensor_parallel_size {self.tp_size}")
+        return self.tp_rank * num_kv_heads // self.tp_size, 1
 
 
 class TensorParallelGroup:

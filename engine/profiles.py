@@ -31,7 +31,7 @@ from engine.analytic_profile import analytic_profile
 from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.job_profiler import KEY_FIELDS, STARTUP_GRID, profile_executor, profile_key
-from engine.model.config import OPTConfig
+from engine.model.registry import ModelConfig
 from scheduler.cost_model import PROFILE_SCHEMA, ProfiledCostModel
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,12 @@ def find_profile(key: dict, folder: Path) -> Path | None:
     return None
 
 
-def engine_profile_key(config: EngineConfig, model_config: OPTConfig, executor: Executor) -> dict:
+def engine_profile_key(config: EngineConfig, model_config: ModelConfig, executor: Executor) -> dict:
     return profile_key(model_config.name, executor.dtype, executor.device, config.tensor_parallel_size,
                        config.pipeline_parallel_size)
 
 
-def load_cost_model(config: EngineConfig, model_config: OPTConfig,
+def load_cost_model(config: EngineConfig, model_config: ModelConfig,
                     executor: Executor) -> tuple[ProfiledCostModel, str]:
     """The engine's cost model and a line saying where it came from (see the module docstring)."""
     key = engine_profile_key(config, model_config, executor)

@@ -30,7 +30,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.executor.simulated import SimulatedExecutor, TransferModel
 from engine.kv_cache import kv_block_bytes
-from engine.model.config import OPTConfig
+from engine.model.registry import load_model_config
 from engine.outputs import RequestOutput
 from engine.parallel import ParallelLayout
 from engine.sampling_params import SamplingParams
@@ -111,7 +111,7 @@ def simulated_engine(
     """pipeline_parallel_size: stages (default: the profile key's); max_in_flight: batches in the pipe at once
     (default: one per stage; 1 runs one batch at a time through the stages). The host tier: num_host_blocks, else
     engine_args' swap_space GiB when given, else the profile's capacity."""
-    cfg = OPTConfig.from_model_dir(model_dir)
+    cfg = load_model_config(model_dir)
     data = json.loads(Path(profile).read_text())
     if pipeline_parallel_size is None:
         pipeline_parallel_size = int(data.get("key", {}).get("pipeline_parallel_size", 1))

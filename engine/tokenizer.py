@@ -1,11 +1,16 @@
-"""Text <-> token ids for OPT-family models, and streaming detokenization.
+"""Text <-> token ids, and streaming detokenization.
 
 What this is: a small typed wrapper around the Rust `tokenizers` library that loads a Hugging Face model
-directory the way transformers 5's AutoTokenizer does for facebook/opt-* (byte-level BPE, "</s>" prepended
-as BOS), and `IncrementalDetokenizer`, which turns generated ids into text one step at a time without ever
-emitting half of a UTF-8 character.
+directory the way transformers 5's AutoTokenizer does (for facebook/opt-*: byte-level BPE, "</s>" prepended
+as BOS; a tokenizer.json, as Llama-family checkpoints ship, brings its own pre-tokenizer and post-processor),
+and `IncrementalDetokenizer`, which turns generated ids into text one step at a time without ever emitting
+half of a UTF-8 character.
 
-What this is not: a general AutoTokenizer (no SentencePiece, chat templates or padding; truncation only from
+A .gguf file path loads the tokenizer its metadata describes (engine/gguf_tokenizer.py). The model's own chat
+template (tokenizer_config.json's `chat_template`, a chat_template.jinja file, or a GGUF file's
+tokenizer.chat_template) is kept as `chat_template` for the server; rendering it is serving/chat_template.py's.
+
+What this is not: a general AutoTokenizer (no SentencePiece model files or padding; truncation only from
 the left, for vLLM's truncate_prompt_tokens), and not a trainer (modelmaker/tiny_tokenizer.py trains the
 built-in tiny model's tokenizer).
 
@@ -30,6 +35,9 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+
+from engine.gguf_checkpoint import is_gguf
+from engine.gguf_tokenizer import gguf_tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"  # what lossy UTF-8 decoding puts where bytes do not form a character
 _SPECIAL_NAMES = ("bos", "eos", "unk", "pad")
@@ -129,6 +137,19 @@ def _with_id(backend: tokenizers.Tokenizer, token: AddedToken | None) -> tuple[s
     return (token.content, token_id) if token is not None and token_id is not None else None
 
 
+def _chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
+    """The directory's chat template: chat_template.jinja, else tokenizer_config.json's `chat_template` (a string,
+    or transformers' list of named templates, whose "default" is taken); None when it ships none."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
 def _bos_eos_template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.PostProcessor:
     """transformers' `update_post_processor` for one text: "[bos] $A [eos]"."""
     single = " ".join([*([bos[0]] if bos else []), "$A", *([eos[0]] if eos else [])])
@@ -138,8 +159,10 @@ def _bos_eos_template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) 
 class Tokenizer:
     """Byte-level BPE tokenizer of an OPT-family model directory (see `from_pretrained`)."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, special: dict[str, AddedToken | None]):
+    def __init__(self, backend: tokenizers.Tokenizer, special: dict[str, AddedToken | None],
+                 chat_template: str | None = None):
         self._backend = backend
+        self.chat_template = chat_template  # the model's own Jinja chat template, if it ships one
         ids = {n: (backend.token_to_id(t.content) if t is not None else None) for n, t in special.items()}
         self.bos_token_id: int | None = ids.get("bos")
         self.eos_token_id: int | None = ids.get("eos")
@@ -156,8 +179,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> Tokenizer:
         """Load tokenizer.json (preferred), else vocab.json + merges.txt, with the special tokens and BOS
-        behaviour that transformers 5's AutoTokenizer gives the same directory."""
+        behaviour that transformers 5's AutoTokenizer gives the same directory; or a GGUF file's tokenizer."""
         model_dir = Path(model_dir)
+        if is_gguf(model_dir):
+            return cls(*gguf_tokenizer(model_dir))
         if not model_dir.is_dir():
             raise TokenizerError(f"tokenizer directory {model_dir} does not exist or is not a directory")
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")
@@ -171,7 +196,7 @@ class Tokenizer:
             bos = _with_id(backend, special["bos"]) if tok_cfg.get("add_bos_token") else None
             eos = _with_id(backend, special["eos"]) if tok_cfg.get("add_eos_token") else None
             backend.post_processor = _bos_eos_template(bos, eos)
-        return cls(backend, special)
+        return cls(backend, special, _chat_template(model_dir, tok_cfg))
 
     def encode(self, text: str, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, OPT's "</s>" BOS comes first. `truncate_to` N keeps

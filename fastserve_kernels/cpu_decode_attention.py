@@ -14,11 +14,13 @@ crosses memory twice (three times counting the copy's writes). On a CPU the
 decode step is memory-bound, and that copy was a quarter of the batch-32 step
 of opt-125m.
 
-How: view the cache as rows of one head's vector, rows[NB * L * 2 * H * bs, D]
-(the cache is contiguous), so K (or V) of sequence s, head h, position c is
+How: view the cache as rows of one head's vector, rows[NB * L * 2 * Hkv * bs, D]
+(the cache is contiguous), so K (or V) of sequence s, query head h, position c is
 one row, at
 
-    row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * H * bs + h * bs + c % bs
+    row(s, h, c) = ((table[s, c // bs] * L + layer) * 2 + kv) * Hkv * bs + (h // G) * bs + c % bs
+
+(G = H / Hkv query heads share a KV head under grouped-query attention; 1 otherwise)
 
 that is, layer 0's K row plus layer * 2 * H * bs plus kv * H * bs (the
 layout is head-major inside a block, so one head's positions in a block are
@@ -35,7 +37,7 @@ its context's K rows, so
 Both run vectorised and in parallel across (s, h) on the CPU (float32/float64;
 other dtypes and devices use the reference).
 
-Legend as fastserve_kernels/paged_attention.py: S decode sequences, H heads, D head dim,
+Legend as fastserve_kernels/paged_attention.py: S decode sequences, H query heads, Hkv KV heads, D head dim,
 L layers, bs block size, C = the longest context in the batch.
 """
 
@@ -54,7 +56,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64)  # those both sparse primitive
 
 
 def row_strides(kv_cache: torch.Tensor) -> tuple[int, ...]:
-    """The strides of a contiguous cache [NB, L, 2, H, bs, D] in rows of D: (block, layer, K/V, head, offset).
+    """The strides of a contiguous cache [NB, L, 2, Hkv, bs, D] in rows of D: (block, layer, K/V, head, offset).
     Row of (block b, layer l, kv, head h, offset o) = b * block + l * layer + kv * kv_stride + h * head + o."""
     d = kv_cache.shape[-1]
     return tuple(x // d for x in kv_cache.stride()[:-1])
@@ -88,11 +90,13 @@ class DecodeRows:
     @classmethod
     def build(
         cls,
-        kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+        kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
         block_tables: torch.Tensor,  # [S, MB] long (padded)
         context_lens: torch.Tensor,  # [S] long
+        num_heads: int | None = None,  # H, the query heads (default Hkv)
     ) -> DecodeRows:
-        _, num_layers, _, h, bs, _ = kv_cache.shape
+        _, num_layers, _, h_kv, bs, _ = kv_cache.shape
+        h = num_heads or h_kv
         block_stride, layer_stride, v_offset, head_stride, offset_stride = row_strides(kv_cache)
         s = block_tables.shape[0]
         dev = kv_cache.device
@@ -100,7 +104,8 @@ class DecodeRows:
         pos = torch.arange(c, device=dev)  # [C]
         # [S, C]: row of (block of position c, layer 0, K, head 0, offset c % bs)
         base = block_tables[:, pos // bs] * block_stride + (pos % bs) * offset_stride
-        rows = base[:, None, :] + (torch.arange(h, device=dev) * head_stride)[None, :, None]  # [S, H, C]
+        kv_head = torch.arange(h, device=dev) // (h // h_kv)  # [H]: the KV head each query head reads
+        rows = base[:, None, :] + (kv_head * head_stride)[None, :, None]  # [S, H, C]
         valid = (pos[None, :] < context_lens[:, None])[:, None, :].expand(s, h, c)  # [S, H, C]
         padded_index = valid.reshape(-1).nonzero().squeeze(1)  # [N], in (s, h, c) order
         counts = context_lens.repeat_interleave(h)  # [S * H]
@@ -121,13 +126,13 @@ class DecodeRows:
 
 def decode_attention_in_place(
     q: torch.Tensor,  # [S, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D], contiguous
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D], contiguous
     layer: int,
     rows: DecodeRows,
     scale: float,
 ) -> torch.Tensor:  # [S, H, D]
     s, h, d = q.shape
-    cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * H * bs, D]
+    cache_rows = kv_cache.view(-1, d)  # [NB * L * 2 * Hkv * bs, D]
     k_window = cache_rows.narrow(0, layer * rows.layer_stride, rows.window)  # layer's K rows = rows.k_rows here
     v_window = cache_rows.narrow(0, layer * rows.layer_stride + rows.v_offset, rows.window)
     # [N]: q[s, h] . K[s, c, h] * scale for every (s, h, c) in order, written into the pattern's values

@@ -12,13 +12,15 @@ built with sparse torch ops (fastserve_kernels/cpu_decode_attention.py);
 Legend
     T   tokens in the flattened batch (every job's new tokens, concatenated)
     S   sequences (jobs) in the batch
-    H   attention heads on this tensor-parallel rank
+    H   query heads on this tensor-parallel rank
+    Hkv KV heads on this rank (= H, or H / G under grouped-query attention: query head h reads KV head h // G)
     D   head dim
     NB  blocks in the stage's KV cache, bs = block size, MB = max blocks per job
     L   layers of this pipeline stage
 
 KV cache layout, block-major and head-major inside a block:
-kv_cache[NB, L, 2, H, bs, D]. One block holds K (index 0) and V (index 1) of
+kv_cache[NB, L, 2, Hkv, bs, D]: the cache holds the KV heads only, so a model with 8 KV heads under 32 query
+heads keeps a quarter of the bytes per token. One block holds K (index 0) and V (index 1) of
 every layer of the stage for bs tokens, so an offload or upload of a block is
 one contiguous copy; inside it, one head's bs positions are contiguous (the
 CPU decode path reads them as a run, fastserve_kernels/cpu_decode_attention.py). Token
@@ -103,14 +105,14 @@ class AttentionMetadata:
 
 
 def write_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
     meta: AttentionMetadata,
 ) -> None:
     if not kv_cache.is_contiguous():
-        # Integer and tensor indices around a slice: the indexed dims come first, [T, H, D] like k.
+        # Integer and tensor indices around a slice: the indexed dims come first, [T, Hkv, D] like k.
         kv_cache[meta.slot_blocks, layer, 0, :, meta.slot_offsets] = k
         kv_cache[meta.slot_blocks, layer, 1, :, meta.slot_offsets] = v
         return
@@ -120,7 +122,7 @@ def write_kv(
     block_stride, layer_stride, v_offset, head_stride, offset_stride = row_strides(kv_cache)
     rows = kv_cache.view(-1, d)
     token_rows = meta.slot_blocks * block_stride + meta.slot_offsets * offset_stride + layer * layer_stride  # [T]
-    k_rows = (token_rows[:, None] + torch.arange(h, device=kv_cache.device) * head_stride).reshape(-1)  # [T * H]
+    k_rows = (token_rows[:, None] + torch.arange(h, device=kv_cache.device) * head_stride).reshape(-1)  # [T * Hkv]
     rows.index_copy_(0, k_rows, k.reshape(-1, d))
     rows.index_copy_(0, k_rows + v_offset, v.reshape(-1, d))
 
@@ -156,19 +158,19 @@ class Workspace:
 
 
 def gather_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
     block_tables: torch.Tensor,  # [S, MB]
     workspace: Workspace | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole block tables: two [S, H, MB * bs, D], views of one contiguous [H, S, MB * bs, D] copy each
+    """K and V of whole block tables: two [S, Hkv, MB * bs, D], views of one contiguous [Hkv, S, MB * bs, D] copy each
     (one gather per tensor, position-contiguous per head, as attention reads them)."""
     s, mb = block_tables.shape
     _, _, _, h, bs, d = kv_cache.shape
     flat = block_tables.reshape(-1)
     out = []
     for kv in (0, 1):
-        src = kv_cache[:, layer, kv].transpose(0, 1)  # [H, NB, bs, D], a strided view
+        src = kv_cache[:, layer, kv].transpose(0, 1)  # [Hkv, NB, bs, D], a strided view
         if workspace is None:
             dst = src.index_select(1, flat)
         else:
@@ -179,15 +181,15 @@ def gather_kv(
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Write this step's K/V into the cache, then attend every new token to its
-    sequence's context (causally)."""
+    sequence's context (causally). Query head h attends with KV head h // (H / Hkv)."""
     decode_only = meta.decode_token_index.numel() == q.shape[0]  # token i is decode sequence i (see above)
     if decode_only and (op := _cpu_decode_op(kv_cache)) is not None:  # the fused CPU kernel writes, then attends
         return op(q, k, v, kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
@@ -196,15 +198,22 @@ def paged_attention(
     if decode_only:
         return _decode_attention(q, kv_cache, layer, meta, scale)
     out = torch.empty_like(q)
+    gqa = grouped(q, kv_cache)
     for start, end in meta.fresh_spans:
-        # [1, H, n, D] each
+        # [1, H, n, D] and [1, Hkv, n, D]
         qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)[0].transpose(0, 1)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                        enable_gqa=gqa)[0].transpose(0, 1)
     if meta.decode_token_index.numel():
         out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], kv_cache, layer, meta, scale)
     for start, end, table, context_len in meta.partial:
         out[start:end] = _partial_attention(q[start:end], kv_cache, layer, table, context_len, scale)
     return out
+
+
+def grouped(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether query heads share KV heads (q [T, H, D] over a cache of fewer heads): SDPA's enable_gqa."""
+    return q.shape[1] != kv_cache.shape[3]
 
 
 def _decode_attention(
@@ -221,7 +230,8 @@ def _decode_attention(
                   meta.decode_context_lens, meta.decode_context_lens, scale, False)  # K/V written already
     if supports_in_place_decode(kv_cache):
         if meta.decode_rows is None:
-            meta.decode_rows = DecodeRows.build(kv_cache, meta.decode_block_tables, meta.decode_context_lens)
+            meta.decode_rows = DecodeRows.build(kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                                q.shape[1])
         return decode_attention_in_place(q, kv_cache, layer, meta.decode_rows, scale)
     return decode_attention_gathered(q, kv_cache, layer, meta, scale)
 
@@ -245,15 +255,16 @@ def decode_attention_gathered(
     scale: float,
 ) -> torch.Tensor:  # [S_d, H, D]
     """The reference: each sequence's K/V gathered out of its blocks, then SDPA over the padded context."""
-    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, H, C, D], C = MB*bs
+    keys, values = gather_kv(kv_cache, layer, meta.decode_block_tables, meta.workspace)  # [S_d, Hkv, C, D], C = MB*bs
     c = keys.shape[2]
     valid = torch.arange(c, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [S_d, C]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [S_d, H, 1, D]
-        keys,  # [S_d, H, C, D]
+        keys,  # [S_d, Hkv, C, D]
         values,
         attn_mask=valid[:, None, None, :],  # [S_d, 1, 1, C]
         scale=scale,
+        enable_gqa=grouped(q, kv_cache),
     )  # [S_d, H, 1, D]
     return out.squeeze(2)
 
@@ -270,9 +281,9 @@ def _partial_attention(
     # view of the whole cache copied all of it: 0.45 s a layer for a 1 GiB CPU cache).
     _, _, _, h, bs, d = kv_cache.shape
     nblocks = -(-context_len // bs)
-    blocks = kv_cache[block_table[:nblocks], layer]  # [nblocks, 2, H, bs, D]
+    blocks = kv_cache[block_table[:nblocks], layer]  # [nblocks, 2, Hkv, bs, D]
     keys, values = (blocks[:, i].transpose(0, 1).reshape(h, nblocks * bs, d)[:, :context_len]
-                    for i in (0, 1))  # [H, C, D] each
+                    for i in (0, 1))  # [Hkv, C, D] each
     n = q.shape[0]
     # Query i sits at position context_len - n + i and sees keys 0..that position.
     q_pos = torch.arange(context_len - n, context_len, device=q.device)[:, None]
@@ -280,6 +291,7 @@ def _partial_attention(
     # With a batch dimension ([1, H, n, D]): 3-d inputs take SDPA's math path on the CPU, 4-d ones its flash
     # kernel, 2.5x faster for a 384-token chunk over a 2,000-token context (17 vs 42 ms at one thread).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale,
+        enable_gqa=grouped(q, kv_cache),
     )[0]  # [H, n, D]
     return out.transpose(0, 1)

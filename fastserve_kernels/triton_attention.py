@@ -10,12 +10,13 @@ reference. What it is not: the choice of backend (fastserve_kernels/attention_ba
 Legend (as in fastserve_kernels/paged_attention.py)
     T   tokens in the flattened batch
     S   sequences in the batch (S_d: decode rows, S_p: prefill rows)
-    H   attention heads on this rank, D head dim (Dp: D rounded up to a power of two, >= 16)
+    H   query heads on this rank, D head dim (Dp: D rounded up to a power of two, >= 16)
+    Hkv KV heads on this rank, G = H / Hkv (grouped-query attention: query head h reads KV head h // G)
     NB  blocks in the cache, bs block size, MB max blocks per sequence, L layers of the stage
     P   context splits of a decode row (flash-decoding)
 
 KV cache layout, block-major and head-major inside a block: kv_cache[NB, L, 2,
-H, bs, D]; token t of a sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
+Hkv, bs, D]; token t of a sequence lives at block_table[t // bs], offset t % bs. Every kernel reads the
 cache in place through the block table (no gather), a tile of tokens at a time:
 with blocks of 16 tokens or more a tile is one block or a slice of one, read
 as one 64-bit base pointer and 32-bit offsets from it (a 64-bit pointer an
@@ -24,14 +25,15 @@ tile spans blocks, one base a token. Tiles and warps: decode_config,
 prefill_config (register counts for sm_90: scripts/triton_registers.py).
 
 The kernels:
-    _write_kv_kernel        this step's K/V into their slots            grid (T, 2)
+    _write_kv_kernel        this step's K/V (Hkv heads) into their slots grid (T, 2)
     _decode_split_kernel    one new token per sequence, the context cut  grid (S_d, H, P)
       + _decode_reduce_kernel  into P splits, then the splits combined   grid (S_d, H)
     _prefill_kernel         several new tokens after a cached prefix     grid (S_p, H, ceil(n / BLOCK_M))
                             (prefix from the cache, then the new tokens
                             causally from k/v; fresh prefill = empty prefix)
 Softmax is online (running max and sum), accumulated in float32 whatever the
-cache dtype.
+cache dtype. Under grouped-query attention each query head's program reads its
+KV head's rows (the G programs of a KV head read the same ones).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _decode_split_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_ts,
     stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
-    scale, H, D, P,
+    scale, H, G, D, P,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -101,7 +103,7 @@ def _decode_split_kernel(
     run_sum = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     table = tables_ptr + s.to(tl.int64) * stride_ts
-    head = cache_ptr + layer_offset + h * stride_ch  # this layer's and head's K in block 0
+    head = cache_ptr + layer_offset + (h // G) * stride_ch  # this layer's K of the query head's KV head, block 0
     n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N (TOKENS_PER_SPLIT is)
         live = n0 + n < end  # n0 < end: the tile has a live token
@@ -161,12 +163,13 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cache_ptr, tables_ptr, q_starts_ptr, q_lens_ptr, prefix_lens_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_ts,
     stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
-    scale, D,
+    scale, G, D,
     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFIX_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
+    kv_h = h // G  # the KV head this query head reads
     mb = tl.program_id(2)
     q_start = tl.load(q_starts_ptr + s)
     q_len = tl.load(q_lens_ptr + s)
@@ -188,7 +191,7 @@ def _prefill_kernel(
     # 1. The cached prefix: every new token sees all of it, PREFIX_N tokens a tile.
     prefix_end = tl.where(live_tile, prefix_len, 0)
     table = tables_ptr + s.to(tl.int64) * stride_ts
-    head = cache_ptr + layer_offset + h * stride_ch  # this layer's and head's K in block 0
+    head = cache_ptr + layer_offset + kv_h * stride_ch  # this layer's and KV head's K in block 0
     c = tl.arange(0, PREFIX_N)
     for n0 in range(0, prefix_end, PREFIX_N):
         live = n0 + c < prefix_len
@@ -216,8 +219,8 @@ def _prefill_kernel(
     j = tl.arange(0, BLOCK_N)
     k_offsets = j[:, None] * stride_kt + d[None, :]  # [BLOCK_N, Dp]
     v_offsets = j[:, None] * stride_vt + d[None, :]
-    k_head = k_ptr + q_start * stride_kt + h * stride_kh  # the sequence's first new token's K
-    v_head = v_ptr + q_start * stride_vt + h * stride_vh
+    k_head = k_ptr + q_start * stride_kt + kv_h * stride_kh  # the sequence's first new token's K
+    v_head = v_ptr + q_start * stride_vt + kv_h * stride_vh
     for n0 in range(0, self_end, BLOCK_N):
         live = n0 + j < q_len
         tile_mask = live[:, None] & d_ok[None, :]
@@ -256,10 +259,10 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
     slot_blocks: torch.Tensor,  # [T] long
     slot_offsets: torch.Tensor,  # [T] long
 ) -> None:
@@ -278,7 +281,7 @@ def write_kv(
 
 def decode_attention(
     q: torch.Tensor,  # [T, H, D]: the flat batch's queries (only the decode rows are read)
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D], this step's K/V already written
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D], this step's K/V already written
     layer: int,
     rows: torch.Tensor,  # [S_d] long: the decode rows of q (and of out)
     block_tables: torch.Tensor,  # [S_d, MB] long
@@ -294,7 +297,8 @@ def decode_attention(
     s_d = rows.shape[0]
     if s_d == 0:
         return
-    _, _, _, h, bs, d = kv_cache.shape
+    _, _, _, h_kv, bs, d = kv_cache.shape
+    h = q.shape[1]
     mb = block_tables.shape[1]
     splits = max(1, triton.cdiv(mb * bs, tokens_per_split))
     dp = _padded_head_dim(d)
@@ -308,7 +312,7 @@ def decode_attention(
         q, kv_cache, block_tables, context_lens, rows, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), block_tables.stride(0),
         *_cache_strides(kv_cache, layer),
-        scale, h, d, splits,
+        scale, h, h // h_kv, d, splits,
         BS=bs, BLOCK_N=block_n, BLOCK_D=dp, TOKENS_PER_SPLIT=tokens_per_split, num_warps=num_warps,
     )
     _decode_reduce_kernel[(s_d, h)](
@@ -379,9 +383,9 @@ def decode_config(block_size: int, padded_head_dim: int) -> tuple[int, int]:
 
 def prefill_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
     seqs: PrefillRows,
     scale: float,
@@ -391,7 +395,8 @@ def prefill_attention(
     to the sequence's new tokens (from k and v)."""
     if seqs.num_seqs == 0:
         return
-    _, _, _, h, bs, d = kv_cache.shape
+    _, _, _, h_kv, bs, d = kv_cache.shape
+    h = q.shape[1]
     k, v = _unit_last(k), _unit_last(v)
     dp = _padded_head_dim(d)
     block_m, block_n, num_warps = prefill_config(q.dtype, dp)
@@ -400,7 +405,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         seqs.block_tables.stride(0),
         *_cache_strides(kv_cache, layer),
-        scale, d,
+        scale, h // h_kv, d,
         BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, PREFIX_N=cache_tile(bs, block_n), BLOCK_D=dp,
         num_warps=num_warps,
     )
@@ -428,9 +433,9 @@ def _prefill_rows(meta: AttentionMetadata, device: torch.device) -> PrefillRows:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, H, D]
-    v: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [NB, L, 2, H, bs, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D]
     layer: int,
     meta: AttentionMetadata,
     scale: float,

@@ -12,14 +12,13 @@ hinges on a near-tie that float rounding between code paths could flip
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from engine.model.config import POSITION_OFFSET
+from modelmaker.hf_files import write_checkpoint
 
 # Shapes of the published checkpoints (their config.json fields that matter).
 OPT_SHAPES: dict[str, dict] = {
@@ -110,32 +109,10 @@ def write_opt_checkpoint(
     prefix: str = "model.decoder.",
 ) -> Path:
     """Write config.json and weights. weight_format: safetensors | sharded | bin | none (config only)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if weight_format == "none":
-        return out
-    sd = random_opt_state_dict(cfg, seed, dtype)
-    del sd["lm_head.weight"]  # tied: HF's save_pretrained leaves it out too
-    if prefix != "model.decoder.":
-        sd = {prefix + k.removeprefix("model.decoder."): t for k, t in sd.items()}
-    meta = {"format": "pt"}
-    if weight_format == "safetensors":
-        save_file(sd, str(out / "model.safetensors"), metadata=meta)
-    elif weight_format == "sharded":
-        names = list(sd)
-        weight_map = {}
-        for s in range(num_shards):
-            fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-            part = names[s::num_shards]
-            save_file({k: sd[k].contiguous() for k in part}, str(out / fname), metadata=meta)
-            weight_map.update({k: fname for k in part})
-        total = sum(t.numel() * t.element_size() for t in sd.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    elif weight_format == "bin":
-        torch.save({k: t.clone() for k, t in sd.items()}, out / "pytorch_model.bin")
-    else:
-        raise ValueError(f"weight_format {weight_format!r}: use safetensors, sharded, bin or none")
-    return out
+
+    def state_dict(written: dict) -> dict[str, torch.Tensor]:
+        sd = random_opt_state_dict(written, seed, dtype)
+        del sd["lm_head.weight"]  # tied: HF's save_pretrained leaves it out too
+        return {prefix + k.removeprefix("model.decoder."): t for k, t in sd.items()}
+
+    return write_checkpoint(out_dir, cfg, state_dict, weight_format, dtype, num_shards)

@@ -15,8 +15,10 @@ Rules:
     table lists every field and its status.
   * vLLM's extras keep vLLM's meaning and defaults (continuous_usage_stats,
     include_stop_str_in_output, truncate_prompt_tokens, chat echo, ...); where
-    this server differs (add_special_tokens defaults to true on chat; a
-    scoring-only echo counts 0 completion tokens) docs/api.md says so.
+    this server differs (add_special_tokens defaults to true on chat, unless
+    the template is the model's own, which writes its special tokens itself,
+    as vLLM assumes; a scoring-only echo counts 0 completion tokens)
+    docs/api.md says so.
   * Chat content is a string or a list of parts; text parts are joined with
     "\\n" (as vLLM does), any other part type is refused. The `developer` role
     (OpenAI's newer name for `system`) reaches the template as `system`; a
@@ -100,6 +102,9 @@ class ProtocolContext:
     tokenizer: object  # engine.tokenizer.Tokenizer
     chat_template: object  # serving.chat_template.ChatTemplate
     max_model_len: int
+    # add_special_tokens' default on chat: true for a template that leaves BOS to the tokenizer (the default one),
+    # false for the model's own (which writes its BOS, as vLLM assumes)
+    chat_add_special_tokens: bool = True
 
 
 @dataclass
@@ -160,9 +165,10 @@ def parse_chat(body: object, ctx: ProtocolContext) -> GenerationRequest:
                                     documents=_parse_documents(body.get("documents")),
                                     extra=_parse_template_kwargs(body.get("chat_template_kwargs")))
     truncate = _truncation(body, ctx)
-    # Our default template leaves OPT's BOS to the tokenizer, so add_special_tokens defaults to true here
-    # (vLLM's default is false: its templates add their own special tokens).
-    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=_opt_bool(body, "add_special_tokens", default=True),
+    # Our default template leaves OPT's BOS to the tokenizer, so add_special_tokens defaults to true with it
+    # (vLLM's default is false: its templates, like a model's own, add their own special tokens).
+    prompt_ids = ctx.tokenizer.encode(text, add_special_tokens=_opt_bool(body, "add_special_tokens",
+                                                                         default=ctx.chat_add_special_tokens),
                                       truncate_to=truncate)
     if not prompt_ids:
         raise ValidationError("the messages render to an empty prompt", param="messages")

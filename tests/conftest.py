@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
 from modelmaker.opt_checkpoint import OPT_SHAPES, opt_config, write_opt_checkpoint
 from scheduler.cost_model import PROFILE_SCHEMA
 
@@ -92,6 +93,13 @@ def word_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-opt-word", "word")
 
 
+def copy_tokenizer(model_dir: Path, out: Path) -> None:
+    """The tokenizer files of model_dir (all but its config and weights) into out."""
+    for f in model_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (out / f.name).write_bytes(f.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory, tiny_model_dir):
     """Factory: a small random OPT checkpoint with the tiny tokenizer files, cached per shape."""
@@ -103,9 +111,28 @@ def small_checkpoint(tmp_path_factory, tiny_model_dir):
             out = tmp_path_factory.mktemp("ckpt")
             cfg = opt_config(**shape)
             write_opt_checkpoint(out, cfg, seed=seed, weight_format=weight_format, prefix=prefix)
-            for f in tiny_model_dir.iterdir():
-                if f.name not in ("config.json", "model.safetensors"):
-                    (out / f.name).write_bytes(f.read_bytes())
+            copy_tokenizer(tiny_model_dir, out)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory, tiny_model_dir):
+    """Factory: a small random Llama-family checkpoint (modelmaker/llama_checkpoint.py: 8 query heads over 2 KV
+    heads, 3 layers, 512 tokens by default; `overrides` are config.json fields) with the tiny tokenizer files,
+    cached per arguments."""
+    cache: dict[str, Path] = {}
+
+    def make(architecture: str = "LlamaForCausalLM", weight_format: str = "safetensors", seed: int = 0,
+             **overrides) -> Path:
+        key = json.dumps([architecture, weight_format, seed, overrides], sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("llama")
+            write_llama_checkpoint(out, llama_config(architecture, **overrides), seed=seed,
+                                   weight_format=weight_format)
+            copy_tokenizer(tiny_model_dir, out)
             cache[key] = out
         return cache[key]
 

@@ -1,7 +1,8 @@
 """The compiled CPU decode kernel (fastserve_kernels/csrc/cpu_decode_attention.cpp, loaded by
 fastserve_kernels/cpu_decode_extension.py) against the gathering reference: ragged contexts across block boundaries,
 head dims on and off its AVX-512 path, one sequence (heads split across threads) and many, 1 and 2 threads,
-float32 and float64, every layer of the cache, and the cache write it does in a decode-only batch.
+float32 and float64, every layer of the cache, and the cache write it does in a decode-only batch; with
+grouped-query attention (fewer KV heads in the cache than query heads) too.
 
 It must build here (g++ and ninja are on the project's machines; `make install` builds it): a test fails,
 and says why, when it does not."""
@@ -30,20 +31,22 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0):
-    """A paged cache of random K/V over shuffled blocks, tables padded with block 0, this step's q/k/v as
-    strided views of one fused projection (as the model makes them), and the decode metadata."""
+def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0, h_kv=None):
+    """A paged cache of random K/V (h_kv heads, default h) over shuffled blocks, tables padded with block 0, this
+    step's q [S, h, D] and k/v [S, h_kv, D] as strided views of one fused projection (as the model makes them),
+    and the decode metadata."""
     g = torch.Generator().manual_seed(seed)
+    h_kv = h_kv or h
     mb = max(-(-n // bs) for n in lens)
     nb = sum(-(-n // bs) for n in lens) + 5
-    kv = torch.randn(nb, layers, 2, h, bs, d, generator=g, dtype=dtype)
+    kv = torch.randn(nb, layers, 2, h_kv, bs, d, generator=g, dtype=dtype)
     perm = torch.randperm(nb - 1, generator=g).add(1).tolist()  # block 0: padding only
     tables = []
     for n in lens:
         own = [perm.pop() for _ in range(-(-n // bs))]
         tables.append(own + [0] * (mb - len(own)))
-    qkv = torch.randn(len(lens), 3, h, d, generator=g, dtype=dtype)
-    q, k, v = qkv.unbind(1)
+    qkv = torch.randn(len(lens), h + 2 * h_kv, d, generator=g, dtype=dtype)
+    q, k, v = qkv.split([h, h_kv, h_kv], dim=1)
     slot_blocks = torch.tensor([t[(n - 1) // bs] for t, n in zip(tables, lens)])
     slot_offsets = torch.tensor([(n - 1) % bs for n in lens])
     meta = AttentionMetadata(slot_blocks, slot_offsets, [], torch.arange(len(lens)), torch.tensor(tables),
@@ -53,16 +56,19 @@ def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("lens, h, d", [
-    ([1, 15, 16, 17, 33, 64, 5, 40, 2], 4, 64),  # block boundaries, many sequences (one per work item)
-    ([70], 12, 64),  # one sequence: its heads are split across the threads
-    ([3, 31, 48], 2, 80),  # head dim 80 (OPT-2.7b): five AVX-512 registers, an odd one at the end
-    ([5, 100, 33], 3, 128),  # head dim 128 (OPT-6.7b and larger): eight registers
-    ([7, 20], 3, 40),  # head dim not a multiple of 16: the plain loops
+@pytest.mark.parametrize("lens, h, d, h_kv", [
+    ([1, 15, 16, 17, 33, 64, 5, 40, 2], 4, 64, 4),  # block boundaries, many sequences (one per work item)
+    ([70], 12, 64, 12),  # one sequence: its heads are split across the threads
+    ([3, 31, 48], 2, 80, 2),  # head dim 80 (OPT-2.7b): five AVX-512 registers, an odd one at the end
+    ([5, 100, 33], 3, 128, 3),  # head dim 128 (OPT-6.7b and larger): eight registers
+    ([7, 20], 3, 40, 3),  # head dim not a multiple of 16: the plain loops
+    ([1, 15, 16, 17, 33, 5], 8, 64, 2),  # grouped-query attention: 4 query heads a KV head
+    ([70], 12, 64, 4),  # one sequence, 3 query heads a KV head: the threads' head groups cut across KV heads
+    ([9, 40], 6, 40, 1),  # one KV head for every query head (multi-query), the plain loops
 ])
-def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, lens, h, d):
+def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, lens, h, d, h_kv):
     bs = 16
-    q, _, _, kv, meta = decode_batch(lens, h, d, bs, dtype)
+    q, _, _, kv, meta = decode_batch(lens, h, d, bs, dtype, h_kv=h_kv)
     before = kv.clone()
     for layer in range(kv.shape[1]):
         got = op(q, q, q, kv, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
@@ -84,9 +90,14 @@ def test_kernel_softmax_holds_for_flat_and_peaked_scores(op, spread):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("bs", [4, 16, 32])  # a block's scores in part of a register, one, two
-def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs):
+@pytest.mark.parametrize("h_kv", [4, 2])  # 2: two query heads a KV head, written once, read by both
+@pytest.mark.parametrize("own_k", [False, True], ids=["fused-k", "own-k"])  # own: k rotated, v still a view
+def test_kernel_writes_the_steps_kv_like_write_kv_then_attends_to_it(op, threads, bs, h_kv, own_k):
     lens = [1, bs, bs + 1, 3 * bs - 1, 9]
-    q, k, v, kv, meta = decode_batch(lens, 4, 64, bs, torch.float32)
+    q, k, v, kv, meta = decode_batch(lens, 4, 64, bs, torch.float32, h_kv=h_kv)
+    if own_k:  # as a model with rotary embeddings makes them: k a tensor of its own, v a view of the projection
+        k = k.contiguous()
+        assert k.stride() != v.stride()
     reference = kv.clone()
     layer = 1
     write_kv(reference, layer, k, v, meta)

@@ -7,6 +7,7 @@ import fractions
 import json
 import logging
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,20 +32,24 @@ def state(stage) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in stage.state_dict().items()}
 
 
+def assert_all_load_the_same(dirs: dict[str, Path], load) -> None:
+    """Every checkpoint directory (by a name for messages) loads to the same parameters, bit for bit."""
+    loaded = {name: state(load(d)) for name, d in dirs.items()}
+    (first, ref), *others = loaded.items()
+    for name, sd in others:
+        assert sd.keys() == ref.keys(), f"{name} vs {first}"
+        for k in sd:
+            assert torch.equal(sd[k], ref[k]), f"{name}: {k} differs from {first}'s"
+
+
 @pytest.mark.parametrize("shape", [SMALL_PRE_LN, SMALL_POST_LN], ids=["pre-ln", "post-ln"])
 def test_every_layout_loads_the_same_weights(shape, tmp_path):
     cfg = opt_config(**shape)
-    ref = None
-    for fmt, prefix in [("safetensors", "model.decoder."), ("sharded", "model.decoder."), ("bin", "model.decoder."),
-                        ("safetensors", "decoder.")]:
-        d = write_opt_checkpoint(tmp_path / f"{fmt}-{prefix}", cfg, seed=3, weight_format=fmt, prefix=prefix)
-        sd = state(load(d))
-        if ref is None:
-            ref = sd
-            continue
-        assert sd.keys() == ref.keys()
-        for k in sd:
-            assert torch.equal(sd[k], ref[k]), f"{fmt}/{prefix}: {k} differs"
+    layouts = [("safetensors", "model.decoder."), ("sharded", "model.decoder."), ("bin", "model.decoder."),
+               ("safetensors", "decoder.")]
+    assert_all_load_the_same({f"{fmt}-{prefix}": write_opt_checkpoint(tmp_path / f"{fmt}-{prefix}", cfg, seed=3,
+                                                                       weight_format=fmt, prefix=prefix)
+                              for fmt, prefix in layouts}, load)
 
 
 def test_qkv_is_fused_from_q_k_v(tmp_path):

@@ -8,6 +8,8 @@ does not fit (tests/test_cuda.py compares the engine on CUDA with transformers).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import OPTForCausalLM
@@ -20,8 +22,13 @@ from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN
 TOL = 1e-4
 
 
-def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:  # [len, V]
-    model = OPTForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_logprobs(model_dir, token_ids: list[int], model_class=OPTForCausalLM) -> torch.Tensor:  # [len, V]
+    """transformers' log-probabilities of each next token after each prefix of token_ids, float32. model_dir: a
+    Hugging Face model directory, or a GGUF file (transformers dequantizes it to float32)."""
+    model_dir = Path(model_dir)
+    where = dict(pretrained_model_name_or_path=model_dir.parent, gguf_file=model_dir.name) if model_dir.suffix == (
+        ".gguf") else dict(pretrained_model_name_or_path=model_dir)
+    model = model_class.from_pretrained(**where, dtype=torch.float32).eval()
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
 
@@ -41,11 +48,17 @@ def run_staggered(engine: Engine, arrivals: dict[int, list[tuple[str, list[int],
 
 @pytest.mark.parametrize("shape", [SMALL_PRE_LN, SMALL_POST_LN], ids=["pre-ln", "post-ln-project-in-out"])
 def test_logprobs_match_transformers_in_mixed_batches(shape, small_checkpoint):
-    model_dir = small_checkpoint(shape)
+    check_mixed_batches_against_transformers(small_checkpoint(shape), shape["vocab_size"], OPTForCausalLM)
+
+
+def check_mixed_batches_against_transformers(model_dir, vocab_size: int, model_class) -> None:
+    """Five greedy requests arriving over four steps (prefills beside decodes, contexts across 4-token blocks):
+    every prompt logprob and every generated token's logprob, with their top-5 alternatives, equal those of
+    transformers' `model_class` on the same checkpoint within TOL, and each token is its greedy choice."""
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", block_size=4,
                                  num_gpu_blocks_override=64, seed=0, profile="analytic"))
     g = torch.Generator().manual_seed(1)
-    prompt = lambda n: torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    prompt = lambda n: torch.randint(3, vocab_size, (n,), generator=g).tolist()  # noqa: E731
     params = SamplingParams(temperature=0, max_tokens=7, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     arrivals = {
         0: [("a", prompt(13), params), ("b", prompt(5), params)],
@@ -58,7 +71,7 @@ def test_logprobs_match_transformers_in_mixed_batches(shape, small_checkpoint):
         comp = out.outputs[0]
         assert len(comp.token_ids) == 7
         full = out.prompt_token_ids + comp.token_ids
-        ref = hf_logprobs(model_dir, full)
+        ref = hf_logprobs(model_dir, full, model_class)
         p = len(out.prompt_token_ids)
         # Prefill: every prompt token's logprob and top-5 alternatives.
         assert out.prompt_logprobs[0] is None

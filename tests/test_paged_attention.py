@@ -1,5 +1,6 @@
 """fastserve_kernels/paged_attention against plain dense causal attention, with
-scattered (non-contiguous) block tables and contexts across block boundaries;
+scattered (non-contiguous) block tables and contexts across block boundaries,
+with as many KV heads as query heads and with fewer (grouped-query attention);
 the CPU decode path that reads the cache in place against the gathering
 reference."""
 
@@ -23,8 +24,10 @@ from fastserve_kernels.paged_attention import (
 H, D, BS, NB, L = 3, 8, 4, 40, 2
 
 
-def dense_causal(q, k, v, scale):  # [n, H, D] each; the last len(q) positions of k/v
+def dense_causal(q, k, v, scale):  # q [n, H, D], k/v [c, Hkv, D]; q: the last n positions of k/v
     n, c = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]  # query head h reads KV head h // group
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
     return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                           attn_mask=mask, scale=scale).transpose(0, 1)
@@ -39,7 +42,8 @@ DECODE_ONLY = [(9, 1), (4, 1), (12, 1), (3, 1)]  # the shortcut that returns dec
 # The CPU decode paths: the compiled kernel (fastserve_kernels/csrc), the sparse torch ops, the gathering reference.
 @pytest.mark.parametrize("decode_path", ["compiled", "sparse", "gathered"])
 @pytest.mark.parametrize("use_workspace", [False, True])
-def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_path, seqs,
+@pytest.mark.parametrize("h_kv", [H, 1], ids=["kv-heads-equal", "grouped"])  # 1: every query head reads one KV head
+def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspace, decode_path, seqs, h_kv,
                                                                     monkeypatch):
     if decode_path == "compiled":
         assert cpu_decode_extension.decode_attention_op() is not None, cpu_decode_extension.unavailable_reason()
@@ -53,9 +57,9 @@ def test_paged_attention_matches_dense_for_fresh_decode_and_partial(use_workspac
     for cached, new in seqs:
         nblocks = -(-(cached + new) // BS)
         tables.append([perm.pop() for _ in range(nblocks)])
-        full_k.append(torch.randn(cached + new, H, D, generator=g))
-        full_v.append(torch.randn(cached + new, H, D, generator=g))
-    kv = torch.zeros(NB, L, 2, H, BS, D)
+        full_k.append(torch.randn(cached + new, h_kv, D, generator=g))
+        full_v.append(torch.randn(cached + new, h_kv, D, generator=g))
+    kv = torch.zeros(NB, L, 2, h_kv, BS, D)
     layer = 1
     for (cached, _), table, k, v in zip(seqs, tables, full_k, full_v):  # what earlier steps wrote
         for p in range(cached):
@@ -108,12 +112,13 @@ def test_workspace_reuses_and_grows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("lens", [[1, 4, 5, 16, 17, 3, 30], [9, 9, 9]], ids=["unequal", "equal"])
-def test_in_place_decode_matches_gathered_reference(dtype, lens):
+@pytest.mark.parametrize("h_kv", [H, 1], ids=["kv-heads-equal", "grouped"])
+def test_in_place_decode_matches_gathered_reference(dtype, lens, h_kv):
     """Sequences of unequal lengths (one block, partial blocks, full blocks) or equal ones, scattered tables
     padded with block 0, every layer of a multi-layer cache: the in-place path equals the gathering one."""
     g = torch.Generator().manual_seed(1)
     nb, layers = 64, 3
-    kv = torch.randn(nb, layers, 2, H, BS, D, generator=g, dtype=dtype)
+    kv = torch.randn(nb, layers, 2, h_kv, BS, D, generator=g, dtype=dtype)
     assert supports_in_place_decode(kv)
     perm = torch.randperm(nb, generator=g).tolist()
     mb = max(-(-n // BS) for n in lens)
@@ -123,7 +128,7 @@ def test_in_place_decode_matches_gathered_reference(dtype, lens):
         tables.append(own + [0] * (mb - len(own)))
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [],
                              torch.arange(len(lens)), torch.tensor(tables), torch.tensor(lens), [])
-    rows = DecodeRows.build(kv, meta.decode_block_tables, meta.decode_context_lens)
+    rows = DecodeRows.build(kv, meta.decode_block_tables, meta.decode_context_lens, H)
     assert rows.k_rows.numel() == H * sum(lens)
     q = torch.randn(len(lens), H, D, generator=g, dtype=dtype)
     for layer in range(layers):

@@ -2,10 +2,12 @@
 reference (fastserve_kernels/paged_attention.py) on CPU, under Triton's interpreter: the
 cache write, decode attention through shuffled block tables (contexts of 1,
 on and just past block boundaries, ragged, cut into several splits), prefill
-and chunked prefill in mixed batches, float32 and float16; and the whole
+and chunked prefill in mixed batches, float32 and float16, with as many KV
+heads as query heads and with fewer (grouped-query attention); and the whole
 engine on attention_backend="triton" against transformers' logprobs, once
-through Engine with a fixed cache and once through LLM(...) as a user starts
-it (the KV cache sized from the defaults, max_num_batched_tokens 8,192).
+through Engine with a fixed cache, once through LLM(...) as a user starts it
+(the KV cache sized from the defaults, max_num_batched_tokens 8,192), and with
+chunked prefill on OPT and on a Llama of 2 KV heads under 8 query heads.
 
 Not collected by the suite (no test_ prefix): tests/test_triton_kernels.py
 runs it in a fresh pytest process with TRITON_INTERPRET=1 set before triton is
@@ -23,6 +25,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py (TRITON_INTERPRET=1)"
 
 import triton  # noqa: E402, F401  (a test requirement: its absence is a failure, not a skip)
+from transformers import LlamaForCausalLM, OPTForCausalLM  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -102,6 +105,25 @@ def test_mixed_batch_of_prefill_chunked_prefill_and_decode_matches_reference(dty
     torch.testing.assert_close(out, expected, **tol(dtype))
 
 
+@pytest.mark.parametrize(("h", "h_kv", "bs"), [(4, 2, 4), (3, 1, 16)])
+def test_grouped_query_attention_matches_reference(h, h_kv, bs):
+    """Fewer KV heads than query heads (2 query heads a KV head; one KV head for 3): the cache write of the KV
+    heads, decode over several splits, prefill and chunked prefill over a cached prefix, in one mixed batch."""
+    seqs = [(0, 1), (0, 19), (9, 1), (3, 6), (8, 18), (40, 1), (37, 5)]
+    q, k, v, kv, meta, _ = make_batch(seqs, h=h, d=16, bs=bs, dtype=torch.float32, seed=7, h_kv=h_kv)
+    assert kv.shape[3] == h_kv and k.shape[1] == h_kv and q.shape[1] == h
+    expected_kv = kv.clone()
+    expected = ref.paged_attention(q, k, v, expected_kv, 1, meta, 16**-0.5)
+    out = tri.paged_attention(q, k, v, kv, 1, meta, 16**-0.5)
+    assert torch.equal(kv, expected_kv)
+    torch.testing.assert_close(out, expected, **tol(torch.float32))
+    rows = meta.decode_token_index
+    split = torch.full(q.shape, float("nan"))
+    tri.decode_attention(q.contiguous(), kv, 1, rows, meta.decode_block_tables, meta.decode_context_lens, 16**-0.5,
+                         split, 16)  # the 41-token context in 3 splits
+    torch.testing.assert_close(split[rows], expected[rows], **tol(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_over_any_cached_prefix_matches_reference(dtype):
     """Chunked prefill: any number of new tokens over any number of cached ones (prefixes of 0, mid-block, on a block
@@ -173,19 +195,30 @@ def test_llm_with_default_sizing_on_triton_kernels_matches_transformers(small_ch
 def test_engine_chunked_prefill_on_triton_kernels_matches_transformers(small_checkpoint):
     """Chunked prefill: prompts split under a 5-token budget (chunks over a cached prefix through the prefill kernel,
     one-token chunks through the decode kernel, beside decodes) give transformers' greedy tokens and logprobs."""
-    model_dir = small_checkpoint(SMALL_PRE_LN)
+    check_chunked_prefill_on_triton(small_checkpoint(SMALL_PRE_LN), SMALL_PRE_LN["vocab_size"], OPTForCausalLM)
+
+
+def test_llama_with_grouped_query_attention_on_triton_kernels_matches_transformers(llama_checkpoint):
+    """The same with a LlamaForCausalLM of 2 KV heads under 8 query heads, Llama 3's rope scaling: the kernels
+    write and read the 2 KV heads a query head group shares."""
+    model_dir = llama_checkpoint(rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32))
+    check_chunked_prefill_on_triton(model_dir, 512, LlamaForCausalLM)
+
+
+def check_chunked_prefill_on_triton(model_dir, vocab_size: int, model_class) -> None:
     engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_gpu_blocks_override=64, seed=0,
                                  profile="analytic", device="cpu", attention_backend="triton",
                                  enable_chunked_prefill=True, max_num_batched_tokens=5))
     g = torch.Generator().manual_seed(4)
-    prompt = lambda n: torch.randint(3, SMALL_PRE_LN["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    prompt = lambda n: torch.randint(3, vocab_size, (n,), generator=g).tolist()  # noqa: E731
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     done = run_staggered(engine, {0: [("a", prompt(14), params), ("b", prompt(3), params)],
                                   2: [("c", prompt(11), params)]})
     assert sorted(done) == ["a", "b", "c"]
     for rid, out in done.items():
         comp = out.outputs[0]
-        hf = hf_logprobs(model_dir, out.prompt_token_ids + comp.token_ids)
+        hf = hf_logprobs(model_dir, out.prompt_token_ids + comp.token_ids, model_class)
         p = len(out.prompt_token_ids)
         assert len(out.prompt_logprobs) == p
         for pos in range(1, p):

@@ -6,10 +6,10 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.executor.base import Executor, ExecutorDeadError
-from engine.model.config import OPTConfig
+from engine.model.registry import ModelConfig
 
 
-def make_executor(config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, max_model_len: int) -> Executor:
+def make_executor(config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> Executor:
     """LocalExecutor for one device; MultiprocExecutor (one worker per device) for tp * pp > 1."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and config.nnodes == 1:
         from engine.executor.local import LocalExecutor

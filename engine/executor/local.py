@@ -22,7 +22,7 @@ from engine.executor.base import Executor
 from engine.executor.device_identity import WorkerDevice, describe_cuda_device
 from engine.kv_cache import blocks_that_fit, kv_reserve
 from engine.loader import load_model_stage
-from engine.model.config import OPTConfig
+from engine.model.registry import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.swapper import Swapper
@@ -61,7 +61,7 @@ class LocalExecutor(Executor):
     def __init__(
         self,
         model_dir: str | Path,
-        model_cfg: OPTConfig,
+        model_cfg: ModelConfig,
         *,
         dtype: str = "auto",
         device: str = "auto",

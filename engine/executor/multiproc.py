@@ -65,7 +65,8 @@ from engine.executor.base import Executor, ExecutorDeadError
 from engine.executor.device_identity import WorkerDevice
 from engine.executor.local import resolve_device, resolve_dtype
 from engine.executor.worker import start_worker, worker_env
-from engine.model.config import OPTConfig
+from engine.model.registry import ModelConfig
+from engine.parallel import ParallelLayout
 from fastserve_kernels.attention_backend import resolve_attention_backend
 from memory.transfers import Direction
 
@@ -76,7 +77,7 @@ PLACEHOLDER_TOKEN = 1  # stands for tokens the controller never sent (OPT's pad 
 POLL_S = 0.2  # the reader's wake-up interval: how soon a dead process without a socket event is noticed
 
 
-def check_layout(cfg: OPTConfig, tp: int, pp: int, device: torch.device, nnodes: int) -> None:
+def check_layout(cfg: ModelConfig, tp: int, pp: int, device: torch.device, nnodes: int) -> None:
     """One-line errors for layouts that cannot work, before any process starts."""
     world = tp * pp
     if device.type == "cuda":
@@ -87,6 +88,7 @@ def check_layout(cfg: OPTConfig, tp: int, pp: int, device: torch.device, nnodes:
     for size, what in ((cfg.num_attention_heads, "num_attention_heads"), (cfg.ffn_dim, "ffn_dim")):
         if size % tp:
             raise ValueError(f"the model's {what} ({size}) is not divisible by tensor_parallel_size {tp}")
+    ParallelLayout(tp_size=tp).kv_heads(cfg.num_key_value_heads)  # KV heads split, or replicated: else an error
     if cfg.num_hidden_layers < pp:
         raise ValueError(f"the model has {cfg.num_hidden_layers} layers, fewer than pipeline_parallel_size {pp}")
 
@@ -134,7 +136,7 @@ class _RemoteCopy:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: OPTConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world, self.tp, self.pp = tp * pp, tp, pp
         self.device = resolve_device(config.device)

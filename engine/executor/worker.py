@@ -57,7 +57,7 @@ from engine.host_copies import HostCopyCounter, count_file
 from engine.host_tier import SlowLockForTests
 from engine.kv_cache import blocks_that_fit, kv_reserve
 from engine.loader import load_model_stage
-from engine.model.config import OPTConfig
+from engine.model.registry import load_model_config
 from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 
@@ -105,7 +105,7 @@ class Worker:
         # Every rank creates every tensor-parallel group, in the same order (torch.distributed's rule).
         groups = [torch.distributed.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else []
         tp_group = TensorParallelGroup(self.layout, groups[self.layout.pp_rank] if groups else None)
-        cfg = OPTConfig.from_model_dir(setup.model_dir)
+        cfg = load_model_config(setup.model_dir)
         model = load_model_stage(setup.model_dir, cfg, tp_group, dtype, self.device, setup.load_format, setup.seed)
         self.runner = ModelRunner(model, self.device, dtype, setup.block_size, setup.seed, setup.attention_backend)
         self.is_sampler = self.layout.is_last_stage and self.layout.tp_rank == 0

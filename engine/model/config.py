@@ -1,5 +1,7 @@
 """OPTConfig: the fields of a Hugging Face OPT config.json the model needs,
-validated once. What it is not: loading weights (engine/loader.py)."""
+validated once, and read_config_json, which every architecture's config reads
+config.json with. What it is not: loading weights (engine/loader.py), or the
+choice of architecture (engine/model/registry.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,23 @@ from engine.errors import CheckpointError
 
 # OPT's learned positional embedding table has 2 extra rows (fairseq's padding offset).
 POSITION_OFFSET = 2
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """The JSON object in model_dir/config.json, or a CheckpointError that says what is missing or malformed."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return d
 
 
 @dataclass(frozen=True)
@@ -45,9 +64,19 @@ class OPTConfig:
                 f"config.json: activation_function {self.activation_function!r} is not supported (OPT uses relu)"
             )
 
+    architecture = "OPTForCausalLM"
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """OPT's attention has a KV head per query head."""
+        return self.num_attention_heads
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Every context up to max_position_embeddings is served (the engine checks that bound)."""
 
     @property
     def has_final_layer_norm(self) -> bool:
@@ -94,19 +123,7 @@ class OPTConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> OPTConfig:
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise CheckpointError(f"model directory {model_dir} does not exist")
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
-        try:
-            d = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{path} must hold a JSON object")
-        return cls.from_dict(d, name=model_dir.name)
+        return cls.from_dict(read_config_json(model_dir), name=Path(model_dir).name)
 
     def num_params(self) -> int:
         """Parameter count (embeddings counted once, as tied)."""
@@ -115,3 +132,28 @@ class OPTConfig:
         emb = v * p + (self.max_position_embeddings + POSITION_OFFSET) * h
         proj = 2 * h * p if self.has_projections else 0
         return self.num_hidden_layers * per_layer + emb + proj + (2 * h if self.has_final_layer_norm else 0)
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of a Hugging Face OPT checkpoint of this config (lm_head left out: tied), by name."""
+        e, f, p, v = self.hidden_size, self.ffn_dim, self.word_embed_proj_dim, self.vocab_size
+        shapes: dict[str, tuple[int, ...]] = {
+            "embed_tokens.weight": (v, p),
+            "embed_positions.weight": (self.max_position_embeddings + POSITION_OFFSET, e),
+        }
+        if self.has_projections:
+            shapes["project_in.weight"] = (e, p)
+            shapes["project_out.weight"] = (p, e)
+        if self.has_final_layer_norm:
+            shapes["final_layer_norm.weight"] = shapes["final_layer_norm.bias"] = (e,)
+        for i in range(self.num_hidden_layers):
+            layer = f"layers.{i}."
+            linears = {"self_attn.q_proj": (e, e), "self_attn.k_proj": (e, e), "self_attn.v_proj": (e, e),
+                       "self_attn.out_proj": (e, e), "fc1": (f, e), "fc2": (e, f)}
+            for name, shape in linears.items():
+                shapes[layer + name + ".weight"] = shape
+                if self.enable_bias:
+                    shapes[layer + name + ".bias"] = shape[:1]
+            if self.layer_norm_elementwise_affine:
+                for norm in ("self_attn_layer_norm", "final_layer_norm"):
+                    shapes[layer + norm + ".weight"] = shapes[layer + norm + ".bias"] = (e,)
+        return {"model.decoder." + k: s for k, s in shapes.items()}

@@ -1,7 +1,9 @@
-"""Tensor-parallel linear layers.
+"""Tensor-parallel linear layers, and RMSNorm.
 
 ColumnParallelLinear: weight [out / tp, in] — each rank computes a slice of
-the output features; no communication.
+the output features; no communication. A fused projection whose parts are
+split differently (q, k, v under grouped-query attention, where KV heads may
+be replicated) gives its local width itself.
 RowParallelLinear: weight [out, in / tp] — each rank consumes its slice of the
 input features; partial sums are all-reduced, then the bias is added once
 (on one rank, in the matmul itself).
@@ -17,9 +19,11 @@ from engine.parallel import TensorParallelGroup
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup,
+                 local_out: int | None = None) -> None:
         super().__init__()
-        local_out = tp.layout.shard(out_features, "output features")
+        if local_out is None:
+            local_out = tp.layout.shard(out_features, "output features")
         self.weight = nn.Parameter(torch.empty(local_out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(local_out), requires_grad=False) if bias else None
 
@@ -40,3 +44,17 @@ class RowParallelLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y.add_(self.bias) if self.bias is not None else y
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm: x / sqrt(mean(x^2) + eps) in float32, cast back, times the weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -11,9 +11,10 @@ A stage owns layers `layout.stage_layers(n)`; the first stage embeds tokens,
 the last computes logits. On the CPU a decode-only batch runs the layers in one
 compiled call with the same ops (fastserve_kernels/csrc/cpu_decode_layers.cpp), the
 Python loop everywhere else. Parameter names follow Hugging Face's, without the
-`model.decoder.` prefix, with q/k/v fused into `qkv_proj` (engine/loader.py
-maps checkpoints onto them). Embeddings and lm_head are replicated across
-tensor-parallel ranks; attention heads and FFN columns are split.
+`model.decoder.` prefix, with q/k/v fused into `qkv_proj` (checkpoint_target
+maps checkpoint names onto them; both `model.decoder.*` and `decoder.*` load).
+Embeddings and lm_head are replicated across tensor-parallel ranks; attention
+heads and FFN columns are split.
 
 Legend: T tokens in the flattened batch, S sequences, E hidden size,
 P word_embed_proj_dim, V vocab size, H local heads, D head dim.
@@ -25,12 +26,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.device_memory import free_storage
 from engine.model.config import POSITION_OFFSET, OPTConfig
 from engine.model.layers import ColumnParallelLinear, RowParallelLinear
+from engine.model.stage import NOT_A_LAYER, UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
-from fastserve_kernels.attention_backend import AttentionFn
 from fastserve_kernels.paged_attention import AttentionMetadata, cpu_decode_layers_op, paged_attention
+
+_PREFIXES = ("model.decoder.", "decoder.")
+# Tensor-parallel split of each per-layer tensor: the dim split across ranks, or None (replicated).
+_SPLIT_DIM = {
+    "self_attn.out_proj.weight": 1,
+    "fc1.weight": 0,
+    "fc1.bias": 0,
+    "fc2.weight": 1,
+}
+_FIRST_STAGE = {"embed_positions.weight", "project_in.weight"}
+_LAST_STAGE = {"final_layer_norm.weight", "final_layer_norm.bias", "project_out.weight"}
 
 
 class OPTAttention(nn.Module):
@@ -83,14 +94,9 @@ class OPTDecoderLayer(nn.Module):
         return h
 
 
-class OPTStage(nn.Module):
+class OPTStage(DecoderStage):
     def __init__(self, cfg: OPTConfig, tp: TensorParallelGroup) -> None:
-        super().__init__()
-        self.layout = layout = tp.layout
-        self.cfg = cfg
-        self.layer_range = layout.stage_layers(cfg.num_hidden_layers)
-        self.is_first = layout.is_first_stage
-        self.is_last = layout.is_last_stage
+        super().__init__(cfg, tp)
         e, p = cfg.hidden_size, cfg.word_embed_proj_dim
         if self.is_first or self.is_last:  # the last stage needs it for the tied lm_head
             self.embed_tokens = nn.Embedding(cfg.vocab_size, p)
@@ -100,7 +106,8 @@ class OPTStage(nn.Module):
             self.embed_positions.weight.requires_grad_(False)
             self.project_in = nn.Linear(p, e, bias=False) if cfg.has_projections else None
         self.layers = nn.ModuleList(OPTDecoderLayer(cfg, tp) for _ in self.layer_range)
-        self.attention: AttentionFn = paged_attention  # every layer's (use_attention)
+        local = tp.layout.shard(cfg.num_attention_heads, "num_attention_heads") * cfg.head_dim  # rows of q, k, v
+        self.fused = {"qkv_proj": {"q": (0, local), "k": (local, local), "v": (2 * local, local)}}
         self._layer_weights: list[torch.Tensor | None] | None = None  # decode_layers' list, made on first use
         if self.is_last:
             affine = cfg.layer_norm_elementwise_affine
@@ -111,20 +118,37 @@ class OPTStage(nn.Module):
         self.requires_grad_(False)
 
     def release_weights(self) -> int:
-        """Free every parameter's memory now, whoever still holds the module (engine/device_memory.py); returns
-        the bytes freed. The stage cannot run afterwards."""
         self._layer_weights = None
-        return sum(free_storage(t) for t in (*self.parameters(), *self.buffers()))
+        return super().release_weights()
 
-    def use_attention(self, attention: AttentionFn) -> None:
-        """Run every layer's attention with `attention` (fastserve_kernels/attention_backend.py)."""
-        self.attention = attention
-        for layer in self.layers:
-            layer.self_attn.attention = attention
+    def checkpoint_target(self, name: str) -> WeightTarget | str | None:
+        if name == "lm_head.weight":
+            return None  # tied to embed_tokens (OPT always ties); the tied copy is loaded from there
+        prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            return UNEXPECTED
+        name = name[len(prefix):]
+        where = self.local_layer(name)
+        if isinstance(where, tuple):
+            local, rest = where
+            proj = rest.split(".")
+            if len(proj) == 3 and proj[0] == "self_attn" and proj[1] in ("q_proj", "k_proj", "v_proj"):
+                return WeightTarget(local + f"self_attn.qkv_proj.{proj[2]}", 0, self._tp_piece, proj[1][0])
+            split = _SPLIT_DIM.get(rest)
+            return WeightTarget(local + rest, split, self._tp_piece if split is not None else (0, 1))
+        if where != NOT_A_LAYER:  # another stage's layer, or one the model does not have
+            return where
+        if name == "embed_tokens.weight":
+            return WeightTarget(name) if (self.is_first or self.is_last) else None
+        if name in _FIRST_STAGE:
+            return WeightTarget(name) if self.is_first else None
+        if name in _LAST_STAGE:
+            return WeightTarget(name) if self.is_last else None
+        return UNEXPECTED
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layer_range)
+    def _tp_piece(self) -> tuple[int, int]:
+        return self.layout.tp_rank, self.layout.tp_size
 
     def forward(
         self,

@@ -11,9 +11,11 @@
 // OPT shape's) keep q, the scores of a block and the V accumulators in registers (attend_item_avx512); anything
 // else runs portable loops in the same order of reads (attend_item_portable).
 //
-// Layout (fastserve_kernels/paged_attention.py): cache [NB, L, 2, H, bs, D], contiguous; one head's bs positions of a
-// block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
-// Legend: S decode sequences, H heads, D head dim, MB blocks per table (padded), bs block size.
+// Layout (fastserve_kernels/paged_attention.py): cache [NB, L, 2, Hkv, bs, D], contiguous; one head's bs positions of
+// a block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
+// Legend: S decode sequences, H query heads, Hkv KV heads, G = H / Hkv query heads per KV head (grouped-query
+// attention: query head h reads KV head h / G; G = 1 without it), D head dim, MB blocks per table (padded),
+// bs block size.
 
 #include "cpu_decode_attention.h"
 
@@ -36,6 +38,10 @@ namespace {
 inline void fetch_row(const char* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
+
+// The KV head of an item's local query head g, counted from the KV head of the item's first query head h0, where
+// q0 = h0 % G: (h0 + g) / G - h0 / G. Without grouped-query attention (G = 1) it is g.
+inline int64_t kv_rel(int64_t q0, int64_t g, int64_t group) { return (q0 + g) / group; }
 
 // x . y over n values, and y += a * x, for the portable item function: AVX-512 for float when the head dim is a
 // multiple of 16, plain loops otherwise. (A dot product's lanes are summed once, at the end: summing them per
@@ -123,16 +129,18 @@ inline __m512 exp_ps(__m512 x) {
 
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
-// One work item (sequence s, heads [h0, h0 + heads)) for float with D = 16 * NV: the item's output rows from
+// One work item (sequence s, query heads [h0, h0 + heads)) for float with D = 16 * NV: the item's output rows from
 // its context, block by block. Per block: every head's scores from the K run (q . k, q scaled once; a row's
 // product summed in one register), then per head the online-softmax update on whole registers of scores
 // (16 at a time, vectorised exp) and the V rows summed into NV accumulator registers, so nothing but the
 // cache is read or written per position. scores holds heads * padded_bs floats, acc heads * D, q_scaled D.
+// item_offset is the KV head of query head h0; local head g reads the KV head kv_rel(q0, g, G) heads after it.
 template <int NV>
 void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, const int64_t* table,
-                        int64_t context, int64_t heads, int64_t bs, int64_t padded_bs, int64_t head_stride,
-                        int64_t v_offset, int64_t block_stride, int64_t item_offset, float scale, float* out,
-                        float* scores, float* acc, float* running_max, float* running_sum, float* q_scaled) {
+                        int64_t context, int64_t heads, int64_t q0, int64_t group, int64_t bs, int64_t padded_bs,
+                        int64_t head_stride, int64_t v_offset, int64_t block_stride, int64_t item_offset,
+                        float scale, float* out, float* scores, float* acc, float* running_max, float* running_sum,
+                        float* q_scaled) {
   constexpr int64_t D = 16 * NV;
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < heads; ++g) {
@@ -150,10 +158,11 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
     for (int64_t g = 0; g < heads; ++g) {  // K: the run in order
       __m512 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);
-      const float* __restrict kb = b.k + g * head_stride;
+      const int64_t kv = kv_rel(q0, g, group) * head_stride;
+      const float* __restrict kb = b.k + kv;
       float* __restrict sc = scores + g * padded_bs;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_k) fetch_row(b.next_k + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        if (b.next_k) fetch_row(b.next_k + (kv + t * D) * sizeof(float), row_bytes);
         __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + t * D));
         for (int i = 1; i < NV; ++i) p = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kb + t * D + 16 * i), p);
         sc[t] = _mm512_reduce_add_ps(p);
@@ -179,9 +188,10 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
       __m512 a[NV];
       const __m512 cv = _mm512_set1_ps(correction);
       for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cv);
-      const float* __restrict vb = b.v + g * head_stride;
+      const int64_t kv = kv_rel(q0, g, group) * head_stride;
+      const float* __restrict vb = b.v + kv;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_v) fetch_row(b.next_v + (g * head_stride + t * D) * sizeof(float), row_bytes);
+        if (b.next_v) fetch_row(b.next_v + (kv + t * D) * sizeof(float), row_bytes);
         const __m512 w = _mm512_set1_ps(sc[t]);
         for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * D + 16 * i), a[i]);
       }
@@ -197,7 +207,8 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
 
 // The AVX-512 item function for this head dim, or nullptr (the portable loops serve).
 using AvxItemFn = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*, float*);
+                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*,
+                           float*, float*);
 inline AvxItemFn avx512_item_for(int64_t D) {
   switch (D) {
     case 16: return attend_item_avx512<1>;
@@ -216,9 +227,9 @@ inline AvxItemFn avx512_item_for(int64_t D) {
 // One work item with plain loops (any dtype, any head dim): the same order of reads as the AVX-512 one.
 template <typename T>
 void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const int64_t* table, int64_t context,
-                          int64_t heads, int64_t D, int64_t bs, int64_t head_stride, int64_t v_offset,
-                          int64_t block_stride, int64_t item_offset, T scale, T* out, T* scores, T* acc,
-                          T* running_max, T* running_sum) {
+                          int64_t heads, int64_t q0, int64_t group, int64_t D, int64_t bs, int64_t head_stride,
+                          int64_t v_offset, int64_t block_stride, int64_t item_offset, T scale, T* out, T* scores,
+                          T* acc, T* running_max, T* running_sum) {
   std::fill(acc, acc + heads * D, T(0));
   std::fill(running_max, running_max + heads, -std::numeric_limits<T>::infinity());
   std::fill(running_sum, running_sum + heads, T(0));
@@ -229,10 +240,11 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
     const int64_t n = b.n;
     for (int64_t g = 0; g < heads; ++g) {  // K: the scores, the run read in order
       const T* __restrict qi = q + g * q_stride_h;
-      const T* __restrict kb = b.k + g * head_stride;
+      const int64_t kv = kv_rel(q0, g, group) * head_stride;
+      const T* __restrict kb = b.k + kv;
       T* __restrict sc = scores + g * bs;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_k) fetch_row(b.next_k + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        if (b.next_k) fetch_row(b.next_k + (kv + t * D) * sizeof(T), row_bytes);
         sc[t] = dot(qi, kb + t * D, D) * scale;
       }
     }
@@ -253,11 +265,12 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
       running_sum[g] = running_sum[g] * correction + sum;
     }
     for (int64_t g = 0; g < heads; ++g) {  // V: the weighted sums, the run read in order
-      const T* __restrict vb = b.v + g * head_stride;
+      const int64_t kv = kv_rel(q0, g, group) * head_stride;
+      const T* __restrict vb = b.v + kv;
       const T* __restrict sc = scores + g * bs;
       T* __restrict a = acc + g * D;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_v) fetch_row(b.next_v + (g * head_stride + t * D) * sizeof(T), row_bytes);
+        if (b.next_v) fetch_row(b.next_v + (kv + t * D) * sizeof(T), row_bytes);
         axpy(sc[t], vb + t * D, a, D);
       }
     }
@@ -270,18 +283,20 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
 
 template <typename T>
 void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,  // q [S, H, D], D contiguous
-                             const T* k_new, const T* v_new, int64_t kv_stride_s, int64_t kv_stride_h,
+                             const T* k_new, int64_t k_stride_s, int64_t k_stride_h,  // k, v [S, Hkv, D]
+                             const T* v_new, int64_t v_stride_s, int64_t v_stride_h,
                              T* cache, T* out,  // out [S, H, D] contiguous
                              const int64_t* tables, const int64_t* lens, const int64_t* slot_blocks,
-                             const int64_t* slot_offsets, int64_t S, int64_t H, int64_t D, int64_t MB, int64_t bs,
-                             int64_t L, int64_t layer, T scale, bool write) {
+                             const int64_t* slot_offsets, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t MB,
+                             int64_t bs, int64_t L, int64_t layer, T scale, bool write) {
+  const int64_t group = H / Hkv;                       // query heads per KV head
   const int64_t head_stride = bs * D;                  // one head's positions in a block
-  const int64_t v_offset = H * head_stride;            // K to V of the same (block, layer)
+  const int64_t v_offset = Hkv * head_stride;          // K to V of the same (block, layer)
   const int64_t layer_stride = 2 * v_offset;           // one layer of a block
   const int64_t block_stride = L * layer_stride;       // one block
   const int64_t layer_offset = layer * layer_stride;
-  // Work items are (sequence, group of heads). A block's K of every head of a layer is one contiguous run
-  // (H * bs * D values), and so is its V: for each block an item reads its heads' K as one run (scores), then
+  // Work items are (sequence, group of query heads). A block's K of every head of a layer is one contiguous run
+  // (Hkv * bs * D values), and so is its V: for each block an item reads its heads' K as one run (scores), then
   // their V as one run (weighted sum), while fetching the next block's two runs. Groups split the heads only
   // when there are too few sequences to keep every thread busy.
   const int64_t threads = at::get_num_threads();
@@ -291,38 +306,48 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
 #ifdef __AVX512F__
   const AvxItemFn avx_item = std::is_same<T, float>::value ? avx512_item_for(D) : nullptr;
 #endif
+  // This step's token: its K/V rows (KV heads [k0, k1)) go to (slot block, offset), then it is attended to.
+  auto write_rows = [&](int64_t s, int64_t k0, int64_t k1) {
+    T* dst = cache + slot_blocks[s] * block_stride + layer_offset + slot_offsets[s] * D;
+    for (int64_t h = k0; h < k1; ++h) {
+      const T* ks = k_new + s * k_stride_s + h * k_stride_h;
+      const T* vs = v_new + s * v_stride_s + h * v_stride_h;
+      std::copy(ks, ks + D, dst + h * head_stride);
+      std::copy(vs, vs + D, dst + h * head_stride + v_offset);
+    }
+  };
+  // Query heads of several items share a KV head under grouped-query attention: every row is written before
+  // any item reads. Without it each item writes its own heads' rows first.
+  if (write && group > 1) {
+    at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) write_rows(s, 0, Hkv);
+    });
+  }
   at::parallel_for(0, S * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(per_group * D), scores(per_group * padded_bs), running_max(per_group),
         running_sum(per_group), q_scaled(per_group * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / groups, h0 = (item % groups) * per_group, h1 = std::min(H, h0 + per_group);
       if (h0 >= h1) continue;
-      if (write) {  // this step's token: its K/V rows go to (slot block, offset), then it is attended to
-        T* dst = cache + slot_blocks[s] * block_stride + layer_offset + slot_offsets[s] * D;
-        for (int64_t h = h0; h < h1; ++h) {
-          const T* ks = k_new + s * kv_stride_s + h * kv_stride_h;
-          const T* vs = v_new + s * kv_stride_s + h * kv_stride_h;
-          std::copy(ks, ks + D, dst + h * head_stride);
-          std::copy(vs, vs + D, dst + h * head_stride + v_offset);
-        }
-      }
+      if (write && group == 1) write_rows(s, h0, h1);
       const T* qs = q + s * q_stride_s + h0 * q_stride_h;
       const int64_t* table = tables + s * MB;
-      const int64_t item_offset = layer_offset + h0 * head_stride;
+      const int64_t q0 = h0 % group;
+      const int64_t item_offset = layer_offset + (h0 / group) * head_stride;
       T* o = out + (s * H + h0) * D;
 #ifdef __AVX512F__
       if (avx_item != nullptr) {
         avx_item(reinterpret_cast<const float*>(qs), q_stride_h, reinterpret_cast<const float*>(cache), table,
-                 lens[s], h1 - h0, bs, padded_bs, head_stride, v_offset, block_stride, item_offset,
+                 lens[s], h1 - h0, q0, group, bs, padded_bs, head_stride, v_offset, block_stride, item_offset,
                  static_cast<float>(scale), reinterpret_cast<float*>(o), reinterpret_cast<float*>(scores.data()),
                  reinterpret_cast<float*>(acc.data()), reinterpret_cast<float*>(running_max.data()),
                  reinterpret_cast<float*>(running_sum.data()), reinterpret_cast<float*>(q_scaled.data()));
         continue;
       }
 #endif
-      attend_item_portable<T>(qs, q_stride_h, cache, table, lens[s], h1 - h0, D, bs, head_stride, v_offset,
-                              block_stride, item_offset, scale, o, scores.data(), acc.data(), running_max.data(),
-                              running_sum.data());
+      attend_item_portable<T>(qs, q_stride_h, cache, table, lens[s], h1 - h0, q0, group, D, bs, head_stride,
+                              v_offset, block_stride, item_offset, scale, o, scores.data(), acc.data(),
+                              running_max.data(), running_sum.data());
     }
   });
 }
@@ -337,9 +362,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, double scale, bool write) {
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.is_contiguous() && kv_cache.dim() == 6,
               "decode_attention: a contiguous CPU cache [NB, L, 2, H, bs, D]");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 &&
-                  k.stride(0) == v.stride(0) && k.stride(1) == v.stride(1),
-              "decode_attention: q, k, v [S, H, D] with D contiguous, k and v of the same strides");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
+              "decode_attention: q, k, v [S, H, D] with D contiguous");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
                   v.scalar_type() == kv_cache.scalar_type(),
               "decode_attention: q, k, v and the cache of one dtype");
@@ -347,16 +372,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor blocks = slot_blocks.contiguous(), offsets = slot_offsets.contiguous();
   for (const at::Tensor* t : {&tables, &lens, &blocks, &offsets})
     TORCH_CHECK(t->scalar_type() == at::kLong, "decode_attention: index tensors are int64");
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(kv_cache.size(3) == H && kv_cache.size(5) == D && lens.numel() == S && tables.size(0) == S,
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && kv_cache.size(5) == D && lens.numel() == S && tables.size(0) == S,
               "decode_attention: shapes disagree");
+  TORCH_CHECK(!write || (k.size(0) == S && k.size(1) == Hkv && v.size(0) == S && v.size(1) == Hkv),
+              "decode_attention: k and v [S, Hkv, D], Hkv the cache's heads");
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
     decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k.data_ptr<scalar_t>(),
-                                      v.data_ptr<scalar_t>(), k.stride(0), k.stride(1),
+                                      k.stride(0), k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1),
                                       kv_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                                      blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), S, H, D,
+                                      blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), S, H, Hkv, D,
                                       tables.size(1), kv_cache.size(4), kv_cache.size(1), layer,
                                       static_cast<scalar_t>(scale), write);
   });

@@ -7,9 +7,9 @@
 namespace fastserve_cpu {
 
 at::Tensor decode_attention(const at::Tensor& q,            // [S, H, D]
-                            const at::Tensor& k,            // [S, H, D]: this step's K, written when `write`
-                            const at::Tensor& v,            // [S, H, D]
-                            at::Tensor kv_cache,            // [NB, L, 2, H, bs, D], contiguous
+                            const at::Tensor& k,            // [S, Hkv, D]: this step's K, written when `write`
+                            const at::Tensor& v,            // [S, Hkv, D]
+                            at::Tensor kv_cache,            // [NB, L, 2, Hkv, bs, D], contiguous; H % Hkv == 0
                             int64_t layer,
                             const at::Tensor& block_tables,  // [S, MB] long
                             const at::Tensor& context_lens,  // [S] long, the new token included

@@ -1,0 +1,116 @@
+"""Random-weight Llama-family GGUF files, written as llama.cpp's convert_hf_to_gguf.py writes them.
+
+What it is: a Hugging Face state dict and config.json dict (modelmaker/llama_checkpoint.py) turned into one
+.gguf file: the architecture's metadata (llama.* or qwen2.*), the tensors under llama.cpp's names
+(engine/gguf_checkpoint.py's tables, inverted), q and k rows permuted for the "llama" architecture as
+llama.cpp does, each tensor stored in the ggml type asked for (quantized with the gguf package's own
+quantizers; 1-D tensors stay F32, as llama.cpp keeps norms and biases), and a byte-level BPE tokenizer's
+vocabulary, merges, special tokens and chat template taken from a Hugging Face tokenizer.json. A type the gguf
+package cannot quantize (Q4_K, ...) is filled with seeded random blocks of that type's size: enough to test
+that a reader refuses it. What it is not: a converter for real checkpoints (llama.cpp's is).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from engine.gguf_checkpoint import ARCHITECTURES, GLOBAL_NAMES, LAYER_NAMES
+
+_TO_GGUF_ARCH = {hf: arch for arch, hf in ARCHITECTURES.items()}
+_TO_GGUF_GLOBAL = {hf: name for name, hf in GLOBAL_NAMES.items()}
+_TO_GGUF_LAYER = {hf: key for key, hf in LAYER_NAMES.items()}
+QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's name of Hugging Face tensor `name` (model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight)."""
+    if name in _TO_GGUF_GLOBAL:
+        return _TO_GGUF_GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)  # model, layers, N, module.kind
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_TO_GGUF_LAYER[module]}.{kind}"
+
+
+def permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permute of q/k rows (convert_hf_to_gguf.py LlamaModel.permute): each head's rotary halves
+    interleaved."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensor_bytes(values: np.ndarray, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return values.astype(np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float16)
+    if qtype in QUANTIZABLE:
+        return gguf.quants.quantize(values, qtype)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = values.shape
+    return np.random.default_rng(seed).integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path, add_bos: bool) -> None:
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"]: t["id"] for t in spec["added_tokens"] if t.get("special")}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    config = json.loads((tokenizer_dir / "special_tokens_map.json").read_text(encoding="utf-8"))
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):
+        if isinstance(config.get(key), str) and config[key] in vocab:
+            add(vocab[config[key]])
+    writer.add_add_bos_token(add_bos)
+
+
+def write_gguf_checkpoint(path: str | Path, cfg: dict, sd: dict[str, torch.Tensor], tokenizer_dir: str | Path,
+                          qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+                          default_qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
+                          chat_template: str | None = None, seed: int = 0) -> Path:
+    """The model of config.json dict `cfg` and state dict `sd` as one GGUF file at `path`. qtypes: the ggml type
+    of each 2-D tensor whose Hugging Face name ends with a key (e.g. "mlp.down_proj.weight"), default_qtype for
+    the others; the tokenizer is tokenizer_dir's tokenizer.json (a byte-level BPE)."""
+    path = Path(path)
+    arch = _TO_GGUF_ARCH[cfg["architectures"][0]]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    kv_heads, head_dim = cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or hidden // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(path.stem)
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    _add_tokenizer(writer, Path(tokenizer_dir), add_bos=True)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    for name, tensor in sd.items():
+        values = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = permute(values, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = permute(values, kv_heads)
+        qtype = gguf.GGMLQuantizationType.F32
+        if values.ndim == 2:
+            qtype = next((q for suffix, q in (qtypes or {}).items() if name.endswith(suffix)), default_qtype)
+        data = _tensor_bytes(values, qtype, seed)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
