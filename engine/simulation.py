@@ -184,7 +184,7 @@ def run_trace(
         if max_steps is not None and steps > max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
         if engine.num_steps == before:  # nothing ran: jump to the next event
-            _advance_to_next_event(engine, clock, trace[order[nxt]][0] if nxt < len(order) else None)
+            advance_to_next_event(engine, clock, trace[order[nxt]][0] if nxt < len(order) else None)
     outputs = [done[str(i)] for i in order]
     end = max((o.metrics.finished_time for o in outputs), default=start)
     return SimulationResult(outputs, end - start, engine.executor.busy_s, engine)
@@ -199,7 +199,9 @@ def add_trace_request(engine: Engine, index: int, arrival: float, prompt_len: in
     engine.add_request(str(index), prompt, params, arrival_time=arrival)
 
 
-def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
+def advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
+    """Nothing ran: move the clock to the next copy's completion or `next_arrival`, whichever comes first (the
+    time passed is a copy stall when requests wait: SimulatedExecutor.note_idle)."""
     now = clock.now()
     executor: SimulatedExecutor = engine.executor
     copy_done = executor.next_copy_completion()
@@ -322,7 +324,7 @@ def run_conversations(
         if max_steps is not None and steps > max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
         if engine.num_steps == before and (pending or engine.has_unfinished()):
-            _advance_to_next_event(engine, clock, pending[0][0] if pending else None)
+            advance_to_next_event(engine, clock, pending[0][0] if pending else None)
     turns.sort(key=lambda t: order[t.output.request_id])
     end = max((t.output.metrics.finished_time for t in turns), default=start)
     return ConversationResult(turns, end - start, engine.executor.busy_s, ended, engine)
