@@ -236,3 +236,14 @@ def test_a_lost_request_fails_the_burst(lengths, monkeypatch):
     monkeypatch.setattr(measures, "drive_burst", lambda *a: {**inner(*a), "finished": [errored]})
     with pytest.raises(RuntimeError, match="lost"):
         run_burst(setup_of(lengths), "fcfs", 4.0, 0, BurstShape(seconds=20.0))
+
+
+def test_the_section_takes_its_oracles_from_one_constant_and_marks_no_difference():
+    from scripts.experiments.past_capacity import ORACLE_NAMES, ORACLES, POLICIES, ratio_cell
+    from scripts.experiments.steady_state import stat
+
+    assert "srpt" in ORACLES and set(ORACLES) <= set(ORACLE_NAMES) and POLICIES == ("fcfs", "skip-join-mlfq",
+                                                                                     *ORACLES)
+    assert ratio_cell(None) == "-"
+    assert ratio_cell(stat([0.9, 1.2])).endswith("(no difference)")  # interval 1.05 +- 1.9: holds 1.0
+    assert "no difference" not in ratio_cell(stat([1.5, 1.6, 1.55])) + ratio_cell(stat([1.1]))  # 1.55 +- 0.12; one seed
