@@ -46,13 +46,21 @@ class SimulationResult:
     busy_s: float  # virtual seconds the executor computed
     engine: Engine
 
+    @property
+    def upload_wait_s(self) -> float:
+        """Virtual seconds the steps waited for KV uploads: no step ran while requests were pending and an
+        upload was in flight (SimulatedExecutor.note_idle)."""
+        return self.engine.executor.upload_wait_s
+
     def per_token_latencies(self) -> list[float]:
         return [o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) for o in self.outputs]
 
     def summary(self) -> dict:
         """The paper's metrics (mean and P95 per-token latency), TTFT (mean, P99), ITL (mean, median, P99 over
         every gap between a request's tokens), e2e, the queued / executing /
-        swap-wait breakdown (means per request), preemptions, queueing share and executor utilization."""
+        swap-wait breakdown (means per request), preemptions, queueing share, executor utilization, and the upload
+        stall: the seconds steps waited for KV uploads, and their share of the executor's time (computing or so
+        waiting)."""
         outs = self.outputs
         per_token = self.per_token_latencies()
         mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
@@ -75,7 +83,14 @@ class SimulationResult:
             "preemptions": sum(o.metrics.preemptions for o in outs),
             "queueing_share": sum(o.metrics.queued_s for o in outs) / e2e if e2e else 0.0,
             "utilization": self.busy_s / self.duration_s if self.duration_s else 0.0,
+            "upload_stall_s": self.upload_wait_s,
+            "upload_stall_share": stall_share(self.upload_wait_s, self.busy_s),
         }
+
+
+def stall_share(wait_s: float, busy_s: float) -> float:
+    """Seconds steps waited on copies as a share of the executor's time: computing, or so waiting."""
+    return wait_s / (busy_s + wait_s) if busy_s + wait_s > 0 else 0.0
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -152,7 +167,6 @@ def run_trace(
     """Feed (arrival_s, prompt_len, output_len) requests at their virtual arrival times; run to the end."""
     clock: VirtualClock = engine.clock
     order = sorted(range(len(trace)), key=lambda i: trace[i][0])
-    vocab = engine.model_config.vocab_size
     done: dict[str, RequestOutput] = {}
     nxt, steps = 0, 0
     start = trace[order[0]][0] if order else 0.0
@@ -160,11 +174,7 @@ def run_trace(
         clock.advance(start - clock.now())
     while nxt < len(order) or engine.has_unfinished():
         while nxt < len(order) and trace[order[nxt]][0] <= clock.now():
-            i = order[nxt]
-            arrival, prompt_len, output_len = trace[i]
-            prompt = [2] + [4 + (i + k) % (vocab - 4) for k in range(max(0, prompt_len - 1))]
-            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-            engine.add_request(str(i), prompt, params, arrival_time=arrival)
+            add_trace_request(engine, order[nxt], *trace[order[nxt]])
             nxt += 1
         before = engine.num_steps
         for out in engine.step() if engine.has_unfinished() else []:
@@ -174,20 +184,33 @@ def run_trace(
         if max_steps is not None and steps > max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
         if engine.num_steps == before:  # nothing ran: jump to the next event
-            _advance_to_next_event(engine, clock, trace[order[nxt]][0] if nxt < len(order) else None)
+            advance_to_next_event(engine, clock, trace[order[nxt]][0] if nxt < len(order) else None)
     outputs = [done[str(i)] for i in order]
     end = max((o.metrics.finished_time for o in outputs), default=start)
     return SimulationResult(outputs, end - start, engine.executor.busy_s, engine)
 
 
-def _advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
+def add_trace_request(engine: Engine, index: int, arrival: float, prompt_len: int, output_len: int) -> None:
+    """Request `index` of a trace (its id str(index)): a prompt of prompt_len distinct-ish token ids that asks
+    for exactly output_len tokens (greedy, ignore_eos)."""
+    vocab = engine.model_config.vocab_size
+    prompt = [2] + [4 + (index + k) % (vocab - 4) for k in range(max(0, prompt_len - 1))]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    engine.add_request(str(index), prompt, params, arrival_time=arrival)
+
+
+def advance_to_next_event(engine: Engine, clock: VirtualClock, next_arrival: float | None) -> None:
+    """Nothing ran: move the clock to the next copy's completion or `next_arrival`, whichever comes first (the
+    time passed is a copy stall when requests wait: SimulatedExecutor.note_idle)."""
     now = clock.now()
     executor: SimulatedExecutor = engine.executor
     copy_done = executor.next_copy_completion()
     events = [t for t in (copy_done, next_arrival) if t is not None]
     if not events:
         raise RuntimeError("simulation stalled: jobs wait, but no arrival or copy is pending")
-    clock.advance(max(min(events) - now, 0.0) or 1e-9)
+    seconds = max(min(events) - now, 0.0) or 1e-9
+    executor.note_idle(seconds, engine.has_unfinished())
+    clock.advance(seconds)
 
 
 # -- multi-turn chat --------------------------------------------------------------------------------------------
@@ -301,7 +324,7 @@ def run_conversations(
         if max_steps is not None and steps > max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
         if engine.num_steps == before and (pending or engine.has_unfinished()):
-            _advance_to_next_event(engine, clock, pending[0][0] if pending else None)
+            advance_to_next_event(engine, clock, pending[0][0] if pending else None)
     turns.sort(key=lambda t: order[t.output.request_id])
     end = max((t.output.metrics.finished_time for t in turns), default=start)
     return ConversationResult(turns, end - start, engine.executor.busy_s, ended, engine)

@@ -78,6 +78,10 @@ class SimulatedSwapper:
         self.bytes_copied += nbytes
         return _VirtualCopy(self.clock, end)
 
+    def in_flight(self, direction: Direction) -> bool:
+        """Whether a copy in this direction has not completed yet (one engine per direction: copies queue)."""
+        return self.clock.now() < self._busy_until[direction]
+
     def host_blocks_ready(self) -> int:
         return NO_LIMIT  # a virtual host tier is all there at once
 
@@ -119,6 +123,10 @@ class SimulatedExecutor(Executor):
         self.transfer = transfer or TransferModel()
         self.swapper: SimulatedSwapper | None = None
         self.busy_s = 0.0  # seconds the first stage computed (= the whole pipe's work / pp)
+        # Copy stalls (note_idle): virtual seconds no step ran while requests waited and a KV copy was in flight
+        # (the steps waited for it), and of those, the seconds an upload was among the copies in flight.
+        self.copy_wait_s = 0.0
+        self.upload_wait_s = 0.0
         self.pp = pipeline_parallel_size
         self.max_in_flight = max_in_flight or pipeline_parallel_size
         self._stage_free = [0.0] * pipeline_parallel_size  # virtual time each stage finishes its queued work
@@ -141,6 +149,16 @@ class SimulatedExecutor(Executor):
         # Every sequence samples the same token: one result shared by all (the engine only reads results).
         result = BatchResult([SequenceResult(SIMULATED_TOKEN)] * len(batch.seqs), seconds * self.pp)
         return _VirtualStep(self.clock, t, result)
+
+    def note_idle(self, seconds: float, work_pending: bool) -> None:
+        """The simulator let `seconds` pass with no step running: with requests pending and a copy in flight,
+        that is a copy stall (a job the policy wants is on the host or moving, or its room is still being freed),
+        and an upload stall when an upload is among the copies."""
+        if not work_pending or self.swapper is None or self.swapper.next_completion() is None:
+            return
+        self.copy_wait_s += seconds
+        if self.swapper.in_flight(Direction.UPLOAD):
+            self.upload_wait_s += seconds
 
     def next_copy_completion(self) -> float | None:
         """The virtual time at which the next pending copy completes, or None."""

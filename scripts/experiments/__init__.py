@@ -28,6 +28,7 @@ SECTIONS: dict[str, str] = {
     "fig15": "fig15",
     "slo": "slo",
     "overload": "overload",
+    "past_capacity": "past_capacity",
     "enst_ablation": "sched",
     "alpha": "sched",
     "robustness": "sched",

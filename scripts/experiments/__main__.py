@@ -11,7 +11,8 @@ seeds, 95% intervals; steady_state.py), Fig. 1 (queueing share of latency under 
 latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
 ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy
 (table), sim vs live (scripts/benchmarks/sim_vs_live.py), and what the paper did not test (past capacity, the ENST
-ablation, alpha, profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), and chunked
+ablation, alpha, profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), past capacity
+by time (throughput at the SLO, goodput, tokens per second, a burst, the upload stall: past_capacity.py), and chunked
 prefill with long prompts among short ones (budget vs ITL and served rate, against their goals).
 Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
@@ -128,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
     ap.add_argument("--curve-seeds", type=int, default=3, help="seeds of Fig. 12 and 13 (steady state)")
     ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
+    ap.add_argument("--past-prompts", type=int, default=10000, help="requests per point of the past_capacity "
+                    "section's searches and tokens per second (its steady state)")
+    ap.add_argument("--past-seeds", type=int, default=5, help="seeds of the past_capacity section")
+    ap.add_argument("--past-resolution", type=float, default=0.05, help="the past_capacity section's searches stop "
+                    "when their failing load is within this fraction of their passing one")
+    ap.add_argument("--burst-seconds", type=float, default=600.0, help="the past_capacity section's burst at 1.5C "
+                    "(virtual seconds)")
     ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
                     "(--max-num-batched-tokens)")
     ap.add_argument("--update", action="store_true", help="with --only: replace those sections in --out")

@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import math
 import os
 import random
 import statistics
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.simulation import quantile  # the project's one quantile rule
+from engine.simulation import quantile, stall_share  # the project's one quantile rule; copy stalls
 from fastserve.bench.arrivals import speedup_for_rate
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload
 from scripts.experiments.common import SCALES, KVUsageTracker, phase_latencies  # SCALES: name -> (shape, profile)
@@ -50,6 +51,11 @@ ARRIVAL_TRACES = {"azure-conv": REPO.parent / "shared" / "datasets" / "azure_llm
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 MIN_REQUESTS = 3000
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
+# The SLO of the measures past capacity (scripts/experiments/measures.py): per-token latency <= SLO_DECODES x a decode
+# iteration (the profile's t_dec at batch 1 and a short context: slo_seconds), and for goodput also a TTFT <=
+# GOODPUT_TTFT_S; windowed_metrics' "slo_attainment" is the share of counted requests that meet both.
+SLO_DECODES = 10
+GOODPUT_TTFT_S = 2.0
 # Output-length buckets of the per-token latency split ([lo, hi) tokens): windowed_metrics' "mean_per_token_s_out<lo>"
 # and "n_out<lo>".
 OUTPUT_BUCKETS = ((1, 8), (8, 32), (32, 128), (128, 512), (512, 1 << 30))
@@ -168,12 +174,23 @@ def window(arrivals: Sequence[float]) -> tuple[float, float]:
     return first + WINDOW[0] * (last - first), first + WINDOW[1] * (last - first)
 
 
-def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] = frozenset()) -> dict:
+def slo_seconds(setup: Setup) -> float:
+    """The per-token SLO of a setup: SLO_DECODES x its profile's decode iteration at batch 1 and a short context (the
+    skip-join ladder's q1; 0.244 s on the OPT-13B A100-40GB profile)."""
+    from scheduler.cost_model import ProfiledCostModel
+    from scheduler.skip_join_mlfq import SHORT_CONTEXT
+
+    return SLO_DECODES * ProfiledCostModel.from_json(REPO / SCALES[setup.scale][1]).t_dec(1, SHORT_CONTEXT)
+
+
+def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] = frozenset(),
+                     slo: tuple[float, float] | None = None) -> dict:
     """The steady-state metrics of a finished run: requests arriving in the middle 80% of the span count. ITL:
     every gap between a counted request's successive tokens. The short requests' metrics leave out the requests
     in `long` (by request id, the trace index); with none long they are every counted request's. Queueing
     share (Fig. 1): the counted requests' time queued (waiting while not running, preempted time included) over
-    their end-to-end time, as SimulationResult.summary computes it over every request."""
+    their end-to-end time, as SimulationResult.summary computes it over every request. slo = (per-token s, TTFT s):
+    "slo_attainment" is the share of counted requests that meet both (goodput's test)."""
     lo, hi = window(arrivals)
     counted = [o for o in outputs if lo <= o.metrics.arrival_time <= hi]
     counted_e2e = sum(o.metrics.e2e_s for o in counted)
@@ -224,6 +241,9 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
                                       if lo <= o.metrics.finished_time <= hi) / (hi - lo) if hi > lo else 0.0,
         "window_tokens_per_s": made / (hi - lo) if hi > lo else 0.0,
         **by_length,
+        **({} if slo is None else {"slo_attainment": sum(
+            o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)) <= slo[0] and o.metrics.ttft_s <= slo[1]
+            for o in counted) / len(counted)}),
     }
 
 
@@ -265,8 +285,9 @@ def kv_usage(times: Sequence[float], device: Sequence[int], host: Sequence[int],
 
 
 def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
-    """One simulation; its windowed metrics plus KV counters and the wall time (with setup.track_kv, kv_usage's
-    fields too)."""
+    """One simulation; its windowed metrics (with the SLO's attainment at slo_seconds and GOODPUT_TTFT_S) plus KV
+    counters, the upload stall (engine/simulation.py's) and the wall time (with setup.track_kv, kv_usage's fields
+    too)."""
     from engine.simulation import run_trace, simulated_engine
     from fastserve.make_model import config_only_model
 
@@ -284,12 +305,16 @@ def run_point(setup: Setup, policy: str, rate: float, seed: int) -> dict:
     result = run_trace(engine, trace)
     wall = time.perf_counter() - t
     kv = engine.kv.stats
-    out = windowed_metrics(result.outputs, [a for a, _, _ in trace], stats["long"])
+    slo = slo_seconds(setup)
+    out = windowed_metrics(result.outputs, [a for a, _, _ in trace], stats["long"], (slo, GOODPUT_TTFT_S))
     out |= {"policy": policy, "rate": rate, "seed": seed, "wall_s": wall, "requests": len(trace),
             "dropped_by_filter": stats["dropped"], "dataset_items": stats["read"], "long_prompts": len(stats["long"]),
             "offloads": kv.num_offloads, "uploads": kv.num_uploads,
             "swap_misses": kv.num_swap_misses, "drops": kv.num_drops, "thrash": kv.num_thrash,
-            "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0}
+            "utilization": result.busy_s / result.duration_s if result.duration_s else 0.0, "slo_s": slo,
+            "busy_s": result.busy_s, "copy_stall_s": engine.executor.copy_wait_s,
+            "upload_stall_s": result.upload_wait_s, "upload_stall_share": stall_share(result.upload_wait_s,
+                                                                                      result.busy_s)}
     if tracker is not None:
         out |= kv_usage(tracker.times, tracker.device, tracker.host, *window([a for a, _, _ in trace]))
     return out
@@ -346,7 +371,10 @@ def setup_key(setup: Setup) -> dict:
 
 # -- the cache and the pool ----------------------------------------------------------------------------------------
 class Runner:
-    """Runs points in a process pool, cached on disk by (setup, policy, rate, seed, code version)."""
+    """Runs points in a process pool, cached on disk by (setup, policy, rate, seed, code version). A point is
+    run_point's arguments; many(points, fn) runs another kind of run instead: fn(setup, policy, rate, seed, *extra)
+    -> a JSON-able dict with "wall_s", a module-level function (the workers import it), cached by its name, its
+    extra arguments and its module's code too."""
 
     def __init__(self, jobs: int | None = None, cache: Path | None = None, version: str = "") -> None:
         self.jobs = jobs or os.cpu_count() or 1
@@ -358,16 +386,18 @@ class Runner:
         self.runs = 0
         self.wall = 0.0
 
-    def _key(self, setup: Setup, policy: str, rate: float, seed: int) -> Path:
-        text = json.dumps([setup_key(setup), policy, round(rate, 9), seed, self.version], sort_keys=True,
-                          default=str)
+    def _key(self, setup: Setup, policy: str, rate: float, seed: int, *extra, fn: Callable = run_point) -> Path:
+        key = [setup_key(setup), policy, round(rate, 9), seed, self.version]
+        if fn is not run_point:
+            key += [fn.__name__, list(extra), file_hash(Path(inspect.getfile(fn)))]
+        text = json.dumps(key, sort_keys=True, default=str)
         return self.cache / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
 
-    def many(self, points: Sequence[tuple[Setup, str, float, int]]) -> list[dict]:
+    def many(self, points: Sequence[tuple], fn: Callable = run_point) -> list[dict]:
         results: list[dict | None] = []
         todo = []
         for i, p in enumerate(points):
-            path = self._key(*p)
+            path = self._key(*p, fn=fn)
             if path.is_file():
                 results.append(json.loads(path.read_text()))
             else:
@@ -379,14 +409,18 @@ class Runner:
             for shape in {SCALES[points[i][0].scale][0] for i in todo}:  # written once, before the workers read it
                 config_only_model(shape)
             with ProcessPoolExecutor(min(self.jobs, len(todo))) as pool:
-                futures = {i: pool.submit(run_point, *points[i]) for i in todo}
+                futures = {i: pool.submit(fn, *points[i]) for i in todo}
                 for i, fut in futures.items():
                     res = fut.result()
-                    self._key(*points[i]).write_text(json.dumps(res))
+                    self._key(*points[i], fn=fn).write_text(json.dumps(res))
                     results[i] = res
                     self.runs += 1
                     self.wall += res["wall_s"]
         return results  # type: ignore[return-value]
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def code_version() -> str:
