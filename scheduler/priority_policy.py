@@ -28,8 +28,7 @@ output token:
   allows), asked for its whole context even when only a chunk of it runs now
   (chunked prefill): the chunks that follow hold the rest within a few
   iterations, and a prompt admitted by its first chunk's room overfilled
-  both tiers past capacity (drops: docs/benchmarks.md, "Chunked prefill,
-  session 14");
+  both tiers past capacity (drops: docs/benchmarks.md, "Chunked prefill");
 - fresh jobs (never run yet) are looked at only while it can matter: once
   admission refuses one, no other fresh job starts this tick; once nothing is
   left to evict, none starts either if the smallest fresh prompt does not
@@ -323,9 +322,11 @@ class PriorityPolicy(SchedulingPolicy):
                             or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
                         gate.fresh = False
                     continue
-            if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
-                if refused_from != NEVER:
-                    refused_from = gate.no_kv_from = NEVER
+            grant = allocate(job, n)
+            if grant is None:  # (no room after all: nothing changed)
+                continue
+            if not grant.in_place and refused_from != NEVER:  # (in place: no refusal can have loosened)
+                refused_from = gate.no_kv_from = NEVER
             if not done and dropped:
                 self._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
             ask = True

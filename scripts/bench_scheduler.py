@@ -40,6 +40,7 @@ import bench_engine  # noqa: E402  (scripts/ is this script's folder)
 
 from engine import LLM  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from memory.residency import GREW_BY_NOTHING, Allocation  # noqa: E402
 from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy  # noqa: E402
 from scheduler.policy import MLFQ_LADDERS, CostModel  # noqa: E402
 
@@ -52,8 +53,8 @@ class AlwaysFits:
     def can_fit(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
-    def allocate(self, job: Job, num_new_tokens: int) -> None:
-        pass
+    def allocate(self, job: Job, num_new_tokens: int) -> Allocation:
+        return GREW_BY_NOTHING  # (in place: the policy keeps its admission refusals)
 
     victims_by_priority = False
 

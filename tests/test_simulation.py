@@ -194,9 +194,9 @@ def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
 def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decision(sim_dirs, monkeypatch, policy):
     """The walk keeps admission's refusal of a job with no KV past an allocate that says the KV it counts only
-    grew (KVManager.allocate True: a device-resident job's next blocks) instead of asking every such job again:
-    the same run with allocate saying nothing (None: ask again) gives the same schedule, and a refusal was kept
-    that way (an allocate returned True after a refusal in the same tick)."""
+    grew (KVManager.allocate's Allocation in_place: a device-resident job's next blocks) instead of asking every
+    such job again: the same run with allocate never saying so (ask again) gives the same schedule, and a refusal
+    was kept that way (an allocate in place after a refusal in the same tick)."""
     from memory.kv_manager import KVManager
 
     allocate, may_start, plan = KVManager.allocate, KVManager.may_start, KVManager.plan
@@ -208,9 +208,13 @@ def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decisio
         return ok
 
     def recorded(self, job, n):
-        grew = allocate(self, job, n)
-        kept.append(grew and refused[0])
-        return grew
+        got = allocate(self, job, n)
+        kept.append(got is not None and got.in_place and refused[0])
+        return got
+
+    def never_in_place(self, job, n):
+        got = allocate(self, job, n)
+        return got and got._replace(in_place=False)
 
     def tick_over(self, *args):
         refused[0] = False
@@ -221,7 +225,7 @@ def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decisio
     monkeypatch.setattr(KVManager, "plan", tick_over)
     fast = overloaded_run(sim_dirs, policy)
     assert any(kept), "no refusal was kept past an allocate: the test shows nothing"
-    monkeypatch.setattr(KVManager, "allocate", lambda self, job, n: allocate(self, job, n) and None)
+    monkeypatch.setattr(KVManager, "allocate", never_in_place)
     assert overloaded_run(sim_dirs, policy) == fast
 
 
@@ -373,7 +377,7 @@ def test_every_request_finishes_under_every_kv_policy_with_slow_copies(sim_dirs,
     assert eng.kv.device.num_free == eng.kv.device.num_blocks and eng.kv.host.num_used == 0
 
 
-# Found by the property test above (session 16): 30 requests, 28 device blocks, 0.5 GB/s copies.
+# Found by the property test above: 30 requests, 28 device blocks, 0.5 GB/s copies.
 LIVELOCK_TRACE = [(0.0, 397, 43), (0.0, 305, 23), (0.0, 200, 72), (0.0, 174, 16), (0.2, 8, 6), (1.2, 194, 62),
                   (1.4, 44, 53), (2.4, 128, 66), (3.4, 26, 23), (3.4, 274, 7), (3.4, 1, 77), (3.6, 10, 71),
                   (3.6, 325, 28), (3.65, 46, 8), (3.85, 64, 55), (4.85, 146, 24), (4.85, 273, 58), (5.05, 100, 53),
@@ -393,7 +397,7 @@ def test_reactive_blocking_with_prefix_caching_finishes(sim_dirs, tmp_path_facto
 
 
 def test_reactive_with_prefix_caching_runs_every_upload_on_demand(sim_dirs, tmp_path_factory):
-    """Found by the property test above at 600 examples (session 18; it fails before as well): 20 requests, 27
+    """Found by the property test above at 600 examples (it fails before as well): 20 requests, 27
     device blocks, MLFQ, 0.5 GB/s copies. Each tick the policy picked a job on the host (a swap miss, or a new
     job whose prefix is on the host) and evicted for it the job whose upload had just landed, which the tick's
     order (changed by starvation promotion while every job waited) no longer picked: no step ran. A job uploaded
@@ -408,7 +412,7 @@ def test_reactive_with_prefix_caching_runs_every_upload_on_demand(sim_dirs, tmp_
 
 
 def test_a_cache_copy_that_lands_after_the_last_poll_is_reaped(sim_dirs, tmp_path_factory):
-    """Found by the property test above in session 16's review (12 requests, 66 device blocks, 2 GB/s copies): a
+    """Found by the property test above in a review (12 requests, 66 device blocks, 2 GB/s copies): a
     cache copy of a finished request's blocks lands after the engine's last poll. It was thought a copy the
     simulated executor did not know; it was settle_kv_copies asking for the next completion before reaping the
     copies already done (it now polls first)."""
