@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections import deque
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens."""
+    return -(-num_tokens // block_size)
+
+
 class OutOfBlocks(RuntimeError):
     pass
 

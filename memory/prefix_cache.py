@@ -1,4 +1,4 @@
-"""Automatic prefix caching (issue 28): full KV blocks named by a hash chain, shared by reference count.
+"""Automatic prefix caching: full KV blocks named by a hash chain, shared by reference count.
 
 What it is: a tier's block bookkeeping when prefix caching is on (the device's; and the host's with the host
 tier caching too, memory/kv_manager.py's enable_prefix_caching). A block that a job filled
@@ -19,9 +19,10 @@ A chain's blocks are released last-block-first (a job's blocks in reverse), so e
 cached prefixes before their heads: a head without its tail still serves the next hit, a tail without its
 head never does.
 
-What it is not: storage (the engine owns the tensors), the copies between tiers (memory/kv_manager.py), or the
-choice of which job runs. The token ids come
-from the engine (memory/kv_manager.py asks for them through the provider it is given).
+And the names of one job's blocks (register_full, attach_prefix: what the KV manager asks of the cache for a job,
+kept in the job's JobKV). What it is not: storage (the engine owns the tensors), the copies between tiers
+(memory/copy_ledger.py, memory/host_prefix_tier.py), or the choice of which job runs. The token ids come from
+the engine (the KV manager passes on the PrefixSource it is given).
 
 Hashes are SHA-256 digests (vLLM's default since v0.10): Python's hash() of ints is predictable, so a
 tenant could craft a collision and read another's KV. A lookup never reuses a prompt's last token: a
@@ -37,8 +38,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import compress, filterfalse, islice, repeat
 from operator import not_
+from typing import Protocol
 
 from memory.block_allocator import BlockAllocator, OutOfBlocks
+from memory.residency import JobKV
 
 BlockHash = bytes
 
@@ -414,3 +417,109 @@ class CachingBlockAllocator(BlockAllocator):
         assert not (free & self._hash_of.keys()), f"{self.tier}: a free block keeps a name"
         assert len(self._block_of) == len(self._hash_of) and all(
             self._block_of[h] == b for b, h in self._hash_of.items()), f"{self.tier}: name maps disagree"
+
+
+def account(alloc: BlockAllocator, live: set[str], copy_owner: str) -> dict[str, int]:
+    """The accounting check of one tier (no leaks): every block is free, cached (named, held by no one), held by
+    jobs (live ones), or held by copy_owner alone (the cache's own copies in flight), and the counts add up to the
+    tier. Returns those counts; raises AssertionError on any mismatch."""
+    jobs = copies = 0
+    for b, owners in alloc.holders().items():
+        stray = set(owners) - live - {copy_owner}
+        assert not stray, f"{alloc.tier} block {b} is held by {sorted(stray)!r}, which are not live jobs"
+        if owners - {copy_owner}:
+            jobs += 1
+        else:
+            copies += 1
+    caching = isinstance(alloc, CachingBlockAllocator)
+    cached = alloc.num_evictable if caching else 0
+    free = alloc.num_free - cached
+    assert free + cached + jobs + copies == alloc.num_blocks, f"{alloc.tier}: blocks unaccounted for"
+    return {"free": free, "cached": cached, "jobs": jobs, "copies": copies, "refs": alloc.num_refs if caching else jobs}
+
+
+# -- a job's blocks' names (what the KV manager asks of the cache for one job) ---------------------------------
+class PrefixSource(Protocol):
+    """What prefix caching asks the engine of a job (engine/prefix_source.py implements it)."""
+
+    def token_ids(self, job, start: int, end: int) -> Sequence[int]:
+        """The job's tokens at positions [start, end) (prompt, then output)."""
+        ...
+
+    def cache_salt(self, job) -> str | None:
+        """The salt that starts its blocks' hash chain (None: no salt, shared with every unsalted job)."""
+        ...
+
+    def may_reuse(self, job) -> bool:
+        """Whether it may skip computing a cached prefix (False: e.g. it wants prompt logprobs)."""
+        ...
+
+
+def next_name_at(kv: JobKV, block_size: int) -> float:
+    """Where allocate's fast path next names the job's blocks (JobKV.name_at): when the block after those named
+    fills, while that block lies within the prompt. Blocks of generated tokens are named only when the job
+    leaves the device (evict, free): no other request can hit them before, since a request shares blocks only at
+    its first allocation, and its prompt cannot hold an answer still being generated. Naming them as they fill
+    would hash a block every few decode steps of every job for nothing (a per-tick cost)."""
+    end = (kv.num_registered + 1) * block_size
+    return end if end <= kv.job.prompt_len else float("inf")
+
+
+def extend_names(kv: JobKV, job, source: PrefixSource, num_blocks: int, block_size: int) -> None:
+    """Name the job's first num_blocks blocks (kv.hashes: those not named yet; a job's tokens never change)."""
+    hashes = kv.hashes
+    start = len(hashes)
+    if num_blocks <= start:
+        return
+    tokens = source.token_ids(job, start * block_size, num_blocks * block_size)
+    extend_chain(hashes, tokens, block_size, source.cache_salt(job) if not hashes else None)
+
+
+def register_full(kv: JobKV, device: CachingBlockAllocator, source: PrefixSource, block_size: int) -> None:
+    """Name the job's device blocks that are full of computed KV and not named yet (a block whose name is taken
+    stays its private copy)."""
+    table, bs = kv.device, block_size
+    if kv.registered_table is not table:  # a new table (dropped, offloaded, uploaded): start over
+        kv.registered_table, kv.num_registered = table, 0
+    start, full = kv.num_registered, min(kv.job.num_computed // bs, len(table))
+    if full > start:
+        hashes = kv.hashes
+        if len(hashes) < full:
+            extend_names(kv, kv.job, source, full, bs)
+        if full == start + 1:  # (one block filled since: a decoding job's, the usual case)
+            device.register(table[start], hashes[start])
+        else:
+            device.register_many(table[start:full], hashes[start:full])
+        kv.num_registered = full
+    kv.name_at = next_name_at(kv, bs)
+
+
+def attach_prefix(kv: JobKV, job, device: CachingBlockAllocator, source: PrefixSource, n: int,
+                  block_size: int) -> int:
+    """A job with no KV: take references on its longest cached prefix (whole blocks, never its last token) that
+    leaves room for the rest of this step's work, n tokens (the hit's unreferenced blocks leave the free count);
+    job.num_computed becomes the cached length. Returns where this step's work ends."""
+    bs, ctx, dev = block_size, job.context_len, device
+    kv.name_at = 0  # (its table is new: the next allocate names what has filled, unless a hit sets it below)
+    if not source.may_reuse(job):
+        if kv.cached_tokens is None:
+            kv.cached_tokens = 0
+        return job.num_computed + n
+    max_blocks = (ctx - 1) // bs
+    extend_names(kv, job, source, max_blocks, bs)
+    hit = dev.lookup(kv.hashes, max_blocks)
+    unheld = sum(1 for b in hit if not dev.ref_count(b))
+    while hit and -(-min(ctx, len(hit) * bs + n) // bs) - len(hit) + unheld > dev.num_free:
+        unheld -= not dev.ref_count(hit.pop())
+    h = len(hit) * bs
+    dev.count_query(ctx, h)
+    if kv.cached_tokens is None:
+        kv.cached_tokens = h
+    if not hit:
+        return job.num_computed + n
+    dev.share(job.job_id, hit)
+    kv.device.extend(hit)
+    kv.registered_table, kv.num_registered = kv.device, len(hit)
+    kv.name_at = next_name_at(kv, bs)
+    job.num_computed = h
+    return min(ctx, h + n)

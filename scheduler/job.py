@@ -39,7 +39,7 @@ class Job:
 
     kv_ready: bool = True  # all KV on the device and no copy pending (memory/ sets it, through `ready`)
     # Its KV was brought back because the policy picked it (a reactive upload on demand) and it has not run since:
-    # memory/ sets it; only another such job may evict it (_Victims), so every upload on demand ends in a step.
+    # memory/ sets it; only another such job may evict it (Victims), so every upload on demand ends in a step.
     kv_pinned: bool = False
     in_flight: bool = False  # in a step that has not completed (the engine sets it; pipeline parallelism)
     # Async scheduling (the engine's async_scheduling): steps launched and not completed that write this job's KV.

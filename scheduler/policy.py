@@ -55,6 +55,26 @@ class CostModel(Protocol):
         ...
 
 
+class Allocation(Protocol):
+    """What KVAdmission.allocate did (memory/residency.py's Allocation)."""
+
+    @property
+    def new_blocks(self) -> Sequence[int]:
+        """Device blocks the call put in the job's table."""
+        ...
+
+    @property
+    def in_place(self) -> bool:
+        """The job's KV was on the device with no copy in flight and only grew: the KV that may_start counts did
+        not shrink, so a may_start refusal stays valid past this call (otherwise ask again)."""
+        ...
+
+    @property
+    def upload(self) -> bool:
+        """Its KV was on the host: its upload started, and the job runs once it lands (job.ready)."""
+        ...
+
+
 class KVAdmission(Protocol):
     """The verbs a policy may use on memory/ (implemented by memory.KVManager)."""
 
@@ -68,11 +88,10 @@ class KVAdmission(Protocol):
         (counting the allocations already made this tick)."""
         ...
 
-    def allocate(self, job: Job, num_new_tokens: int) -> bool | None:
-        """Reserve device room for the job's next num_new_tokens (after can_fit). If its KV was on the
-        host this starts the upload and leaves job.ready False: the job does not run this tick. True when
-        may_start's answers cannot have loosened through it (the KV it counts did not shrink: a job's KV on the
-        device only grew), so a refusal stays valid past it; False or None: they may have (ask again)."""
+    def allocate(self, job: Job, num_new_tokens: int) -> Allocation | None:
+        """Reserve device room for the job's next num_new_tokens (after can_fit); None, with nothing changed, when
+        there is no room (can_fit would say no: the caller makes room first, or passes the job over). If its KV
+        was on the host this starts the upload and leaves job.ready False: the job does not run this tick."""
         ...
 
     def wait_for_room(self, job: Job, num_new_tokens: int) -> bool:
@@ -93,7 +112,7 @@ class KVAdmission(Protocol):
         it with num_new_tokens = the job's whole context, even when only a chunk of it runs this iteration
         (chunked prefill: the rest follows within a few iterations). For such a job the answer depends only on
         num_computed + num_new_tokens and does not rise with it, and it changes only through allocate and evict:
-        the walk reuses a refusal until an evict, or an allocate that does not return True. A job with nothing
+        the walk reuses a refusal until an evict, or an allocate that was not in place. A job with nothing
         computed that is not in flight holds no KV."""
         ...
 

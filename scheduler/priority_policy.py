@@ -28,8 +28,7 @@ output token:
   allows), asked for its whole context even when only a chunk of it runs now
   (chunked prefill): the chunks that follow hold the rest within a few
   iterations, and a prompt admitted by its first chunk's room overfilled
-  both tiers past capacity (drops: docs/benchmarks.md, "Chunked prefill,
-  session 14");
+  both tiers past capacity (drops: docs/benchmarks.md, "Chunked prefill");
 - fresh jobs (never run yet) are looked at only while it can matter: once
   admission refuses one, no other fresh job starts this tick; once nothing is
   left to evict, none starts either if the smallest fresh prompt does not
@@ -57,6 +56,10 @@ output token:
 Request classes (Job.priority, lower first) come before everything else in
 each subclass's order.
 
+The walk of one tick is _Walk below: each job's checks, its room, and taking
+it, as named steps over the state the walk has learned so far; its eviction
+candidates are scheduler/victims.py's.
+
 What it is not: a ranking of its own. Subclasses give the walk (`_walk`: every
 job in order, fresh ones only while the gate is open), `_rank` (a job's sort
 key in that order), `_started_jobs`, `_on_started` and `_wait_estimate`;
@@ -77,6 +80,7 @@ from typing import ClassVar
 
 from scheduler.job import Job
 from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, SchedulerConfig, SchedulingPolicy
+from scheduler.victims import Victims
 
 START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
 
@@ -220,46 +224,119 @@ class PriorityPolicy(SchedulingPolicy):
 
     def schedule(self, now: float, kv: KVAdmission) -> ScheduleDecision:
         self._before_schedule(now)
-        max_seqs, budget = self.config.max_num_seqs, self.config.max_num_batched_tokens
-        chosen: dict[Job, None] = {}  # the batch, in order (so `preempted` comes out in a deterministic order)
-        victims = _Victims(self, now, chosen)
-        evicted, can_fit, allocate, on_host = victims.evicted, kv.can_fit, kv.allocate, kv.parked()  # bound once
-        tokens = 0
-        kv_cap, kv_tokens = self.config.max_batch_kv_tokens, 0  # pipeline parallelism: one batch's share of KV
-        gate, over_budget = Gate(), 0
-        dropped = self._dropped
-        # Admission refused a job with no KV needing this many tokens: so it refuses every such job that needs as
-        # many or more until the next evict, or allocate that may loosen it (KVAdmission.may_start, allocate). Past
-        # capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick.
-        refused_from = NEVER
-        started: list[Job] = []  # fresh jobs in the batch
-        # Jobs memory/ says neither fit nor may evict (KV parked on the host): asked when one is refused,
-        # forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract). An
-        # empty answer stays empty until the free room shrinks (an allocate): `ask` says when to ask again.
-        parked: Container[Job] = ()
-        ask = True
-        refused = False
-        exhausted = False  # every eviction candidate is spent: a later job runs only if its KV fits what is left
+        walk = _Walk(self, now, kv)
+        walk.run()
+        chosen = walk.chosen
+        decision = ScheduleDecision(batch=list(chosen))
+        left = list(filterfalse(chosen.__contains__, self._running))  # ran last iteration, not in this one
+        for job in left:
+            if job.in_flight:  # still running in a later pipeline stage: not preempted
+                chosen[job] = None
+                continue
+            job.num_preemptions += 1
+            decision.preempted.append(job)
+        self._keep_dropped(walk.victims.evicted)
+        if decision.preempted:
+            self.num_policy_preemptions += len(decision.preempted)
+            self._on_preempted(decision.preempted)
+        self._running = chosen  # the batch, then the jobs still in flight (the tick's own dict)
+        if walk.started:
+            self._note_started(walk.started, now)
+        return decision
+
+    def _keep_dropped(self, evicted: Iterable[Job]) -> None:
+        """Keep the jobs this tick's evictions dropped (no KV left) by their context (the walk's no_kv_from)."""
+        for job in evicted:
+            if not job.num_computed:  # dropped
+                self._forget_dropped(job)
+                key = self._dropped[job] = (job.prompt_len + job.num_generated, next(self._drop_seq))
+                bisect.insort(self._dropped_order, (*key, job))
+
+    def _note_started(self, started: list[Job], now: float) -> None:
+        """These fresh jobs run for the first time at `now`."""
+        for job in started:
+            self._not_fresh(job)
+        self._on_started(started)
+        ema = self.start_wait_ema
+        for job in started:
+            self.started_by_priority[job.priority] += 1
+            ema += START_WAIT_WEIGHT * ((now - job.arrival_time) - ema)
+        self.start_wait_ema = ema
+        for job in started:
+            job.first_scheduled_time = now
+
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+        for job in batch:
+            job.service_in_queue += cost
+            job.service_total += cost
+            job.last_scheduled_time = now
+
+
+class _Walk:
+    """One schedule() tick's walk over the jobs in priority order, forming the batch (the module docstring's rule).
+
+    Each job the walk yields goes through three steps (run): the checks that pass it over without asking memory/
+    for room, the room (can_fit, else _make_room: evict for it, or wait for the room being freed), and taking it
+    (allocate, and into the batch). What the walk has learned so far, so that later jobs cost less to refuse:
+    - the batch (chosen, started: its fresh jobs; run keeps its tokens and size);
+    - refused_from: admission (may_start) refused a job with no KV needing this many tokens, so it refuses every
+      such job that needs as many or more until the next evict, or an allocate that may loosen it (not in place):
+      past capacity hundreds of started jobs wait with their KV dropped, and each was asked every tick;
+    - unfit (and ask): the jobs memory/ says neither fit nor may evict (KV parked on the host), asked when one is
+      refused, forgotten at an eviction (it may free room); an allocate keeps it true (memory/'s contract). An
+      empty answer stays empty until the free room shrinks (an allocate): `ask` says when to ask again;
+    - refused: a job was refused room (none could be made, or it waits for room being freed): from then on a
+      job parked on the host is not brought back on demand;
+    - exhausted: every eviction candidate is spent, so a later job runs only if its KV fits what is left;
+    - gate: whether the walk still yields fresh jobs, and which started jobs it may leave out (Gate).
+    """
+
+    __slots__ = ("policy", "now", "kv", "chosen", "started", "victims", "on_host", "gate", "hold", "refused_from",
+                 "unfit", "ask", "refused", "exhausted", "ended")
+
+    def __init__(self, policy: PriorityPolicy, now: float, kv: KVAdmission) -> None:
+        self.policy, self.now, self.kv = policy, now, kv
+        self.chosen: dict[Job, None] = {}  # the batch, in order (so `preempted` comes out in a deterministic order)
+        self.started: list[Job] = []  # fresh jobs in the batch
+        self.victims = Victims(policy, now, self.chosen)
+        self.on_host = kv.parked()
+        self.gate = Gate()
+        self.hold = policy.fresh_waits_for_started
+        self.refused_from = NEVER
+        self.unfit: Container[Job] = ()
+        self.ask = True
+        self.refused = self.exhausted = False
+        self.ended = False  # no later job can get room this tick: the walk ends
+
+    def run(self) -> None:
+        """Walk the jobs, highest priority first, in three steps a job (inline: they are asked of every job
+        walked, the rare outcomes in the methods below): 1. the checks that pass it over without asking memory/
+        for room; 2. its room (can_fit, else _make_room); 3. its room given (allocate), into the batch."""
+        policy, kv, gate, evicted, on_host = self.policy, self.kv, self.gate, self.victims.evicted, self.on_host
+        can_fit, allocate, chosen, started, now = kv.can_fit, kv.allocate, self.chosen, self.started, self.now
+        config, hold, dropped = policy.config, self.hold, policy._dropped
+        max_seqs, budget, kv_cap = config.max_num_seqs, config.max_num_batched_tokens, config.max_batch_kv_tokens
+        tokens = size = kv_tokens = 0  # the batch's tokens and jobs; its KV tokens (pipeline parallelism: kv_cap)
+        over_budget = 0  # fresh jobs the token budget refused: past max_num_seqs of them, the gate closes
+        unfit, refused, exhausted = self.unfit, self.refused, self.exhausted  # (changed only by _make_room)
         # Chunked prefill: the jobs of the last batch that decode keep a token each of the budget ahead of a chunk.
-        chunked = self.config.enable_chunked_prefill
-        decoders: set[Job] = set()
+        chunked, decoders = config.enable_chunked_prefill, set()
         if chunked:
-            decoders = {j for j in self._running if not j.in_flight and j.num_computed
+            decoders = {j for j in policy._running if not j.in_flight and j.num_computed
                         and j.prompt_len + j.num_generated - j.num_computed == 1}
         reserve = len(decoders)
-        size = 0  # jobs in the batch
-        hold = self.fresh_waits_for_started
-        for job in self._walk(gate):
-            if job in parked:  # (a started job: no gate to count)
+        for job in policy._walk(gate):
+            # 1. Passed over without asking memory/ for room.
+            if job in unfit:  # neither fits nor may evict (KV parked on the host; a started job: no gate)
                 if hold:
                     gate.fresh = False
                 continue
-            # job.num_new_tokens and SchedulingPolicy._fits_token_budget, inlined (a hot loop).
+            # The tokens it computes now: job.num_new_tokens (or a chunk of it) and _fits_token_budget, inlined.
             context = job.prompt_len + job.num_generated
             done = job.num_computed  # (nothing before allocate changes it)
             n = context - done
             if chunked and n > 1:
-                n = self.chunk(n, tokens, size, reserve)  # 0: no room left for a chunk
+                n = policy.chunk(n, tokens, size, reserve)  # 0: no room left for a chunk
             if (tokens + n > budget and size) or not n:
                 if job.first_scheduled_time is None:  # fresh
                     over_budget += 1
@@ -269,69 +346,38 @@ class PriorityPolicy(SchedulingPolicy):
                 continue
             if kv_cap is not None and size and kv_tokens + context > kv_cap:
                 continue  # this batch holds its share of the device's KV: the next batch in flight takes it
-            if not job.kv_ready:  # job.ready, in_flight being False
+            if not job.kv_ready:  # job.ready, in_flight being False: its KV is moving
                 kv.note_blocked(job)
-                if hold and job.first_scheduled_time is not None:
-                    gate.fresh = False
+                self._started_waits(job)
                 continue
-            if not done:  # no KV: admission counts its whole context, whatever the chunk (n) now
-                if context >= refused_from or not kv.may_start(job, context):
-                    if context < refused_from:
-                        refused_from = gate.no_kv_from = context
-                    if job.first_scheduled_time is None or hold:
-                        gate.fresh = False
-                    continue
+            if not done and not self._may_start(job, context):  # no KV: admission counts its whole context
+                continue
             if refused and job in on_host:  # parked: not brought back ahead of a job that waits for room
                 if hold:
                     gate.fresh = False
                 continue
             if exhausted and not kv.room_for(done + n):
-                if hold and job.first_scheduled_time is not None:
-                    gate.fresh = False
+                self._started_waits(job)
                 continue  # nothing left to evict and its whole KV does not fit the room left (make_room's answer)
+            # 2. Its room.
             if not can_fit(job, n):
-                if not kv.may_evict_for(job):
-                    if ask:
-                        parked, ask = kv.parked_unfit(), False
-                        if not refused:
-                            gate.skip = parked
-                    if hold and job.first_scheduled_time is not None:
-                        gate.fresh = False
-                    continue
-                room = victims.make_room(job, n, kv)
-                parked, ask = (), True
-                refused_from = gate.no_kv_from = NEVER
-                if not refused:
-                    gate.skip = ()
+                room = self._make_room(job, n)
+                unfit, refused, exhausted = self.unfit, self.refused, self.exhausted
                 if not room:
-                    refused = True
-                    if hold and job.first_scheduled_time is not None:
-                        gate.fresh = False
-                    # From here on every job parked on the host is passed over (above); each is started, ready
-                    # and holds KV, so none of the checks before that one acts on it: the walk may leave it out.
-                    gate.skip = on_host
-                    exhausted = victims.spent  # stays so for the tick: no candidate comes back
-                    if exhausted and not kv.room_for(1):
-                        # Every ready resident job below this one is evicted and not one block is free or
-                        # freeing unpromised: no later job in the walk can get room this tick. Past capacity
-                        # thousands of started jobs wait on the host; this ends the walk here.
+                    if self.ended:
                         break
-                    # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick,
-                    # so a new job that needs more than it (or than this one) cannot start in this tick.
-                    if victims.spent and gate.fresh and (
-                            (job.first_scheduled_time is None and self._later_fresh_need_at_least(job, n))
-                            or (self._fresh_lens and not kv.room_for(self._fresh_lens[0]))):
-                        gate.fresh = False
                     continue
-            if not allocate(job, n):  # (True: a resident job's KV grew, and no refusal can have loosened)
-                if refused_from != NEVER:
-                    refused_from = gate.no_kv_from = NEVER
+            # 3. Given (unless its KV must come back from the host first), into the batch.
+            grant = allocate(job, n)
+            if grant is None:  # (no room after all: nothing changed)
+                continue
+            if not grant.in_place and self.refused_from != NEVER:  # (in place: no refusal can have loosened)
+                self.refused_from = gate.no_kv_from = NEVER
             if not done and dropped:
-                self._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
-            ask = True
+                policy._forget_dropped(job)  # (its KV may come back now: a cached prefix, or the step)
+            self.ask = True
             if not job.kv_ready:  # its KV was on the host: the upload started, it runs when it lands
-                if hold and job.first_scheduled_time is not None:
-                    gate.fresh = False
+                self._started_waits(job)
                 continue
             chosen[job] = None
             job.num_scheduled = n
@@ -347,119 +393,65 @@ class PriorityPolicy(SchedulingPolicy):
             if size >= max_seqs or tokens >= budget:
                 break
 
-        decision = ScheduleDecision(batch=list(chosen))
-        left = list(filterfalse(chosen.__contains__, self._running))  # ran last iteration, not in this one
-        preempted = decision.preempted
-        for job in left:
-            if job.in_flight:  # still running in a later pipeline stage: not preempted
-                chosen[job] = None
-                continue
-            job.num_preemptions += 1
-            preempted.append(job)
-        for job in victims.evicted:
-            if not job.num_computed:  # dropped
-                self._forget_dropped(job)
-                key = dropped[job] = (job.prompt_len + job.num_generated, next(self._drop_seq))
-                bisect.insort(self._dropped_order, (*key, job))
-        if preempted:
-            self.num_policy_preemptions += len(preempted)
-            self._on_preempted(preempted)
-        self._running = chosen  # the batch, then the jobs still in flight (the tick's own dict)
-        if started:
-            for job in started:
-                self._not_fresh(job)
-            self._on_started(started)
-            ema = self.start_wait_ema
-            for job in started:
-                self.started_by_priority[job.priority] += 1
-                ema += START_WAIT_WEIGHT * ((now - job.arrival_time) - ema)
-            self.start_wait_ema = ema
-            for job in started:
-                job.first_scheduled_time = now
-        return decision
+    def _started_waits(self, job: Job) -> None:
+        """A started job waits for KV (on the host, moving, dropped, or no room for it): with
+        fresh_waits_for_started, no fresh job starts after it this tick."""
+        if self.hold and job.first_scheduled_time is not None:
+            self.gate.fresh = False
 
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        for job in batch:
-            job.service_in_queue += cost
-            job.service_total += cost
-            job.last_scheduled_time = now
-
-
-class _Victims:
-    """Eviction candidates of one schedule() tick: the started jobs that hold
-    device KV (ready, num_computed > 0, not parked on the host: kv.parked())
-    and are not in the batch, largest
-    estimated wait first (ties: lowest priority first), or, when memory/ drops
-    what it evicts (kv.victims_by_priority), lowest priority first, as vLLM
-    picks the job it will recompute. Built on first need, so
-    a tick without memory pressure pays nothing; each candidate is looked at
-    once per tick, because the jobs that need room come in falling priority.
-    A pinned job (job.kv_pinned: uploaded on demand for a pick, not run since)
-    is evicted only to make room for another pinned job; passed over for the
-    others, it is kept aside for the pinned jobs later in the walk."""
-
-    def __init__(self, policy: PriorityPolicy, now: float, chosen: dict[Job, None]) -> None:
-        self._policy, self._now, self._chosen = policy, now, chosen
-        self._order: list[Job] | None = None
-        self._next = 0
-        self.evicted: set[Job] = set()
-        self.spent = False  # the last make_room failed with no candidate left and the job not waiting for room
-        self._pinned: list[Job] = []  # pinned candidates passed over for unpinned jobs, largest wait first
-
-    def _build(self, kv: KVAdmission) -> list[Job]:
-        rank, wait, chosen, on_host = self._policy._rank, self._policy._wait_estimate, self._chosen, kv.parked()
-        # (the host-parked and the kept dropped jobs, none of which holds device KV, left out in C first: past
-        # capacity most started jobs are one or the other)
-        started = filterfalse(self._policy._dropped.__contains__, self._policy._started_jobs())
-        held = [j for j in filterfalse(on_host.__contains__, started)
-                if j.kv_ready and not j.in_flight and not j.kv_busy and j.num_computed > 0
-                and j not in chosen]  # (j.ready, inlined; kv_busy: a launched step writes its KV)
-        if kv.victims_by_priority:
-            return sorted(held, key=rank, reverse=True)
-        return sorted(held, key=lambda j: (wait(j, self._now), rank(j)), reverse=True)
-
-    def make_room(self, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
-        """Evict until the job fits now (True) or its room is being freed by copies in flight (the job
-        waits for them: False, as when nothing more may go)."""
-        self.spent = False
-        if kv.wait_for_room(job, num_new_tokens):
-            return False
-        if self._order is None:
-            self._order = self._build(kv)
-        rank = self._policy._rank
-        mine = rank(job)
-        pinned = job.kv_pinned
-        if pinned and self._pinned:
-            kept, self._pinned = self._pinned, []
-            for i, victim in enumerate(kept):
-                if victim in self._chosen or rank(victim) <= mine:  # (in the batch since, or of higher priority
-                    continue  # than this job: so than every later one too)
-                if self._evict(victim, job, num_new_tokens, kv):
-                    self._pinned = kept[i + 1:]
-                    return True
-                if kv.wait_for_room(job, num_new_tokens):
-                    self._pinned = kept[i + 1:]
-                    return False
-        while self._next < len(self._order):
-            victim = self._order[self._next]
-            self._next += 1  # in the batch or of higher priority now: so for every later job too
-            if victim in self._chosen or rank(victim) <= mine:
-                continue
-            if victim.kv_pinned and not pinned:
-                self._pinned.append(victim)
-                continue
-            if self._evict(victim, job, num_new_tokens, kv):
-                return True
-            if kv.wait_for_room(job, num_new_tokens):
-                return False
-        self.spent = not self._pinned  # (a pinned job later in the walk may still take the kept ones)
+    def _may_start(self, job: Job, context: int) -> bool:
+        """Overload admission for a job with no KV, whatever the chunk it would compute now."""
+        if context < self.refused_from and self.kv.may_start(job, context):
+            return True
+        if context < self.refused_from:
+            self.refused_from = self.gate.no_kv_from = context
+        if job.first_scheduled_time is None or self.hold:
+            self.gate.fresh = False
         return False
 
-    def _evict(self, victim: Job, job: Job, num_new_tokens: int, kv: KVAdmission) -> bool:
-        """Evict one candidate; whether the job fits now."""
-        kv.evict(victim)
-        self.evicted.add(victim)
-        return kv.can_fit(job, num_new_tokens)
+    def _make_room(self, job: Job, n: int) -> bool:
+        """The job's n tokens do not fit the device now: whether they do after evicting lower-priority jobs, if it
+        may; False when it does not run this tick (no room could be made, or it waits for room copies free)."""
+        kv = self.kv
+        if not kv.may_evict_for(job):
+            if self.ask:
+                self.unfit, self.ask = kv.parked_unfit(), False
+                if not self.refused:
+                    self.gate.skip = self.unfit
+            self._started_waits(job)
+            return False
+        room = self.victims.make_room(job, n, kv)
+        # An eviction may have freed room: what memory/ refused is asked again.
+        self.unfit, self.ask = (), True
+        self.refused_from = self.gate.no_kv_from = NEVER
+        if not self.refused:
+            self.gate.skip = ()
+        if not room:
+            self._refused(job, n)
+        return room
+
+    def _refused(self, job: Job, n: int) -> None:
+        """No room could be made for the job (or it waits for room being freed)."""
+        kv, gate, victims = self.kv, self.gate, self.victims
+        self.refused = True
+        self._started_waits(job)
+        # From here on every job parked on the host is passed over (run's step 1); each is started, ready and holds KV,
+        # so none of the checks before that one acts on it: the walk may leave it out.
+        gate.skip = self.on_host
+        self.exhausted = victims.spent  # stays so for the tick: no candidate comes back
+        if self.exhausted and not kv.room_for(1):
+            # Every ready resident job below this one is evicted and not one block is free or freeing unpromised:
+            # no later job in the walk can get room this tick. Past capacity thousands of started jobs wait on
+            # the host; this ends the walk here.
+            self.ended = True
+            return
+        # Nothing left to evict and no room coming: the room only shrinks for the rest of the tick, so a new job
+        # that needs more than it (or than this one) cannot start in this tick.
+        policy = self.policy
+        if victims.spent and gate.fresh and (
+                (job.first_scheduled_time is None and policy._later_fresh_need_at_least(job, n))
+                or (policy._fresh_lens and not kv.room_for(policy._fresh_lens[0]))):
+            gate.fresh = False
 
 
 class KeyedPriorityPolicy(PriorityPolicy):

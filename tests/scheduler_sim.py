@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from memory.residency import Allocation
 from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy
 
 
@@ -48,9 +49,11 @@ class FakeKV:
     def can_fit(self, job: Job, num_new_tokens: int) -> bool:
         return self._extra(job, num_new_tokens) <= self.free
 
-    def allocate(self, job: Job, num_new_tokens: int) -> None:
+    def allocate(self, job: Job, num_new_tokens: int) -> Allocation:
         assert self.can_fit(job, num_new_tokens), f"allocate without room for {job.job_id}"
+        held = job in self.held
         self.held[job] = self.blocks(job.num_computed + num_new_tokens)
+        return Allocation((), held, False)  # (block counts only: no block ids to report)
 
     def may_evict_for(self, job: Job) -> bool:
         return True

@@ -548,3 +548,59 @@ def test_a_short_job_that_gets_room_in_the_same_tick_is_owed_nothing_more():
     kv.free("j2")
     assert kv.wait_for_room(g, 16) and kv.owed_free_blocks == 4  # promised 4 now, no longer short 6
     kv.check_invariants()
+
+
+def test_allocate_without_room_returns_none_and_changes_nothing():
+    """allocate() says None when can_fit says no (vLLM's allocate_slots: the caller makes room, or passes the job
+    over), for a new job, a resident one and one whose KV is on the host, and changes nothing: no entry, table,
+    upload or count. With room it says what it did: the blocks it added, in place or not, an upload or not."""
+    be = ManualBackend()
+    kv = KVManager(4, 4, num_host_blocks=8, policy="reactive", transfers=be)
+    a, b, c = job(0, 11), job(1, 4), job(2, 3)
+    got = kv.allocate(a, 11)
+    assert got is not None and not got.in_place and not got.upload and list(got.new_blocks) == kv.block_table("j0")
+    a.num_computed = 11
+    grow(kv, c, 3)  # the last free block
+    kv.evict(c)
+    be.complete_all()
+    kv.poll()  # c's KV on the host alone; a holds 3 of the 4 device blocks
+    grow(kv, b, 4)  # the last free one
+    before = (kv.device.num_free, kv.host.num_free, kv.block_table("j0"), len(be.calls), vars(kv.stats).copy())
+    assert not kv.can_fit(a, 5) and kv.allocate(a, 5) is None  # a resident job: a 4th block
+    assert not kv.can_fit(c, 1) and kv.allocate(c, 1) is None  # on the host: its upload needs a block
+    assert not kv.can_fit(job(3), 4) and kv.allocate(job(3), 4) is None  # a new job
+    assert (kv.device.num_free, kv.host.num_free, kv.block_table("j0"), len(be.calls), vars(kv.stats)) == before
+    assert kv.residency("j2") is Residency.HOST and kv.residency("j3") is Residency.NONE and c.ready
+    kv.check_invariants()
+    kv.free("j1")
+    got = kv.allocate(c, 1)  # now its upload starts
+    assert got is not None and got.upload and not got.in_place and list(got.new_blocks) == kv.block_table("j2")
+    assert not c.ready and kv.residency("j2") is Residency.UPLOADING
+    got = kv.allocate(a, 1)  # a's 12th token fits its 3 blocks: in place, nothing new
+    assert got is not None and got.in_place and not got.upload and not got.new_blocks
+    kv.check_invariants()
+
+
+def test_the_copy_ledger_reports_landed_copies_in_start_order_settled():
+    """CopyLedger alone: what its copies hold while in flight, and poll returning the landed ones in the order they
+    started (not the order they landed), each settled (its handle and held blocks forgotten), an orphan among them
+    dropped from the orphans; the KV manager applies them in that order."""
+    from memory.copy_ledger import CopyLedger
+    from memory.residency import JobKV
+
+    be = ManualBackend()
+    ledger = CopyLedger(be, num_host_blocks=8)
+    a, b, c = (JobKV(job(i), device=[i], host=[4 + i]) for i in range(3))
+    for kv in (a, b, c):
+        ledger.hold(kv, 1)
+        assert not ledger.start(kv, Direction.OFFLOAD, [(kv.device[0], kv.host[0])])
+    ledger.orphan(b)
+    assert (ledger.num_in_flight, ledger.pending_free, ledger.copied, ledger.orphans) == (3, 3, 3, (b,))
+    be.handles[2].finished = True
+    be.handles[0].finished = True
+    assert ledger.poll() == [a, c] and ledger.poll() == []
+    assert a.transfer is None and a.pending_blocks == 0 and (ledger.pending_free, ledger.copied) == (1, 1)
+    be.handles[1].finished = True
+    assert ledger.poll() == [b] and b.freed and ledger.orphans == ()
+    assert (ledger.num_in_flight, ledger.pending_free, ledger.copied) == (0, 0, 0)
+    ledger.check_invariants([a, b, c])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from memory.kv_manager import KVManager, Residency
+from memory.residency import Allocation
 from scheduler import Job
 from tests.test_scheduler_rules import mlfq, step
 
@@ -262,7 +263,7 @@ class _Roomy:
         return True
 
     def allocate(self, job, n):
-        pass
+        return Allocation((), True, False)
 
     def may_evict_for(self, job):
         return True

@@ -1,4 +1,4 @@
-"""Prefix caching on two tiers (issue 28): cached blocks the device evicts live on in the host tier, hits there
+"""Prefix caching on two tiers: cached blocks the device evicts live on in the host tier, hits there
 are uploaded before the prefill reads them, a waiting request's host prefix is uploaded ahead of need by ENST,
 offloads and uploads copy only what the other tier lacks, and every block is accounted for (KVManager.audit).
 
@@ -416,11 +416,12 @@ def test_a_chunk_over_an_uploaded_prefix_given_back_unstarted_leaves_admission_c
     assert kv.started_blocks() == before
 
 
-def test_allocate_says_true_only_when_the_kv_admission_counts_did_not_shrink():
-    """KVManager.allocate returns True, letting the scheduler keep an admission refusal past it, only for a job
-    on the device with no copy in flight (its blocks grow; started_blocks cannot shrink). An upload can shrink
-    it (blocks that another job holds on the device are shared, not taken, while the copy counts the job's
-    blocks once): there it returns False. Fails if the upload's allocate said True, or the resident one False."""
+def test_allocate_says_in_place_only_when_the_kv_admission_counts_did_not_shrink():
+    """KVManager.allocate's Allocation says in_place, letting the scheduler keep an admission refusal past it, only
+    for a job on the device with no copy in flight (its blocks grow; started_blocks cannot shrink). An upload can
+    shrink it (blocks that another job holds on the device are shared, not taken, while the copy counts the job's
+    blocks once): there it says upload, not in_place. Fails if the upload's allocate said in_place, or the resident
+    one did not, or either misreports the blocks it put in the table."""
     kv, be, src = make_kv(device=8, host=16)
     p = tokens(2 * BS, 1)
     j = new_job(src, "j", p + tokens(3, 2))
@@ -431,21 +432,27 @@ def test_allocate_says_true_only_when_the_kv_admission_counts_did_not_shrink():
     prefill(kv, k)  # hits j's prefix on the device: k holds it now
     assert kv.cached_tokens("k") == 2 * BS and kv.residency("j") is Residency.HOST
     before = kv.started_blocks()
-    assert kv.can_fit(j, 1) and kv.allocate(j, 1) is False  # j's upload shares the two blocks k holds
+    assert kv.can_fit(j, 1)
+    got = kv.allocate(j, 1)  # j's upload shares the two blocks k holds
+    assert got is not None and got.upload and not got.in_place and list(got.new_blocks) == kv.block_table("j")
     assert kv.started_blocks() < before and not j.ready
     land(kv, be)
     for job in (j, k):  # resident, no copy in flight: the token after a full last block takes a new block
         job.num_generated += BS - 3
         job.num_computed = job.context_len
         before = kv.started_blocks()
-        assert kv.can_fit(job, 1) and kv.allocate(job, 1) is True
+        table = list(kv.block_table(job.job_id))
+        assert kv.can_fit(job, 1)
+        got = kv.allocate(job, 1)
+        assert got is not None and got.in_place and not got.upload
+        assert list(got.new_blocks) == kv.block_table(job.job_id)[len(table):] and len(got.new_blocks) == 1
         assert kv.started_blocks() == before + 1
         kv.check_invariants()
 
 
 @pytest.mark.parametrize("leaves", ["ends", "offloaded"])
 def test_a_waiting_job_whose_prefix_reaches_the_host_later_is_parked_once_the_device_evicts_it(leaves):
-    """The planner looks only at waiting jobs whose first block the host caches (KVManager._park_waiting's
+    """The planner looks only at waiting jobs whose first block the host caches (HostPrefixTier.jobs_to_park's
     candidates): a job that starts waiting while its prefix is on the device alone (the host's copy still in
     flight: the cache's own copy of a finished job's blocks, or an offload) becomes one when the copy lands, stays
     one while the device caches as much as the host, and is parked once the device has evicted the prefix's tail.

@@ -194,9 +194,9 @@ def test_fresh_gate_changes_no_decision(sim_dirs, monkeypatch, policy):
 @pytest.mark.parametrize("policy", ["skip-join-mlfq", "mlfq"])
 def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decision(sim_dirs, monkeypatch, policy):
     """The walk keeps admission's refusal of a job with no KV past an allocate that says the KV it counts only
-    grew (KVManager.allocate True: a device-resident job's next blocks) instead of asking every such job again:
-    the same run with allocate saying nothing (None: ask again) gives the same schedule, and a refusal was kept
-    that way (an allocate returned True after a refusal in the same tick)."""
+    grew (KVManager.allocate's Allocation in_place: a device-resident job's next blocks) instead of asking every
+    such job again: the same run with allocate never saying so (ask again) gives the same schedule, and a refusal
+    was kept that way (an allocate in place after a refusal in the same tick)."""
     from memory.kv_manager import KVManager
 
     allocate, may_start, plan = KVManager.allocate, KVManager.may_start, KVManager.plan
@@ -208,9 +208,13 @@ def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decisio
         return ok
 
     def recorded(self, job, n):
-        grew = allocate(self, job, n)
-        kept.append(grew and refused[0])
-        return grew
+        got = allocate(self, job, n)
+        kept.append(got is not None and got.in_place and refused[0])
+        return got
+
+    def never_in_place(self, job, n):
+        got = allocate(self, job, n)
+        return got and got._replace(in_place=False)
 
     def tick_over(self, *args):
         refused[0] = False
@@ -221,7 +225,7 @@ def test_admission_refusal_kept_past_a_resident_jobs_allocate_changes_no_decisio
     monkeypatch.setattr(KVManager, "plan", tick_over)
     fast = overloaded_run(sim_dirs, policy)
     assert any(kept), "no refusal was kept past an allocate: the test shows nothing"
-    monkeypatch.setattr(KVManager, "allocate", lambda self, job, n: allocate(self, job, n) and None)
+    monkeypatch.setattr(KVManager, "allocate", never_in_place)
     assert overloaded_run(sim_dirs, policy) == fast
 
 

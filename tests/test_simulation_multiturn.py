@@ -98,32 +98,35 @@ def test_exponential_think_times_are_seeded(model):
         run_conversations(engine(model, False), convs, [0.0] * 3, think_time_distribution="normal")
 
 
-def _park_waiting_by_scan(kv) -> None:
-    """KVManager._park_waiting as it was before its first-block index: a look at every waiting job, in order."""
-    from memory.kv_manager import Residency
+def _jobs_to_park_by_scan(tier) -> list:
+    """HostPrefixTier.jobs_to_park as it was before its first-block index: a look at every waiting job, in order."""
+    from memory.residency import Residency
 
-    kv._recheck_waiting = False
-    bs, dev, host = kv.block_size, kv.device, kv.host
-    for jid, e in list(kv._waiting.items()):
+    if not (tier._recheck and tier.waiting):
+        return []
+    tier._recheck = False
+    bs, dev, host, found = tier.block_size, tier.device, tier.host, []
+    for jid, e in list(tier.waiting.items()):
         if e.residency is not Residency.NONE or e.device or e.host or e.transfer is not None:
-            del kv._waiting[jid]
+            del tier.waiting[jid]
             continue
         max_blocks = (e.job.context_len - 1) // bs
         if not e.hashes or host.block_of(e.hashes[0]) is None:
             continue
         hosted = host.lookup(e.hashes, max_blocks)
         if len(hosted) > len(dev.lookup(e.hashes, max_blocks)):
-            kv._park_prefix(e, e.job, hosted)
-            kv.stats.num_prefix_prefetches += 1
+            del tier.waiting[jid]
+            found.append((e, hosted))
+    return found
 
 
 def test_parking_waiting_jobs_found_by_their_first_block_changes_no_decision(model, monkeypatch):
-    """The proactive planner parks the jobs waiting to start whose prefix the host caches (_park_waiting), found
-    as candidates by their first blocks' names (KVManager._waiting_candidates) instead of a look at each: 40 chats
+    """The proactive planner parks the jobs waiting to start whose prefix the host caches (jobs_to_park), found
+    as candidates by their first blocks' names (HostPrefixTier._candidates) instead of a look at each: 40 chats
     of 4 turns on a 60-block device (histories evicted to the host and prefetched back) give the same turns, to the
     digit, and the same KV counters as with the scan of every waiting job, and jobs were parked (and the index
     pruned) that way."""
-    from memory.kv_manager import KVManager
+    from memory.host_prefix_tier import HostPrefixTier
 
     rng = random.Random(1)
     convs = [[(rng.randrange(20, 150), rng.randrange(10, 80)) for _ in range(4)] for _ in range(40)]
@@ -136,17 +139,17 @@ def test_parking_waiting_jobs_found_by_their_first_block_changes_no_decision(mod
         return turns, vars(eng.kv.stats) | {"enst_samples": list(eng.kv.stats.enst_samples)}
 
     pruned = []
-    add = KVManager._add_waiting
+    add = HostPrefixTier.add_waiting
 
-    def adding(kv, jid, e):
-        before = len(kv._waiting_heads)
-        add(kv, jid, e)
-        pruned.append(len(kv._waiting_heads) < before)
+    def adding(tier, jid, e, recheck=False):
+        before = len(tier._heads)
+        add(tier, jid, e, recheck)
+        pruned.append(len(tier._heads) < before)
 
-    monkeypatch.setattr(KVManager, "_add_waiting", adding)
+    monkeypatch.setattr(HostPrefixTier, "add_waiting", adding)
     fast = run()
     assert fast[1]["num_prefix_prefetches"] > 20 and any(pruned), "too few parked, or never pruned: shows little"
-    monkeypatch.setattr(KVManager, "_park_waiting", _park_waiting_by_scan)
+    monkeypatch.setattr(HostPrefixTier, "jobs_to_park", _jobs_to_park_by_scan)
     assert run() == fast
 
 

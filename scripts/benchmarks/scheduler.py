@@ -34,6 +34,7 @@ import time
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from memory.residency import GREW_BY_NOTHING, Allocation
 from scheduler import Job, SchedulerConfig, SchedulingPolicy, make_policy
 from scheduler.policy import MLFQ_LADDERS, CostModel
 
@@ -46,8 +47,8 @@ class AlwaysFits:
     def can_fit(self, job: Job, num_new_tokens: int) -> bool:
         return True
 
-    def allocate(self, job: Job, num_new_tokens: int) -> None:
-        pass
+    def allocate(self, job: Job, num_new_tokens: int) -> Allocation:
+        return GREW_BY_NOTHING  # (in place: the policy keeps its admission refusals)
 
     victims_by_priority = False
 
