@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy
+from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy, step_charges
 
 
 def make_cost(decode_at_batch_8: float = 1.0) -> ProfiledCostModel:
@@ -146,11 +146,12 @@ def simulate(
             now += 0.5
             continue
         cost = policy.cost.iteration_cost(decision.batch)
+        charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))  # (before the jobs move on)
         now += cost
         for job in decision.batch:
             job.num_computed = job.context_len
             job.num_generated += 1
-        policy.on_step_done(decision.batch, now, cost)
+        policy.on_step_done(decision.batch, now, cost, charges)
         for job in decision.batch:
             if job.num_generated >= job.max_new_tokens:
                 job.finished = True

@@ -22,7 +22,9 @@ from scheduler import (
     SkipJoinMLFQPolicy,
     SRPTPolicy,
     make_policy,
+    step_charges,
 )
+from scheduler.policy import step_tokens
 from tests.scheduler_sim import FakeKV, make_cost
 
 COST = make_cost()
@@ -46,10 +48,11 @@ def step(policy, kv: FakeKV, now: float) -> tuple[list[str], float]:
     """One engine iteration: schedule at `now`, run, charge; returns (batch ids, end time)."""
     decision = policy.schedule(now, kv)
     cost = COST.iteration_cost(decision.batch)
+    charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))
     for j in decision.batch:
         j.num_computed = j.context_len
         j.num_generated += 1
-    policy.on_step_done(decision.batch, now + cost, cost)
+    policy.on_step_done(decision.batch, now + cost, cost, charges)
     return [j.job_id for j in decision.batch], now + cost
 
 
@@ -162,6 +165,50 @@ def test_demotion_once_the_quantum_is_used() -> None:
     assert policy.num_demotions == 1
 
 
+def test_a_decode_beside_a_long_prompt_is_charged_its_share_and_keeps_its_queue() -> None:
+    """a (4-token prompt, Q1) has had its prefill alone (t_init = 0.5 s of q1 = 1 s). Next it decodes in one
+    iteration with a new 64-token prompt b (Q4): the iteration costs 8 s (the prompt's pass), and each job is
+    charged its tokens' share, a 1/65, b 64/65. a keeps Q1 and b its entry queue. Charged the whole iteration
+    (the paper's rule), a would have used q1 8 times over in one token and sunk below b."""
+    policy, kv = mlfq(max_num_seqs=2), roomy()
+    a, b = job("a", 4, output=10), job("b", 64)
+    policy.add(a, 0.0)
+    _, t = step(policy, kv, 0.0)
+    assert (a.queue, a.service_in_queue) == (0, 0.5)
+    policy.add(b, t)
+    batch, end = step(policy, kv, t)
+    assert batch == ["a", "b"] and end - t == 8.0
+    assert a.service_in_queue == pytest.approx(0.5 + 8 / 65) and b.service_in_queue == pytest.approx(8 * 64 / 65)
+    assert (a.queue, b.queue, a.num_demotions, policy.num_demotions) == (0, 3, 0, 0)
+    assert a.service_total + b.service_total == pytest.approx(0.5 + 8.0)  # the charges add up to the time run
+
+
+def test_a_job_is_charged_by_the_tokens_it_computes() -> None:
+    """A first chunk of 16 of 64 prompt tokens; the 16 left after a 48-token prefix found cached at allocation
+    (it was given the whole prompt); a recompute of 8 prompt and 8 output tokens; a decode: 16, 16, 16 and 1
+    of the iteration's 49 tokens."""
+    chunk, rest, redo, decode = job("chunk", 64), job("rest", 64), job("redo", 8), job("decode", 8)
+    chunk.num_scheduled = 16
+    rest.num_computed, rest.num_scheduled = 48, 64
+    redo.num_generated, redo.num_scheduled = 8, 16
+    decode.num_generated, decode.num_computed, decode.num_scheduled = 3, 10, 1
+    jobs = [chunk, rest, redo, decode]
+    assert [step_tokens(j) for j in jobs] == [16, 16, 16, 1]
+    assert step_charges(jobs, 9.8) == pytest.approx([3.2, 3.2, 3.2, 0.2])
+
+
+@pytest.mark.parametrize("name", list(PolicyName))
+def test_every_policy_charges_each_job_its_share(name: PolicyName) -> None:
+    """Two prompts, 4 and 64 tokens, in one 8 s iteration (the 64-token prompt's pass): 8 x 4/68 and 8 x 64/68."""
+    policy = make_policy(config(policy=name, max_num_seqs=2), COST)
+    a, b = job("a", 4), job("b", 64)
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    batch, end = step(policy, roomy(), 0.0)
+    assert sorted(batch) == ["a", "b"] and end == 8.0
+    assert (a.service_total, b.service_total) == pytest.approx((8 * 4 / 68, 8 * 64 / 68))
+
+
 def test_demotion_drops_eta_queues_and_stops_at_the_last() -> None:
     policy = mlfq(demotion_step=2)
     a, b = job("a", 8), job("b", 64)  # Q1 and Q4
@@ -221,11 +268,15 @@ def test_no_promotion_without_alpha() -> None:
 
 def test_the_service_ladder_covers_a_whole_job_decode_included() -> None:
     """Prefill ladder: the last quantum covers t_init(64) = 8. Service ladder: it covers t_init(64) plus 64
-    decode steps of a full batch (64 x 1 s): 72 s, so [1, 2, ..., 128]; skip-join's entry is the same."""
+    decode steps alone (64 x 1 s): 72 s, so [1, 2, ..., 128]; skip-join's entry is the same."""
     prefill, service = mlfq(), mlfq(mlfq_ladder="service")
     assert prefill.quanta == [1, 2, 4, 8]
     assert service.quanta == [1, 2, 4, 8, 16, 32, 64, 128]
     assert [service.entry_queue(n) for n in (8, 16, 32, 64)] == [0, 1, 2, 3]
+    # A job's share of a decode step is largest when it runs alone: a slower step of a full batch (4 s at 8 jobs,
+    # 0.5 s each) does not raise the ladder.
+    slow_batch = SkipJoinMLFQPolicy(config(mlfq_ladder="service", max_num_seqs=8), make_cost(decode_at_batch_8=4.0))
+    assert slow_batch.quanta == service.quanta
     with pytest.raises(ValueError, match="mlfq_ladder"):
         SchedulerConfig(mlfq_ladder="tokens")
 
