@@ -18,7 +18,7 @@ from scheduler.job import Job
 from scheduler.mlfq import MLFQPolicy
 from scheduler.policy import CostModel, PolicyName, ScheduleDecision, SchedulerConfig, SchedulingPolicy, step_charges
 from scheduler.skip_join_mlfq import SkipJoinMLFQPolicy
-from scheduler.srpt import SRPTPolicy
+from scheduler.srpt import SRPTPolicy, UnboundedSRPTPolicy
 
 _POLICIES: dict[PolicyName, type[SchedulingPolicy]] = {
     PolicyName.FCFS: FCFSPolicy,
@@ -26,6 +26,7 @@ _POLICIES: dict[PolicyName, type[SchedulingPolicy]] = {
     PolicyName.MLFQ: MLFQPolicy,
     PolicyName.FIXED_PRIORITY: FixedPriorityPolicy,
     PolicyName.SRPT: SRPTPolicy,
+    PolicyName.SRPT_UNBOUNDED: UnboundedSRPTPolicy,
     PolicyName.GITTINS: GittinsPolicy,
 }
 
@@ -54,6 +55,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulingPolicy",
     "SkipJoinMLFQPolicy",
+    "UnboundedSRPTPolicy",
     "make_policy",
     "step_charges",
 ]

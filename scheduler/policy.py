@@ -31,8 +31,12 @@ class PolicyName(str, enum.Enum):
     SKIP_JOIN_MLFQ = "skip-join-mlfq"
     MLFQ = "mlfq"
     FIXED_PRIORITY = "fixed-priority"
-    SRPT = "srpt"  # oracle: simulation and tests only
+    SRPT = "srpt"  # oracle: simulation and tests only, with the starvation bound of the other policies
+    SRPT_UNBOUNDED = "srpt-unbounded"  # the same oracle without it
     GITTINS = "gittins"
+
+
+ORACLES = frozenset({PolicyName.SRPT, PolicyName.SRPT_UNBOUNDED})  # they read true output lengths: no server runs them
 
 
 class CostModel(Protocol):

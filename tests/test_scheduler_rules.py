@@ -21,6 +21,7 @@ from scheduler import (
     SchedulerConfig,
     SkipJoinMLFQPolicy,
     SRPTPolicy,
+    UnboundedSRPTPolicy,
     make_policy,
     step_charges,
 )
@@ -80,6 +81,7 @@ def test_scheduler_never_imports_torch() -> None:
         (PolicyName.MLFQ, MLFQPolicy),
         (PolicyName.FIXED_PRIORITY, FixedPriorityPolicy),
         (PolicyName.SRPT, SRPTPolicy),
+        (PolicyName.SRPT_UNBOUNDED, UnboundedSRPTPolicy),
     ],
 )
 def test_make_policy_builds_the_named_policy(name: PolicyName, cls: type) -> None:
@@ -313,29 +315,41 @@ def test_enst_divides_by_the_batch_running_now_not_the_batch_limit() -> None:
     assert policy.estimated_wait(t, 0.0) == pytest.approx(2 * 7 / 1)  # one at a time
 
 
+def beside_a_stream(policy, long: Job, shorts: int) -> tuple[float | None, float]:
+    """One-token jobs of 8-token prompts (1 s each) arrive back to back from t=0, each when the one before it
+    ends, `shorts` of them; the long job is added at its arrival time (max_num_seqs 1 keeps one job running).
+    Returns when the long job finished (None: not while the stream lasted) and its longest wait (starve time
+    at a tick) until then."""
+    kv, t, finished, longest = roomy(), 0.0, None, 0.0
+    for i in range(shorts):
+        if long.arrival_time <= t and long not in policy.jobs and finished is None:
+            policy.add(long, long.arrival_time)
+        short = job(f"s{i}", 8, arrival=t, output=1)
+        policy.add(short, t)
+        while short.num_generated < 1:
+            if long in policy.jobs:
+                longest = max(longest, long.starve_time(t))
+            _, t = step(policy, kv, t)
+            if long.num_generated >= long.max_new_tokens and finished is None:
+                finished = t
+                policy.remove(long)
+        policy.remove(short)
+    return finished, longest
+
+
 def test_age_promotion_runs_an_old_job_to_completion_ahead_of_new_ones() -> None:
     """A stream of one-token jobs (Q1) keeps a long job (Q4) waiting under least-attained-service order.
     With starvation_age 2, once 32 jobs have finished and the long job is older than 2x the mean time in
     the system (jobs held / completion rate), it moves above every queue and runs to completion while the
     stream goes on. Without it, it waits for the whole stream."""
-    for age, finished_by in ((2.0, 60), (None, None)):
-        policy, kv = mlfq(max_num_seqs=1, mlfq_ladder="service", starvation_age=age), roomy()
+    for age in (2.0, None):
+        policy = mlfq(max_num_seqs=1, mlfq_ladder="service", starvation_age=age)
         long = job("long", 64, output=20)
-        policy.add(long, 0.0)
-        t, done_at = 0.0, None
-        for i in range(80):
-            short = job(f"s{i}", 8, arrival=t, output=1)
-            policy.add(short, t)
-            while short.num_generated < 1:
-                batch, t = step(policy, kv, t)
-                if long.num_generated >= long.max_new_tokens and done_at is None:
-                    done_at = i
-                    policy.remove(long)
-            policy.remove(short)
+        finished, longest = beside_a_stream(policy, long, 80)
         if age is None:
-            assert done_at is None and long.num_generated == 0 and policy.num_promotions == 0
-        else:
-            assert done_at is not None and done_at <= finished_by
+            assert finished is None and long.num_generated == 0 and policy.num_promotions == 0
+        else:  # promoted at t=32, it runs its prefill (8 s) and 19 decodes (1 s each) without a break
+            assert (finished, longest) == (59.0, 32.0)
             assert long.num_promotions == 1 and long.num_demotions == 0  # promoted once, never demoted
 
 
@@ -530,6 +544,21 @@ def test_srpt_runs_the_fewest_remaining_tokens_first() -> None:
     policy.add(c, t)
     decision = policy.schedule(t, kv)
     assert decision.batch == [c] and decision.preempted == [a]  # 1 left against a's 2
+
+
+def test_the_srpt_oracle_bounds_the_longest_wait_and_the_unbounded_one_does_not() -> None:
+    """A long job beside a stream of one-token jobs. srpt (starvation_age 2, the bound of the defaults) promotes
+    it once 32 jobs have finished: its longest wait is 32 s however long the stream. srpt-unbounded never runs
+    it while the stream lasts: its wait is the stream's length."""
+    waits = {}
+    for name in (PolicyName.SRPT, PolicyName.SRPT_UNBOUNDED):
+        for shorts in (80, 160):
+            policy = make_policy(config(policy=name, max_num_seqs=1, starvation_age=2.0), COST)
+            long = job("long", 64, output=20)
+            finished, waits[(name, shorts)] = beside_a_stream(policy, long, shorts)
+            assert (finished is None) == (name is PolicyName.SRPT_UNBOUNDED)
+    assert waits == {(PolicyName.SRPT, 80): 32.0, (PolicyName.SRPT, 160): 32.0,
+                     (PolicyName.SRPT_UNBOUNDED, 80): 79.0, (PolicyName.SRPT_UNBOUNDED, 160): 159.0}
 
 
 # -- FCFS ----------------------------------------------------------------------------------------
