@@ -353,6 +353,19 @@ def test_age_promotion_runs_an_old_job_to_completion_ahead_of_new_ones() -> None
             assert long.num_promotions == 1 and long.num_demotions == 0  # promoted once, never demoted
 
 
+@pytest.mark.parametrize("name", [PolicyName.SKIP_JOIN_MLFQ, PolicyName.SRPT, PolicyName.GITTINS])
+def test_age_promotion_takes_a_job_older_than_k_times_the_mean_time_in_the_system(name: PolicyName) -> None:
+    """At t=T the stream has finished T jobs at one a second and holds 2 (the one running and the long one):
+    the mean time in the system is 2 / 1 = 2 s, so with starvation_age 2 a job older than 4 s is promoted. The
+    long job arrives at 40, behind every short one in each order: at 44 it is exactly 4 s old and waits; at 45
+    it is promoted and starts."""
+    policy = make_policy(config(policy=name, max_num_seqs=1, mlfq_ladder="service", starvation_age=2.0), COST)
+    long = job("long", 64, arrival=40.0, output=20)
+    beside_a_stream(policy, long, 60)
+    assert policy.age_limit(45.0) is not None and long.num_promotions == 1
+    assert long.first_scheduled_time == 45.0
+
+
 # -- batch formation ----------------------------------------------------------------------------
 
 
