@@ -18,6 +18,7 @@ from scheduler import (
     Job,
     MLFQPolicy,
     PolicyName,
+    ProfiledCostModel,
     SchedulerConfig,
     SkipJoinMLFQPolicy,
     SRPTPolicy,
@@ -106,6 +107,17 @@ def test_config_rejects_a_non_positive_max_prompt_len() -> None:
 def test_quanta_are_geometric_until_the_longest_prompt_fits(ratio: float, expected: list[float]) -> None:
     # q1 = t_dec(1, 16) = 1; the last quantum is the first that covers t_init(64) = 8.
     assert mlfq(quantum_ratio=ratio).quanta == pytest.approx(expected)
+
+
+def test_q1_is_a_decode_step_of_one_job_at_a_short_context() -> None:
+    """q1 = t_dec(1, 16). On a profile whose decode step grows with the batch and the context (one job: 1 s at 16
+    tokens, 2 s at 512; eight jobs: 3 s and 4 s) the ladder starts at 1 s."""
+    cost = ProfiledCostModel.from_dict({
+        "schema": "fastserve.profile/1", "key": {"model": "test"},
+        "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
+        "decode": {"batch_sizes": [1, 8], "context_lens": [16, 512], "seconds": [[1.0, 2.0], [3.0, 4.0]]},
+    })
+    assert SkipJoinMLFQPolicy(config(max_num_seqs=8), cost).quanta == [1, 2, 4, 8]
 
 
 def test_a_new_job_skips_to_the_highest_queue_that_covers_its_prefill() -> None:
@@ -197,6 +209,18 @@ def test_a_job_is_charged_by_the_tokens_it_computes() -> None:
     jobs = [chunk, rest, redo, decode]
     assert [step_tokens(j) for j in jobs] == [16, 16, 16, 1]
     assert step_charges(jobs, 9.8) == pytest.approx([3.2, 3.2, 3.2, 0.2])
+
+
+def test_demotion_needs_service_past_the_quantum_beyond_float_noise() -> None:
+    """Q2's quantum is 2 s. Ten charges of 0.1 s after 1 s add up to 2.000000000000001 s in floats: not past
+    the quantum; 2.001 s is (demotion needs more than the quantum x (1 + 1e-9))."""
+    for charges, queue in (([1.0] + [0.1] * 10, 1), ([2.001], 2)):
+        policy = mlfq()
+        a = job("a", 16)
+        policy.add(a, 0.0)
+        for charge in charges:
+            policy.on_step_done([a], 0.0, charge)
+        assert a.queue == queue, charges
 
 
 @pytest.mark.parametrize("name", list(PolicyName))
@@ -557,6 +581,20 @@ def test_srpt_runs_the_fewest_remaining_tokens_first() -> None:
     policy.add(c, t)
     decision = policy.schedule(t, kv)
     assert decision.batch == [c] and decision.preempted == [a]  # 1 left against a's 2
+
+
+def test_the_completion_rate_is_read_over_the_last_256_completions() -> None:
+    """400 jobs finish, one a second from t=0 to 299, then two a second to t=350. At t=351 the last 256
+    completions (from t=144) came at 256 / 207 per second; with one job held and starvation_age 1 the age limit
+    is 1 x 1 / that rate."""
+    policy, kv = make_policy(config(policy=PolicyName.SRPT, starvation_age=1.0), COST), roomy()
+    for i, done in enumerate([float(i) for i in range(300)] + [300 + 0.5 * i for i in range(1, 101)]):
+        j = job(f"j{i}", 8, arrival=done)
+        policy.add(j, done)
+        policy.schedule(done, kv)
+        policy.remove(j)
+    policy.add(job("held", 8, arrival=350.0), 350.0)
+    assert policy.age_limit(351.0) == pytest.approx(207 / 256)
 
 
 def test_the_srpt_oracle_bounds_the_longest_wait_and_the_unbounded_one_does_not() -> None:
