@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy, step_charges
 
 
-def make_cost(decode_at_batch_8: float = 1.0) -> ProfiledCostModel:
+def make_cost(decode_at_batch_8: float = 1.0, decode_by_context: dict[int, tuple[float, float]] | None = None
+              ) -> ProfiledCostModel:
     """t_init(L) = L / 8 s; t_dec = 1 s at batch 1, decode_at_batch_8 at batch 8, any context.
-    With max_prompt_len = 64 and ratio 2 the quanta are [1, 2, 4, 8]."""
+    With max_prompt_len = 64 and ratio 2 the quanta are [1, 2, 4, 8]. decode_by_context: instead, context ->
+    (t_dec at batch 1, at batch 8)."""
+    by_context = decode_by_context or {16: (1.0, decode_at_batch_8)}
     return ProfiledCostModel.from_dict(
         {
             "schema": "fastserve.profile/1",
             "key": {"model": "test"},
             "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
-            "decode": {"batch_sizes": [1, 8], "context_lens": [16], "seconds": [[1.0], [decode_at_batch_8]]},
+            "decode": {"batch_sizes": [1, 8], "context_lens": list(by_context),
+                       "seconds": [list(row) for row in zip(*by_context.values())]},
         }
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import GittinsPolicy, Job, PolicyName, ProfiledCostModel, SchedulerConfig, make_policy
+from scheduler import GittinsPolicy, Job, PolicyName, SchedulerConfig, make_policy
 from scheduler.gittins import MIN_HISTORY
 from tests.scheduler_sim import FakeKV, make_cost
 
@@ -200,12 +200,7 @@ def test_the_decode_share_is_priced_at_a_512_token_context() -> None:
     """d = t_dec(b, 512) / b, b the batch (max_num_seqs before any refresh). On a profile whose decode step grows
     with the context (8 jobs: 2 s at 16 tokens, 4 s at 512, 8 s at 2,048) d = 0.5 s, and a started job with one
     token out and nothing learned has the index 1 / (2 d) = 1."""
-    cost = ProfiledCostModel.from_dict({
-        "schema": "fastserve.profile/1", "key": {"model": "test"},
-        "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
-        "decode": {"batch_sizes": [1, 8], "context_lens": [16, 512, 2048],
-                   "seconds": [[1.0, 2.0, 4.0], [2.0, 4.0, 8.0]]},
-    })
+    cost = make_cost(decode_by_context={16: (1.0, 2.0), 512: (2.0, 4.0), 2048: (4.0, 8.0)})
     p = GittinsPolicy(SchedulerConfig(max_prompt_len=64, starvation_threshold=None, max_num_seqs=8), cost)
     assert p.index(job("a", generated=1)) == pytest.approx(1.0)
 

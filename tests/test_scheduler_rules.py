@@ -18,7 +18,6 @@ from scheduler import (
     Job,
     MLFQPolicy,
     PolicyName,
-    ProfiledCostModel,
     SchedulerConfig,
     SkipJoinMLFQPolicy,
     SRPTPolicy,
@@ -112,11 +111,7 @@ def test_quanta_are_geometric_until_the_longest_prompt_fits(ratio: float, expect
 def test_q1_is_a_decode_step_of_one_job_at_a_short_context() -> None:
     """q1 = t_dec(1, 16). On a profile whose decode step grows with the batch and the context (one job: 1 s at 16
     tokens, 2 s at 512; eight jobs: 3 s and 4 s) the ladder starts at 1 s."""
-    cost = ProfiledCostModel.from_dict({
-        "schema": "fastserve.profile/1", "key": {"model": "test"},
-        "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
-        "decode": {"batch_sizes": [1, 8], "context_lens": [16, 512], "seconds": [[1.0, 2.0], [3.0, 4.0]]},
-    })
+    cost = make_cost(decode_by_context={16: (1.0, 3.0), 512: (2.0, 4.0)})
     assert SkipJoinMLFQPolicy(config(max_num_seqs=8), cost).quanta == [1, 2, 4, 8]
 
 
