@@ -60,7 +60,7 @@ from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merg
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ValidationError
 from engine.outputs import RequestOutput
-from scheduler.policy import PolicyName
+from scheduler.policy import ORACLES
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from serving.dashboard import PUBLIC_PATHS as DASHBOARD_PAGES
 from serving.dashboard import add_dashboard
@@ -524,9 +524,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
             raise ValueError(f"cannot read --chat-template {args.chat_template}: {e.strerror}") from None
     ChatTemplate(template)  # raises ValueError if it does not parse
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    if args.scheduling_policy == PolicyName.SRPT.value:
-        raise ValueError("--scheduling-policy srpt is the simulator's oracle (it reads true output lengths); "
-                         "a server cannot run it")
+    if args.scheduling_policy in {p.value for p in ORACLES}:
+        raise ValueError(f"--scheduling-policy {args.scheduling_policy} is the simulator's oracle (it reads true "
+                         "output lengths); a server cannot run it")
     return (config_from_args(args),
             ServerConfig(tuple(args.served_model_name or [args.model or "tiny-opt"]), args.api_key or None,
                          origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastserve_kernels.attention_backend import ATTENTION_BACKENDS
-from scheduler.policy import MLFQ_LADDERS, PolicyName
+from scheduler.policy import MLFQ_LADDERS, ORACLES, PolicyName
 
 # Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
 # The engine only loads it; server.py, `make model` and `fastserve make-model` build it (modelmaker/).
@@ -30,7 +30,7 @@ UNCHUNKED_BATCHED_TOKENS = 8192
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-SCHEDULING_POLICIES = tuple(p.value for p in PolicyName)  # srpt among them: the oracle, simulation only
+SCHEDULING_POLICIES = tuple(p.value for p in PolicyName)  # the srpt oracles among them: simulation only
 
 
 def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
@@ -103,8 +103,9 @@ class EngineConfig:
     num_host_blocks_override: int | None = setting(None, "host KV blocks, instead of --swap-space (default: from "
                                                          "--swap-space)")
     scheduling_policy: str = setting(
-        "skip-join-mlfq", "which jobs run each iteration (srpt: the simulator's oracle, which knows output lengths; "
-                          "not served live)", choices=SCHEDULING_POLICIES)
+        "skip-join-mlfq", "which jobs run each iteration (srpt: the simulator's oracle, which knows output lengths, "
+                          "with --starvation-age's bound; srpt-unbounded: without it; neither served live)",
+        choices=SCHEDULING_POLICIES)
     seed: int = setting(0, "seed of the engine's sampler (requests without their own seed) and of dummy weights; "
                            "simulate and compare seed their workload with it too")
     kv_policy: str = setting(
@@ -197,7 +198,7 @@ class EngineConfig:
         need(self.swap_space >= 0, "swap_space must be >= 0 GiB")
         need(self.num_host_blocks_override is None or self.num_host_blocks_override >= 0,
              "num_host_blocks_override must be >= 0")
-        policies = [p.value for p in PolicyName if p is not PolicyName.SRPT]
+        policies = [p.value for p in PolicyName if p not in ORACLES]
         need(self.scheduling_policy in SCHEDULING_POLICIES,
              f"scheduling_policy must be one of {', '.join(policies)}; got {self.scheduling_policy!r}")
         need(self.kv_policy in KV_POLICIES,

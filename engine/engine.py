@@ -38,7 +38,7 @@ from engine.sampling_params import SamplingParams, check_cache_salt
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
-from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy
+from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy, step_charges
 from scheduler.cost_model import chunk_budget
 from scheduler.policy import ScheduleDecision
 
@@ -58,7 +58,8 @@ class StepPlan:
     batch: ModelBatch
     seqs: list[SequenceState]
     start_time: float
-    cost: float  # profiled seconds charged to every job of the batch
+    cost: float  # profiled seconds of the iteration
+    charges: dict[Job, float]  # each job's share of it (scheduler.step_charges), charged to the job
 
 
 @dataclass
@@ -392,7 +393,7 @@ class Engine:
         token for each sequence it samples (seq.num_pending until commit_step appends the token; the next step
         computes it from a placeholder the executor fills); the jobs that end at this step by length leave the
         scheduler now (their KV is freed when the step completes); the step's profiled cost is charged to the
-        others, at its launch time (the synchronous engine charges at its end)."""
+        others (each its share), at its launch time (the synchronous engine charges at its end)."""
         charged = []
         max_len = self.max_model_len
         for seq, work in zip(plan.seqs, plan.batch.seqs):
@@ -406,7 +407,7 @@ class Engine:
                     self.scheduler.remove(job)  # (its last token: it ends at this step whatever the token)
                     continue
             charged.append(job)
-        self.scheduler.on_step_done(charged, plan.start_time, plan.cost)
+        self.scheduler.on_step_done(charged, plan.start_time, plan.cost, plan.charges)
 
     def complete_step(self) -> list[RequestOutput]:
         """Wait for the oldest step in flight and finish it. ExecutorDeadError (a worker died) propagates: no
@@ -472,6 +473,7 @@ class Engine:
             return None
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
+        charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))
         batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
         kv, caching = self.kv, self.kv.prefix_caching
         for s in seqs:
@@ -485,7 +487,7 @@ class Engine:
                 s.job.kv_busy += 1
             else:
                 s.job.in_flight = True
-        return StepPlan(decision, batch, seqs, now, cost)
+        return StepPlan(decision, batch, seqs, now, cost, charges)
 
     def _take_held_decision(self) -> ScheduleDecision | None:
         """The decision held while its copies ran (reactive-blocking), less the jobs that ended meanwhile (an
@@ -568,7 +570,8 @@ class Engine:
             job.num_scheduled = 0
         # Finished and aborted jobs have left the scheduler already: charge the rest.
         if not ahead:
-            self.scheduler.on_step_done([s.job for s in plan.seqs if s.finish_reason is None], end, plan.cost)
+            self.scheduler.on_step_done([s.job for s in plan.seqs if s.finish_reason is None], end, plan.cost,
+                                        plan.charges)
         self.num_steps += 1
         self.last_batch_size = len(plan.seqs)
         self._last_step_end = end

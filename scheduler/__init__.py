@@ -2,8 +2,10 @@
 profiled costs; no tensors, no block ids, no torch.
 
     policy = make_policy(SchedulerConfig(...), ProfiledCostModel.from_json(path))
-    policy.add(job, now); decision = policy.schedule(now, kv); ...
-    policy.on_step_done(decision.batch, now, cost)
+    policy.add(job, now); decision = policy.schedule(now, kv)
+    cost = cost_model.iteration_cost(decision.batch)  # (both read the jobs as the policy left them)
+    charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))
+    ... run the iteration ...; policy.on_step_done(decision.batch, now, cost, charges)
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from scheduler.fixed_priority import FixedPriorityPolicy
 from scheduler.gittins import GittinsPolicy
 from scheduler.job import Job
 from scheduler.mlfq import MLFQPolicy
-from scheduler.policy import CostModel, PolicyName, ScheduleDecision, SchedulerConfig, SchedulingPolicy
+from scheduler.policy import CostModel, PolicyName, ScheduleDecision, SchedulerConfig, SchedulingPolicy, step_charges
 from scheduler.skip_join_mlfq import SkipJoinMLFQPolicy
-from scheduler.srpt import SRPTPolicy
+from scheduler.srpt import SRPTPolicy, UnboundedSRPTPolicy
 
 _POLICIES: dict[PolicyName, type[SchedulingPolicy]] = {
     PolicyName.FCFS: FCFSPolicy,
@@ -24,6 +26,7 @@ _POLICIES: dict[PolicyName, type[SchedulingPolicy]] = {
     PolicyName.MLFQ: MLFQPolicy,
     PolicyName.FIXED_PRIORITY: FixedPriorityPolicy,
     PolicyName.SRPT: SRPTPolicy,
+    PolicyName.SRPT_UNBOUNDED: UnboundedSRPTPolicy,
     PolicyName.GITTINS: GittinsPolicy,
 }
 
@@ -52,5 +55,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulingPolicy",
     "SkipJoinMLFQPolicy",
+    "UnboundedSRPTPolicy",
     "make_policy",
+    "step_charges",
 ]

@@ -24,10 +24,10 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from scheduler.job import Job
-from scheduler.policy import KVAdmission, PolicyName, ScheduleDecision, SchedulingPolicy
+from scheduler.policy import KVAdmission, PolicyName, ScheduleDecision, SchedulingPolicy, charged
 
 
 class FCFSPolicy(SchedulingPolicy):
@@ -178,9 +178,10 @@ class FCFSPolicy(SchedulingPolicy):
         # of its class that arrived after it (or with it), so it goes ahead of them.
         bisect.insort(self._waiting, victim, key=self._key)
 
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        for job in batch:
-            job.service_total += cost
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float,
+                     charges: Mapping[Job, float] | None = None) -> None:
+        for job, charge in charged(batch, cost, charges):
+            job.service_total += charge
             job.last_scheduled_time = now
 
     def estimated_wait(self, job: Job, now: float) -> float:

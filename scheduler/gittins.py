@@ -36,9 +36,9 @@ Rule, on the engine's clock, every cost profiled:
   spread the server over ever more started jobs and finished fewer. Where it falls (heavy tails: ShareGPT,
   Alpaca) the rule is off, as for skip-join: there it only delayed new long prompts (P99 TTFT at 1.5C 13-262 s
   against 2.8-3 s without it).
-- Age promotion (starvation_age k, as skip-join's; None = off): a job whose time in the system exceeds k x the
-  mean time in the system (jobs held / completion rate over the last AGE_WINDOW completions: Little's law) goes
-  ahead of every other job of its request class, oldest first.
+- Age promotion (starvation_age k, as skip-join's; None = off; scheduler/age_promotion.py): a job whose time in
+  the system exceeds k x the mean time in the system (jobs held / completion rate over the last AGE_WINDOW
+  completions: Little's law) goes ahead of every other job of its request class, oldest first.
 - Request classes (Job.priority, lower first) come first. Batch formation, eviction and the preempted list:
   priority_policy.py; the ranks: KeyedPriorityPolicy (a dynamic key, re-ranked for the jobs a step ran, and for
   every job at a refresh).
@@ -46,23 +46,21 @@ Rule, on the engine's clock, every cost profiled:
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
 
+from scheduler.age_promotion import STARVING_KEY, AgePromotedPolicy
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig
-from scheduler.priority_policy import KeyedPriorityPolicy
 
 HISTORY = 2000  # finished jobs whose output lengths make the distribution
 MIN_HISTORY = 32  # finished jobs before the first distribution
 REFRESH_EVERY = 128  # finished jobs between refreshes
 DECODE_CONTEXT = 512  # the context length at which the decode share d is priced
 RERANK_BLOCK = 1024  # fresh jobs re-ranked per array operation at a refresh
-STARVING_KEY = -1e18  # key offset of age-promoted jobs (oldest first within it)
 
 
 class LearnedIndex:
@@ -141,7 +139,7 @@ def index_growth(lengths: Sequence[int]) -> float:
     return LearnedIndex(arr, 1.0, rows=(1, min(median, lmax - 1))).growth(median)
 
 
-class GittinsPolicy(KeyedPriorityPolicy):
+class GittinsPolicy(AgePromotedPolicy):
     name = PolicyName.GITTINS
     dynamic_key = True  # a job's index moves as it generates
     fresh_waits_for_started = False  # until the learned index says a started job is nearer its end (_refresh)
@@ -153,10 +151,6 @@ class GittinsPolicy(KeyedPriorityPolicy):
         self._price_at(config.max_num_seqs)  # until a refresh prices the work at the batch size running then
         self._learned: LearnedIndex | None = None  # the index learned from self._lengths (None before MIN_HISTORY)
         self._table_list: list[float] | None = None  # its started-job table, as a list (read per job in the hot loop)
-        self._starving: set[Job] = set()
-        self._by_arrival: deque[Job] = deque()
-        self._now = 0.0
-        self.num_promotions = 0  # age promotions
 
     # -- the index -------------------------------------------------------------------------------------------
     def _price_at(self, batch: int) -> None:
@@ -229,9 +223,7 @@ class GittinsPolicy(KeyedPriorityPolicy):
         self._sorted = False
         self._positions = None
 
-    def _key(self, job: Job) -> float:
-        if job in self._starving:
-            return STARVING_KEY + job.arrival_time
+    def _order_key(self, job: Job) -> float:
         g, table = job.num_generated, self._table_list
         if g and table is not None:  # started, prefill done: the table (the tick re-ranks each job of the batch)
             return -table[g] if g < len(table) else 0.0
@@ -241,12 +233,7 @@ class GittinsPolicy(KeyedPriorityPolicy):
     def remove(self, job: Job) -> None:
         held = job in self._seq
         super().remove(job)
-        if not held:
-            return
-        self._starving.discard(job)
-        if self.config.starvation_age is not None:
-            self._completions.append(self._now)
-        if job.finished and job.num_generated >= 1:
+        if held and job.finished and job.num_generated >= 1:
             self._lengths.append(job.num_generated)
             self._since_refresh += 1
             if (self._learned is None and len(self._lengths) >= MIN_HISTORY) or (
@@ -256,40 +243,3 @@ class GittinsPolicy(KeyedPriorityPolicy):
                 if running:
                     self._price_at(running)
                 self._refresh()
-
-    def add(self, job: Job, now: float) -> None:
-        super().add(job, now)
-        if self.config.starvation_age is not None:
-            self._by_arrival.append(job)
-
-    # -- age promotion ---------------------------------------------------------------------------------------
-    def _before_schedule(self, now: float) -> None:
-        self._now = now
-        if self._by_arrival:
-            self._promote_by_age(now)
-        super()._before_schedule(now)
-
-    def _promote_by_age(self, now: float) -> None:
-        limit = self.age_limit(now)
-        if limit is None:
-            return
-        queue = self._by_arrival
-        while queue and (queue[0] not in self._seq or now - queue[0].arrival_time > limit):
-            job = queue.popleft()
-            if job not in self._seq:
-                continue
-            self._starving.add(job)
-            job.num_promotions += 1
-            self.num_promotions += 1
-            if job.first_scheduled_time is None:  # fresh: its rank is fixed while fresh; place it anew
-                i = self._fresh_index(job)
-                del self._fresh[i], self._fresh_ranks[i]
-                rank = (job.priority, self._key(job), self._seq[job])
-                self._fixed_rank[job] = rank
-                k = bisect.bisect_right(self._fresh_ranks, rank)
-                self._fresh.insert(k, job)
-                self._fresh_ranks.insert(k, rank)
-            else:
-                self._ranks_moved((job,))
-                self._sorted = False
-            self._positions = None

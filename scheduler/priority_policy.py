@@ -73,13 +73,13 @@ import bisect
 import itertools
 from abc import abstractmethod
 from collections import Counter, deque
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from itertools import filterfalse
 from operator import itemgetter
 from typing import ClassVar
 
 from scheduler.job import Job
-from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, SchedulerConfig, SchedulingPolicy
+from scheduler.policy import CostModel, KVAdmission, ScheduleDecision, SchedulerConfig, SchedulingPolicy, charged
 from scheduler.victims import Victims
 
 START_WAIT_WEIGHT = 0.05  # of each started job in the running average W of waits to first run
@@ -265,10 +265,11 @@ class PriorityPolicy(SchedulingPolicy):
         for job in started:
             job.first_scheduled_time = now
 
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        for job in batch:
-            job.service_in_queue += cost
-            job.service_total += cost
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float,
+                     charges: Mapping[Job, float] | None = None) -> None:
+        for job, charge in charged(batch, cost, charges):
+            job.service_in_queue += charge
+            job.service_total += charge
             job.last_scheduled_time = now
 
 
@@ -621,8 +622,9 @@ class KeyedPriorityPolicy(PriorityPolicy):
                 self._started_ranks = list(map(ranks.__getitem__, places))
                 self._sorted = True
 
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
-        super().on_step_done(batch, now, cost)
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float,
+                     charges: Mapping[Job, float] | None = None) -> None:
+        super().on_step_done(batch, now, cost, charges)
         waits = self._waits
         for job in batch:  # their contexts grew (and a dynamic key moved): their wait estimates are stale
             waits.pop(job, None)

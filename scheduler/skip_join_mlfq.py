@@ -6,11 +6,12 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   q1 = t_dec(batch 1, a 16-token context) and q_(i+1) = quantum_ratio * q_i,
   with just enough queues that q_n covers the longest service: with the
   "service" ladder (mlfq_ladder; the engine's default) t_init(max_prompt_len)
-  plus max_prompt_len decode steps of a full batch, so a job keeps sinking
-  as it decodes and the queues order jobs by the service they have had
-  (least attained service first, at a quantum_ratio granularity); with the
+  plus max_prompt_len decode steps alone (a job's share of a step is largest
+  when it runs alone), so a job keeps sinking as it decodes and the queues
+  order jobs by the service they have had (least attained service first,
+  at a quantum_ratio granularity); with the
   paper's "prefill" ladder t_init(max_prompt_len) (5 queues for OPT-13B, so
-  after a few output tokens every job is in the last queue).
+  a job that has decoded a while is in the last queue).
 - Skip-join: a new job enters the highest queue whose quantum covers its
   first iteration, min{i : q_i >= t_init(prompt_len)} (the last queue if none).
   With prefix caching the first iteration is the work the job really needs:
@@ -22,16 +23,18 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   cached blocks are evicted before it starts it computes more, in that queue.
   With chunked prefill (enable_chunked_prefill) the rule still prices the whole
   prompt: the job enters the queue whose quantum covers its whole prefill, each
-  chunk's iteration is charged to it there like any iteration (so its chunks
+  chunk is charged to it there like any of its work (so its chunks
   may use up the quantum and demote it before its first token), and a partly
   prefilled job is an ordinary started job of its queue for the batch, eviction
   and ENST (T_execute counts it as any job of its queue; its own ENST is that
   of a job waiting in its queue).
-- Each iteration every job of the batch is charged the whole iteration's
-  cost; when a job's service in its queue exceeds the queue's quantum it is
-  demoted by eta (demotion_step) queues, clamped to the last (in the last
-  queue it goes to the tail: round robin, under the paper's rules), and its
-  service is reset.
+- Each iteration every job of the batch is charged its share of the
+  iteration's cost, by the tokens it computes in it (scheduler/policy.py,
+  step_charges: not the whole iteration, which burnt a decoding job's
+  quantum beside a long prompt); when a job's service in its queue exceeds
+  the queue's quantum it is demoted by eta (demotion_step) queues, clamped
+  to the last (in the last queue it goes to the tail: round robin, under the
+  paper's rules), and its service is reset.
 - Starvation prevention: a job not in the batch whose starve time exceeds
   alpha (starvation_threshold; None = off) is promoted to the tail of Q1,
   its service reset. A job already in Q1 stays where it is.
@@ -112,12 +115,12 @@ import itertools
 import math
 import operator
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import filterfalse
 
 from scheduler.gittins import HISTORY, REFRESH_EVERY, index_growth
 from scheduler.job import Job
-from scheduler.policy import CostModel, PolicyName, SchedulerConfig
+from scheduler.policy import CostModel, PolicyName, SchedulerConfig, charged
 from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
 
 SHORT_CONTEXT = 16  # tokens: the context at which q1 = t_dec(1, SHORT_CONTEXT)
@@ -126,8 +129,9 @@ STARVING = -(1 << 30)  # the band of age-promoted jobs: before every request cla
 
 def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
     """[q1, q2, ...]: geometric by quantum_ratio, the last covering the longest service a job can need: with the
-    "service" ladder its first iteration and max_prompt_len decode steps of a full batch at half the context
-    (every job is charged the whole iteration), with the paper's "prefill" ladder t_init(max_prompt_len)."""
+    "service" ladder its first iteration and max_prompt_len decode steps at half the context, each alone (a job is
+    charged its share of each iteration, step_charges: the most when it runs alone), with the paper's "prefill"
+    ladder t_init(max_prompt_len)."""
     q1 = cost.t_dec(1, SHORT_CONTEXT)
     if not q1 > 0:
         raise ValueError(f"the profile's decode time at batch 1 is {q1} s; it must be > 0 to set quanta")
@@ -135,7 +139,7 @@ def mlfq_quanta(config: SchedulerConfig, cost: CostModel) -> list[float]:
     if not math.isfinite(longest):
         raise ValueError(f"the profile's prefill time for {config.max_prompt_len} tokens is {longest} s")
     if config.mlfq_ladder == "service":
-        step = cost.t_dec(config.max_num_seqs, max(1, config.max_prompt_len // 2))
+        step = cost.t_dec(1, max(1, config.max_prompt_len // 2))
         longest += config.max_prompt_len * step
     quanta = [q1]
     while quanta[-1] < longest:
@@ -543,7 +547,8 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
             promoted += 1
         return promoted
 
-    def on_step_done(self, batch: Sequence[Job], now: float, cost: float) -> None:
+    def on_step_done(self, batch: Sequence[Job], now: float, cost: float,
+                     charges: Mapping[Job, float] | None = None) -> None:
         # PriorityPolicy.on_step_done's charging, fused with the demotion check: one pass per job.
         last, eta, limits, band_of = len(self.quanta) - 1, self.config.demotion_step, self._limits, self._band_of
         bands, entry, seq = self._bands, self._entry, self._seq
@@ -552,10 +557,10 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if held:
             for job in batch:
                 held.pop(job, None)
-        for job in batch:
-            job.service_total += cost
+        for job, charge in charged(batch, cost, charges):
+            job.service_total += charge
             job.last_scheduled_time = now
-            service = job.service_in_queue = job.service_in_queue + cost
+            service = job.service_in_queue = job.service_in_queue + charge
             if service > limits[job.queue] and band_of.get(job, STARVING) != STARVING:  # used up its quantum
                 level = job.queue
                 new = min(level + eta, last)

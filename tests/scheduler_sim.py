@@ -10,18 +10,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memory.residency import Allocation
-from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy
+from scheduler import Job, ProfiledCostModel, ScheduleDecision, SchedulingPolicy, step_charges
 
 
-def make_cost(decode_at_batch_8: float = 1.0) -> ProfiledCostModel:
+def make_cost(decode_at_batch_8: float = 1.0, decode_by_context: dict[int, tuple[float, float]] | None = None
+              ) -> ProfiledCostModel:
     """t_init(L) = L / 8 s; t_dec = 1 s at batch 1, decode_at_batch_8 at batch 8, any context.
-    With max_prompt_len = 64 and ratio 2 the quanta are [1, 2, 4, 8]."""
+    With max_prompt_len = 64 and ratio 2 the quanta are [1, 2, 4, 8]. decode_by_context: instead, context ->
+    (t_dec at batch 1, at batch 8)."""
+    by_context = decode_by_context or {16: (1.0, decode_at_batch_8)}
     return ProfiledCostModel.from_dict(
         {
             "schema": "fastserve.profile/1",
             "key": {"model": "test"},
             "prefill": {"prompt_lens": [0, 64], "seconds": [0.0, 8.0]},
-            "decode": {"batch_sizes": [1, 8], "context_lens": [16], "seconds": [[1.0], [decode_at_batch_8]]},
+            "decode": {"batch_sizes": [1, 8], "context_lens": list(by_context),
+                       "seconds": [list(row) for row in zip(*by_context.values())]},
         }
     )
 
@@ -149,11 +153,12 @@ def simulate(
             now += 0.5
             continue
         cost = policy.cost.iteration_cost(decision.batch)
+        charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))  # (before the jobs move on)
         now += cost
         for job in decision.batch:
             job.num_computed = job.context_len
             job.num_generated += 1
-        policy.on_step_done(decision.batch, now, cost)
+        policy.on_step_done(decision.batch, now, cost, charges)
         for job in decision.batch:
             if job.num_generated >= job.max_new_tokens:
                 job.finished = True

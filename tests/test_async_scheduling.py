@@ -155,6 +155,22 @@ def test_async_scheduling_under_preemption_gives_the_synchronous_outputs(tiny_mo
     assert all(len(outs[-1].outputs[0].token_ids) == 40 for outs in ahead.values())
 
 
+def test_a_launched_step_is_charged_to_each_job_by_its_share(tiny_model_dir):
+    """Charged at launch, as the synchronous engine charges at the end: an 8-token and a 3-token prompt prefilled
+    in one step are charged 8/11 and 3/11 of it, and each of their decodes half of a step."""
+    llm = make_llm(tiny_model_dir, True)
+    steps = []
+    charge = llm.engine.scheduler.on_step_done
+
+    def record(batch, now, cost, charges=None):
+        steps.append([charges[j] / cost for j in batch] if charges is not None else None)
+        charge(batch, now, cost, charges)
+
+    llm.engine.scheduler.on_step_done = record
+    llm.generate([[2, *range(10, 17)], [2, 20, 21]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert steps == [pytest.approx([8 / 11, 3 / 11]), pytest.approx([0.5, 0.5]), []]  # (the third ends both)
+
+
 def test_an_abort_with_a_step_in_flight_frees_the_kv_when_the_step_is_done(tiny_model_dir):
     requests = [(f"r{i}", p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
                 for i, p in enumerate(PROMPTS[:4])]

@@ -117,9 +117,10 @@ def test_compare_refuses_a_scheduling_policy_flag_before_starting_anything(tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_the_server_refuses_the_simulators_oracle(capsys):
-    assert server.main(["--scheduling-policy", "srpt", "--port", "0"]) == 2
-    assert "srpt is the simulator's oracle" in capsys.readouterr().err
+@pytest.mark.parametrize("oracle", ["srpt", "srpt-unbounded"])
+def test_the_server_refuses_the_simulators_oracle(capsys, oracle):
+    assert server.main(["--scheduling-policy", oracle, "--port", "0"]) == 2
+    assert f"{oracle} is the simulator's oracle" in capsys.readouterr().err
 
 
 def simulated(model: Path, profile: Path, *flags: str):

@@ -196,6 +196,15 @@ def test_age_promotion_puts_the_oldest_first() -> None:
         assert p.num_promotions == (1 if age else 0)
 
 
+def test_the_decode_share_is_priced_at_a_512_token_context() -> None:
+    """d = t_dec(b, 512) / b, b the batch (max_num_seqs before any refresh). On a profile whose decode step grows
+    with the context (8 jobs: 2 s at 16 tokens, 4 s at 512, 8 s at 2,048) d = 0.5 s, and a started job with one
+    token out and nothing learned has the index 1 / (2 d) = 1."""
+    cost = make_cost(decode_by_context={16: (1.0, 2.0), 512: (2.0, 4.0), 2048: (4.0, 8.0)})
+    p = GittinsPolicy(SchedulerConfig(max_prompt_len=64, starvation_threshold=None, max_num_seqs=8), cost)
+    assert p.index(job("a", generated=1)) == pytest.approx(1.0)
+
+
 def test_a_step_is_charged_once() -> None:
     """service_total (telemetry) counts each step's cost once, as for every priority policy."""
     p = policy()

@@ -145,6 +145,20 @@ def test_starvation_factor_holds_back_promotion_of_jobs_that_never_ran():
         assert (y.first_scheduled_time, y.num_promotions) == (first_run, promotions), factor
 
 
+def test_the_recent_wait_to_a_first_run_is_an_average_weighing_each_start_1_in_20():
+    """W moves 1/20 of the way to each started job's wait: a job that waited 10 s makes it 0.5 s (with factor 1 a
+    job is then promoted after max(alpha 0.3 s, W)), the next one, which waited 2.5 s, 0.6 s."""
+    policy = mlfq(max_num_seqs=1, starvation_threshold=0.3, starvation_factor=1.0)
+    a, b = job("a", 8, output=5), job("b", 8, output=5, arrival=8.0)
+    policy.add(a, 0.0)
+    policy.schedule(10.0, _Roomy())
+    assert policy.start_wait_ema == pytest.approx(0.5) and policy.promotion_threshold() == pytest.approx(0.5)
+    policy.remove(a)
+    policy.add(b, 8.0)
+    policy.schedule(10.5, _Roomy())
+    assert policy.start_wait_ema == pytest.approx(0.6)
+
+
 def test_starvation_factor_holds_back_promotion_of_preempted_jobs():
     """One slot, alpha 1 s. x (64-token prompt: Q4, quantum 8, t_init 8 s) runs from t=0 to 8; y (8 tokens:
     Q1) arrives at t=0.5 and takes the slot at t=8 (ends 9). x last ran at t=0. Paper's rule: at t=9 x has

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Job, PolicyName, make_policy
+from scheduler import Job, PolicyName, make_policy, step_charges
 from tests.scheduler_sim import FakeKV
 from tests.test_scheduler_rules import COST, config, mlfq, roomy, step
 
@@ -39,10 +39,11 @@ def run(policy, jobs: list[Job], ticks: int, kv: FakeKV | None = None) -> list[l
 
 def step_done(policy, batch: list[Job], now: float) -> tuple[list[str], float]:
     cost = COST.iteration_cost(batch)
+    charges = dict(zip(batch, step_charges(batch, cost)))
     for j in batch:
         j.num_computed = j.context_len
         j.num_generated += 1
-    policy.on_step_done(batch, now + cost, cost)
+    policy.on_step_done(batch, now + cost, cost, charges)
     return [j.job_id for j in batch], now + cost
 
 

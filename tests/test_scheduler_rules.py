@@ -21,8 +21,11 @@ from scheduler import (
     SchedulerConfig,
     SkipJoinMLFQPolicy,
     SRPTPolicy,
+    UnboundedSRPTPolicy,
     make_policy,
+    step_charges,
 )
+from scheduler.policy import step_tokens
 from tests.scheduler_sim import FakeKV, make_cost
 
 COST = make_cost()
@@ -46,10 +49,11 @@ def step(policy, kv: FakeKV, now: float) -> tuple[list[str], float]:
     """One engine iteration: schedule at `now`, run, charge; returns (batch ids, end time)."""
     decision = policy.schedule(now, kv)
     cost = COST.iteration_cost(decision.batch)
+    charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))
     for j in decision.batch:
         j.num_computed = j.context_len
         j.num_generated += 1
-    policy.on_step_done(decision.batch, now + cost, cost)
+    policy.on_step_done(decision.batch, now + cost, cost, charges)
     return [j.job_id for j in decision.batch], now + cost
 
 
@@ -77,6 +81,7 @@ def test_scheduler_never_imports_torch() -> None:
         (PolicyName.MLFQ, MLFQPolicy),
         (PolicyName.FIXED_PRIORITY, FixedPriorityPolicy),
         (PolicyName.SRPT, SRPTPolicy),
+        (PolicyName.SRPT_UNBOUNDED, UnboundedSRPTPolicy),
     ],
 )
 def test_make_policy_builds_the_named_policy(name: PolicyName, cls: type) -> None:
@@ -101,6 +106,13 @@ def test_config_rejects_a_non_positive_max_prompt_len() -> None:
 def test_quanta_are_geometric_until_the_longest_prompt_fits(ratio: float, expected: list[float]) -> None:
     # q1 = t_dec(1, 16) = 1; the last quantum is the first that covers t_init(64) = 8.
     assert mlfq(quantum_ratio=ratio).quanta == pytest.approx(expected)
+
+
+def test_q1_is_a_decode_step_of_one_job_at_a_short_context() -> None:
+    """q1 = t_dec(1, 16). On a profile whose decode step grows with the batch and the context (one job: 1 s at 16
+    tokens, 2 s at 512; eight jobs: 3 s and 4 s) the ladder starts at 1 s."""
+    cost = make_cost(decode_by_context={16: (1.0, 3.0), 512: (2.0, 4.0)})
+    assert SkipJoinMLFQPolicy(config(max_num_seqs=8), cost).quanta == [1, 2, 4, 8]
 
 
 def test_a_new_job_skips_to_the_highest_queue_that_covers_its_prefill() -> None:
@@ -162,6 +174,62 @@ def test_demotion_once_the_quantum_is_used() -> None:
     assert policy.num_demotions == 1
 
 
+def test_a_decode_beside_a_long_prompt_is_charged_its_share_and_keeps_its_queue() -> None:
+    """a (4-token prompt, Q1) has had its prefill alone (t_init = 0.5 s of q1 = 1 s). Next it decodes in one
+    iteration with a new 64-token prompt b (Q4): the iteration costs 8 s (the prompt's pass), and each job is
+    charged its tokens' share, a 1/65, b 64/65. a keeps Q1 and b its entry queue. Charged the whole iteration
+    (the paper's rule), a would have used q1 8 times over in one token and sunk below b."""
+    policy, kv = mlfq(max_num_seqs=2), roomy()
+    a, b = job("a", 4, output=10), job("b", 64)
+    policy.add(a, 0.0)
+    _, t = step(policy, kv, 0.0)
+    assert (a.queue, a.service_in_queue) == (0, 0.5)
+    policy.add(b, t)
+    batch, end = step(policy, kv, t)
+    assert batch == ["a", "b"] and end - t == 8.0
+    assert a.service_in_queue == pytest.approx(0.5 + 8 / 65) and b.service_in_queue == pytest.approx(8 * 64 / 65)
+    assert (a.queue, b.queue, a.num_demotions, policy.num_demotions) == (0, 3, 0, 0)
+    assert a.service_total + b.service_total == pytest.approx(0.5 + 8.0)  # the charges add up to the time run
+
+
+def test_a_job_is_charged_by_the_tokens_it_computes() -> None:
+    """A first chunk of 16 of 64 prompt tokens; the 16 left after a 48-token prefix found cached at allocation
+    (it was given the whole prompt); a recompute of 8 prompt and 8 output tokens; a decode: 16, 16, 16 and 1
+    of the iteration's 49 tokens."""
+    chunk, rest, redo, decode = job("chunk", 64), job("rest", 64), job("redo", 8), job("decode", 8)
+    chunk.num_scheduled = 16
+    rest.num_computed, rest.num_scheduled = 48, 64
+    redo.num_generated, redo.num_scheduled = 8, 16
+    decode.num_generated, decode.num_computed, decode.num_scheduled = 3, 10, 1
+    jobs = [chunk, rest, redo, decode]
+    assert [step_tokens(j) for j in jobs] == [16, 16, 16, 1]
+    assert step_charges(jobs, 9.8) == pytest.approx([3.2, 3.2, 3.2, 0.2])
+
+
+def test_demotion_needs_service_past_the_quantum_beyond_float_noise() -> None:
+    """Q2's quantum is 2 s. Ten charges of 0.1 s after 1 s add up to 2.000000000000001 s in floats: not past
+    the quantum; 2.001 s is (demotion needs more than the quantum x (1 + 1e-9))."""
+    for charges, queue in (([1.0] + [0.1] * 10, 1), ([2.001], 2)):
+        policy = mlfq()
+        a = job("a", 16)
+        policy.add(a, 0.0)
+        for charge in charges:
+            policy.on_step_done([a], 0.0, charge)
+        assert a.queue == queue, charges
+
+
+@pytest.mark.parametrize("name", list(PolicyName))
+def test_every_policy_charges_each_job_its_share(name: PolicyName) -> None:
+    """Two prompts, 4 and 64 tokens, in one 8 s iteration (the 64-token prompt's pass): 8 x 4/68 and 8 x 64/68."""
+    policy = make_policy(config(policy=name, max_num_seqs=2), COST)
+    a, b = job("a", 4), job("b", 64)
+    policy.add(a, 0.0)
+    policy.add(b, 0.0)
+    batch, end = step(policy, roomy(), 0.0)
+    assert sorted(batch) == ["a", "b"] and end == 8.0
+    assert (a.service_total, b.service_total) == pytest.approx((8 * 4 / 68, 8 * 64 / 68))
+
+
 def test_demotion_drops_eta_queues_and_stops_at_the_last() -> None:
     policy = mlfq(demotion_step=2)
     a, b = job("a", 8), job("b", 64)  # Q1 and Q4
@@ -221,11 +289,15 @@ def test_no_promotion_without_alpha() -> None:
 
 def test_the_service_ladder_covers_a_whole_job_decode_included() -> None:
     """Prefill ladder: the last quantum covers t_init(64) = 8. Service ladder: it covers t_init(64) plus 64
-    decode steps of a full batch (64 x 1 s): 72 s, so [1, 2, ..., 128]; skip-join's entry is the same."""
+    decode steps alone (64 x 1 s): 72 s, so [1, 2, ..., 128]; skip-join's entry is the same."""
     prefill, service = mlfq(), mlfq(mlfq_ladder="service")
     assert prefill.quanta == [1, 2, 4, 8]
     assert service.quanta == [1, 2, 4, 8, 16, 32, 64, 128]
     assert [service.entry_queue(n) for n in (8, 16, 32, 64)] == [0, 1, 2, 3]
+    # A job's share of a decode step is largest when it runs alone: a slower step of a full batch (4 s at 8 jobs,
+    # 0.5 s each) does not raise the ladder.
+    slow_batch = SkipJoinMLFQPolicy(config(mlfq_ladder="service", max_num_seqs=8), make_cost(decode_at_batch_8=4.0))
+    assert slow_batch.quanta == service.quanta
     with pytest.raises(ValueError, match="mlfq_ladder"):
         SchedulerConfig(mlfq_ladder="tokens")
 
@@ -262,30 +334,55 @@ def test_enst_divides_by_the_batch_running_now_not_the_batch_limit() -> None:
     assert policy.estimated_wait(t, 0.0) == pytest.approx(2 * 7 / 1)  # one at a time
 
 
+def beside_a_stream(policy, long: Job, shorts: int) -> tuple[float | None, float]:
+    """One-token jobs of 8-token prompts (1 s each) arrive back to back from t=0, each when the one before it
+    ends, `shorts` of them; the long job is added at its arrival time (max_num_seqs 1 keeps one job running).
+    Returns when the long job finished (None: not while the stream lasted) and its longest wait (starve time
+    at a tick) until then."""
+    kv, t, finished, longest = roomy(), 0.0, None, 0.0
+    for i in range(shorts):
+        if long.arrival_time <= t and long not in policy.jobs and finished is None:
+            policy.add(long, long.arrival_time)
+        short = job(f"s{i}", 8, arrival=t, output=1)
+        policy.add(short, t)
+        while short.num_generated < 1:
+            if long in policy.jobs:
+                longest = max(longest, long.starve_time(t))
+            _, t = step(policy, kv, t)
+            if long.num_generated >= long.max_new_tokens and finished is None:
+                finished = t
+                policy.remove(long)
+        policy.remove(short)
+    return finished, longest
+
+
 def test_age_promotion_runs_an_old_job_to_completion_ahead_of_new_ones() -> None:
     """A stream of one-token jobs (Q1) keeps a long job (Q4) waiting under least-attained-service order.
     With starvation_age 2, once 32 jobs have finished and the long job is older than 2x the mean time in
     the system (jobs held / completion rate), it moves above every queue and runs to completion while the
     stream goes on. Without it, it waits for the whole stream."""
-    for age, finished_by in ((2.0, 60), (None, None)):
-        policy, kv = mlfq(max_num_seqs=1, mlfq_ladder="service", starvation_age=age), roomy()
+    for age in (2.0, None):
+        policy = mlfq(max_num_seqs=1, mlfq_ladder="service", starvation_age=age)
         long = job("long", 64, output=20)
-        policy.add(long, 0.0)
-        t, done_at = 0.0, None
-        for i in range(80):
-            short = job(f"s{i}", 8, arrival=t, output=1)
-            policy.add(short, t)
-            while short.num_generated < 1:
-                batch, t = step(policy, kv, t)
-                if long.num_generated >= long.max_new_tokens and done_at is None:
-                    done_at = i
-                    policy.remove(long)
-            policy.remove(short)
+        finished, longest = beside_a_stream(policy, long, 80)
         if age is None:
-            assert done_at is None and long.num_generated == 0 and policy.num_promotions == 0
-        else:
-            assert done_at is not None and done_at <= finished_by
+            assert finished is None and long.num_generated == 0 and policy.num_promotions == 0
+        else:  # promoted at t=32, it runs its prefill (8 s) and 19 decodes (1 s each) without a break
+            assert (finished, longest) == (59.0, 32.0)
             assert long.num_promotions == 1 and long.num_demotions == 0  # promoted once, never demoted
+
+
+@pytest.mark.parametrize("name", [PolicyName.SKIP_JOIN_MLFQ, PolicyName.SRPT, PolicyName.GITTINS])
+def test_age_promotion_takes_a_job_older_than_k_times_the_mean_time_in_the_system(name: PolicyName) -> None:
+    """At t=T the stream has finished T jobs at one a second and holds 2 (the one running and the long one):
+    the mean time in the system is 2 / 1 = 2 s, so with starvation_age 2 a job older than 4 s is promoted. The
+    long job arrives at 40, behind every short one in each order: at 44 it is exactly 4 s old and waits; at 45
+    it is promoted and starts."""
+    policy = make_policy(config(policy=name, max_num_seqs=1, mlfq_ladder="service", starvation_age=2.0), COST)
+    long = job("long", 64, arrival=40.0, output=20)
+    beside_a_stream(policy, long, 60)
+    assert policy.age_limit(45.0) is not None and long.num_promotions == 1
+    assert long.first_scheduled_time == 45.0
 
 
 # -- batch formation ----------------------------------------------------------------------------
@@ -479,6 +576,35 @@ def test_srpt_runs_the_fewest_remaining_tokens_first() -> None:
     policy.add(c, t)
     decision = policy.schedule(t, kv)
     assert decision.batch == [c] and decision.preempted == [a]  # 1 left against a's 2
+
+
+def test_the_completion_rate_is_read_over_the_last_256_completions() -> None:
+    """400 jobs finish, one a second from t=0 to 299, then two a second to t=350. At t=351 the last 256
+    completions (from t=144) came at 256 / 207 per second; with one job held and starvation_age 1 the age limit
+    is 1 x 1 / that rate."""
+    policy, kv = make_policy(config(policy=PolicyName.SRPT, starvation_age=1.0), COST), roomy()
+    for i, done in enumerate([float(i) for i in range(300)] + [300 + 0.5 * i for i in range(1, 101)]):
+        j = job(f"j{i}", 8, arrival=done)
+        policy.add(j, done)
+        policy.schedule(done, kv)
+        policy.remove(j)
+    policy.add(job("held", 8, arrival=350.0), 350.0)
+    assert policy.age_limit(351.0) == pytest.approx(207 / 256)
+
+
+def test_the_srpt_oracle_bounds_the_longest_wait_and_the_unbounded_one_does_not() -> None:
+    """A long job beside a stream of one-token jobs. srpt (starvation_age 2, the bound of the defaults) promotes
+    it once 32 jobs have finished: its longest wait is 32 s however long the stream. srpt-unbounded never runs
+    it while the stream lasts: its wait is the stream's length."""
+    waits = {}
+    for name in (PolicyName.SRPT, PolicyName.SRPT_UNBOUNDED):
+        for shorts in (80, 160):
+            policy = make_policy(config(policy=name, max_num_seqs=1, starvation_age=2.0), COST)
+            long = job("long", 64, output=20)
+            finished, waits[(name, shorts)] = beside_a_stream(policy, long, shorts)
+            assert (finished is None) == (name is PolicyName.SRPT_UNBOUNDED)
+    assert waits == {(PolicyName.SRPT, 80): 32.0, (PolicyName.SRPT, 160): 32.0,
+                     (PolicyName.SRPT_UNBOUNDED, 80): 79.0, (PolicyName.SRPT_UNBOUNDED, 160): 159.0}
 
 
 # -- FCFS ----------------------------------------------------------------------------------------

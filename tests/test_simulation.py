@@ -60,6 +60,27 @@ def test_skip_join_preempts_a_long_job_for_a_short_one(sim_dirs):
     assert e2e(default) == pytest.approx(e2e(sj))
 
 
+def test_the_engine_charges_each_job_its_share_of_a_step(sim_dirs):
+    """A (t=0, 10-token prompt) prefills (0-1.0, entering the queue of quantum 1.6 s) and decodes; B (t=1.05,
+    10 tokens) joins it at 1.1: that step costs 1.0 s (B's prefill), of which A's one token is charged 1/11 and
+    B's ten tokens 10/11. A keeps its queue (1.0 + 0.1 + 1/11 < 1.6 s). Charged the whole step, A had 2.1 s
+    there and was demoted."""
+    model, profile = sim_dirs
+    eng = simulated_engine(model, profile, num_device_blocks=1000, scheduling_policy="skip-join-mlfq",
+                           max_num_seqs=2)
+    steps = []
+    charge = eng.scheduler.on_step_done
+
+    def record(batch, now, cost, charges=None):
+        charge(batch, now, cost, charges)
+        steps.append((cost, {j.job_id: (round(charges[j], 6), j.queue) for j in batch} if charges else None))
+
+    eng.scheduler.on_step_done = record
+    run_trace(eng, [(0.0, 10, 5), (1.05, 10, 3)])
+    assert steps[:3] == [(1.0, {"0#0": (1.0, 4)}), (pytest.approx(0.1), {"0#0": (0.1, 4)}),
+                         (1.0, {"0#0": (round(1 / 11, 6), 4), "1#0": (round(10 / 11, 6), 4)})]
+
+
 @pytest.mark.parametrize("kv_policy", ["proactive", "reactive", "recompute"])
 def test_simulation_is_deterministic_and_finishes_under_memory_pressure(sim_dirs, kv_policy):
     model, profile = sim_dirs

@@ -42,6 +42,24 @@ def test_the_index_test_reads_alike_and_heavy_tailed_lengths_apart() -> None:
     assert ALIKE_OFF < index_growth(BETWEEN) < ALIKE_ON
 
 
+def test_the_mode_is_read_from_256_finished_jobs_on_at_a_growth_of_2_off_at_1(monkeypatch) -> None:
+    """The index growth of the finished lengths (stubbed here) is first read when 256 jobs have finished, then
+    every 128: the mode turns on at 2 or more and off again at 1 or less."""
+    reading = [2.0]
+    monkeypatch.setattr("scheduler.skip_join_mlfq.index_growth", lambda lengths: reading[0])
+    early = policy()
+    finish(early, [5] * 255)
+    assert not early.alike_lengths
+    finish(early, [5])
+    assert early.alike_lengths
+    p, seen = policy(), []
+    for growth, jobs in ((1.99, 256), (2.0, 127), (2.0, 1), (1.01, 128), (1.0, 128)):
+        reading[0] = growth
+        finish(p, [5] * jobs)
+        seen.append(p.alike_lengths)
+    assert seen == [False, False, True, True, False]
+
+
 def test_between_the_thresholds_the_mode_keeps_what_it_was() -> None:
     """Hysteresis: lengths whose index grows by less than ALIKE_ON do not turn the mode on, and do not turn it off."""
     off = policy()
