@@ -110,8 +110,8 @@ def resolve_chunking(config: EngineConfig, device_type: str, cost: ProfiledCostM
                      block_size: int) -> tuple[bool, int]:
     """(chunked prefill on, max_num_batched_tokens) as the engine runs them. Chunked prefill: as configured, else
     on where the model runs on CUDA and off elsewhere: on this CPU chunking raised the tiny model's P99 ITL and
-    the simulator ("meta") keeps the unchunked runs its experiments were measured with (docs/benchmarks.md,
-    "Chunked prefill: the default"). The budget: as configured, else with chunking the one the job profile picks
+    the simulator ("meta") keeps the unchunked runs its experiments were measured with (docs/scheduling.md,
+    "Chunked prefill"). The budget: as configured, else with chunking the one the job profile picks
     (scheduler/cost_model.py chunk_budget), without it UNCHUNKED_BATCHED_TOKENS."""
     chunked = config.enable_chunked_prefill
     if chunked is None:

@@ -4,8 +4,8 @@ loop) on a VirtualClock with the SimulatedExecutor.
     engine = simulated_engine(model_dir, profile_path, scheduling_policy="skip-join-mlfq", ...)
     result = run_trace(engine, [(arrival_s, prompt_len, output_len), ...])
 
-A model directory needs only config.json and tokenizer files (scripts/
-make_tiny_model.py writes config-only directories for the large shapes). The
+A model directory needs only config.json and tokenizer files (`fastserve
+make-model` writes config-only directories for the large shapes). The
 profile gives iteration costs and may carry the simulator's extra fields:
 
     "transfer": {"host_to_device_bytes_per_s": float, "device_to_host_bytes_per_s": float},

@@ -7,7 +7,7 @@ After the scheduler has picked the batch, every tick:
    prefill), plus the burst slots kept for arriving jobs. (It was len(batch),
    a block for every job, ~16x what a decode batch adds with 16-token blocks:
    at capacity it pushed out idle jobs to keep room nobody used, and each came
-   back as an upload; docs/benchmarks.md, "Proactive prefetch, session 14".)
+   back as an upload; docs/kv-cache.md, "Offload policies".)
    Counting blocks already being offloaded
    as free-to-be, while below it: offload the idle device-resident job with
    the LARGEST estimated_wait (ENST), never one in the batch and never one

@@ -19,7 +19,7 @@ Rule, on the engine's clock, every cost profiled:
   batch_cost([n], b x 512) - batch_cost([], b x 512). (It was t_init(n), the prompt alone: a full pass over
   the weights, 20-50 decode shares for a 20-token prompt on OPT-13B, which ranked fresh jobs below started
   ones; on Alpaca at 2x capacity one seed of three then read 1.8x skip-join's mean, new jobs waiting at the
-  door: P99 TTFT 22 s. docs/benchmarks.md, "A learned order".)
+  door: P99 TTFT 22 s. docs/scheduling.md, "Gittins".)
 - The output length L (tokens, >= 1) has the empirical distribution of the last HISTORY finished jobs. A job
   that has generated g tokens has the index
       G = max over thresholds t > g (lengths seen) of

@@ -155,7 +155,7 @@ class SchedulerConfig:
     # Overload: a job is promoted only once it has waited max(alpha, this x the recent wait of jobs at
     # their first run) (an EMA); below capacity that wait is under alpha, so this is alpha. None = alpha
     # (the paper's rule, this unit's default; the engine's default is 1, engine/config.py). See
-    # scheduler/skip_join_mlfq.py and docs/benchmarks.md, "Past capacity".
+    # scheduler/skip_join_mlfq.py and docs/experiments.md, "Past capacity".
     starvation_factor: float | None = None
     # Age promotion (skip-join MLFQ and naive MLFQ): a job in the system longer than this x the current mean time
     # in the system (Little's law: jobs held / recent completion rate) moves to a band above every queue and

@@ -55,7 +55,7 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   keeps its order (no round robin: a job there is never rotated to the
   tail), since past capacity each rotation parks a job on the host and
   brings another back, copies that take batch room (measured in
-  docs/benchmarks.md, "Past capacity"). Both change nothing while every job
+  docs/experiments.md, "Past capacity"). Both change nothing while every job
   fits the batch.
 - Alike-lengths mode (adapt_to_alike_lengths; off by default, and never for
   naive MLFQ): from the output lengths of the last HISTORY finished jobs,
@@ -74,7 +74,7 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   bounds their wait by a multiple of the going time in the system, which
   grows with the backlog as FCFS's waits do, so it does not turn into round
   robin past capacity (a fixed alpha does: every waiting job is older than
-  alpha there). Measured in docs/benchmarks.md, "Skip-join at capacity".
+  alpha there). Measured in docs/experiments.md, "Sensitivity to alpha".
 - Request classes (Job.priority, lower first): each class has its own queues
   Q1..Qn (a band), and every queue of a more urgent class comes before any
   queue of a less urgent one. "Q1" for promotion is Q1 of the most urgent

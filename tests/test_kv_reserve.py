@@ -1,4 +1,4 @@
-"""The KV budget keeps out what is allocated after sizing (issue 26): the decode graphs' pool, NCCL's
+"""The KV budget keeps out what is allocated after sizing: the decode graphs' pool, NCCL's
 point-to-point buffers, the sampler's and prompt logprobs' logits and the torch backend's decode gather
 (engine/kv_cache.kv_reserve). The warm-up forward that measures the peak allocates none of them, so without the
 reserve --gpu-memory-utilization 0.95 could run out of memory once serving. Here: each term against its formula
