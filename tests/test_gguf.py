@@ -57,14 +57,27 @@ def test_dequantization_equals_the_gguf_packages(qtype):
 
 
 def gguf_model(tmp_path: Path, tokenizer_dir: Path, architecture: str, qtypes: dict | None = None,
-               chat_template: str = "{{ messages }}", **overrides) -> Path:
+               chat_template: str = "{{ messages }}", eot_token_id: int | None = None, **overrides) -> Path:
     """A random-weight GGUF file of `architecture` (modelmaker's small Llama-family shape, the tiny tokenizer's
     vocabulary)."""
     vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
     cfg = llama_config(architecture, vocab_size=vocab, **overrides)
     path = tmp_path / f"{architecture}.gguf"
     return write_gguf_checkpoint(path, cfg, random_llama_state_dict(cfg, seed=5), tokenizer_dir,
-                                 qtypes=MIXED if qtypes is None else qtypes, chat_template=chat_template)
+                                 qtypes=MIXED if qtypes is None else qtypes, chat_template=chat_template,
+                                 eot_token_id=eot_token_id)
+
+
+def test_generation_stops_at_the_files_eot_token_as_at_its_eos(tmp_path, tiny_model_dir):
+    """tokenizer.ggml.eot_token_id ends generation beside tokenizer.ggml.eos_token_id (the tiny vocabulary's
+    "</s>", 2): pushed to be sampled first, either gives a one-token "stop"; an ordinary token does not."""
+    path = gguf_model(tmp_path, tiny_model_dir, "LlamaForCausalLM", eot_token_id=7)
+    assert Tokenizer.from_pretrained(path).eos_token_ids == (2, 7)
+    with LLM(model=str(path), profile="analytic", num_gpu_blocks_override=64, device="cpu") as llm:
+        outs = llm.generate([[5, 6]] * 3, [SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100})
+                                           for t in (2, 7, 8)])
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [
+        ("stop", 1), ("stop", 1), ("length", 4)]
 
 
 @pytest.mark.parametrize("architecture, model_class, overrides", [
