@@ -1,13 +1,16 @@
 """Chat templates: a list of chat messages -> one prompt string.
 
-OPT was never trained for chat and ships no template, so FastServe has a plain
-default (below); `--chat-template FILE` replaces it with any Jinja template in
+A model that ships a chat template (tokenizer_config.json's `chat_template`,
+chat_template.jinja, a GGUF file's tokenizer.chat_template) is served with it;
+OPT was never trained for chat and ships none, so FastServe has a plain default
+(below). `--chat-template FILE` replaces either with any Jinja template in
 the Hugging Face `chat_template` convention: it sees `messages` (a list of
 {"role", "content"} and, when the client sent one, "name"),
 `add_generation_prompt` (the request's, default true), `documents` (the
 request's, or none), `bos_token` / `eos_token`, and any request
-`chat_template_kwargs`, and renders the prompt text. The engine's tokenizer
-then adds OPT's BOS token itself, so templates should not.
+`chat_template_kwargs`, and renders the prompt text. With the default template
+or a --chat-template file the engine's tokenizer then adds its BOS token itself,
+so those templates should not; a model's own template writes its BOS itself.
 
 The default template writes a message's `name` after its role:
 "User (alice): Hello". `continue_final_message` cuts the rendered text right
