@@ -490,7 +490,8 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health and the /dashboard page "
          "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
     flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
-    flag("--chat-template", "Jinja chat template file (default: serving/chat_template.py's)")
+    flag("--chat-template", "Jinja chat template file (default: the model's own, from tokenizer_config.json, "
+         "chat_template.jinja or GGUF metadata; else serving/chat_template.py's)")
     flag("--shutdown-timeout", "seconds in-flight requests get after SIGTERM before they are aborted",
          type=float, default=srv.shutdown_timeout)
     flag("--max-request-bytes", "largest request body; larger ones get 413", type=int,

@@ -37,7 +37,7 @@ class SequenceWork:
 @dataclass
 class ModelBatch:
     seqs: list[SequenceWork]
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = ()  # the ids that end a sequence (min_tokens bans them)
 
     @property
     def num_tokens(self) -> int:

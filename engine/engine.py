@@ -35,7 +35,7 @@ from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
 from engine.sampling_params import SamplingParams, check_cache_salt
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, checkpoint_eos_token_ids
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy, step_charges
@@ -129,6 +129,10 @@ class Engine:
         self.model_dir = Path(config.model) if config.model else builtin_model_dir()
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        # The ids that end a sequence: the tokenizer's, and the model checkpoint's when the tokenizer is elsewhere.
+        self.eos_token_ids = tuple(dict.fromkeys([*self.tokenizer.eos_token_ids,
+                                                  *checkpoint_eos_token_ids(self.model_dir)]))
+        self._eos_set = frozenset(self.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len()
         self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)
         self.clock = clock or WallClock()
@@ -474,7 +478,7 @@ class Engine:
         seqs = [self._seq_of_job[j.job_id] for j in decision.batch]
         cost = self.cost_model.iteration_cost(decision.batch)
         charges = dict(zip(decision.batch, step_charges(decision.batch, cost)))
-        batch = ModelBatch([self._work(s) for s in seqs], self.tokenizer.eos_token_id)
+        batch = ModelBatch([self._work(s) for s in seqs], self.eos_token_ids)
         kv, caching = self.kv, self.kv.prefix_caching
         for s in seqs:
             metrics = s.request.metrics
@@ -623,7 +627,7 @@ class Engine:
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:
             ending = ("stop", token)
-        elif token == self.tokenizer.eos_token_id and not params.ignore_eos:
+        elif token in self._eos_set and not params.ignore_eos:
             ending = ("stop", None)
         elif generated >= params.max_tokens or context >= self.max_model_len:
             ending = ("length", None)

@@ -131,7 +131,7 @@ def measure_prefill(executor: Executor, vocab_size: int, prompt_len: int, repeat
     gen = torch.Generator().manual_seed(seed + prompt_len)
     ids = torch.randint(4, vocab_size, (prompt_len,), generator=gen).tolist()
     table = _Blocks(executor).table(prompt_len)
-    batch = ModelBatch([_work(0, ids, 0, table)], eos_token_id=None)
+    batch = ModelBatch([_work(0, ids, 0, table)])
     return _timed_batch(executor, batch, repeats, warmup)
 
 
@@ -142,7 +142,7 @@ def measure_decode(executor: Executor, vocab_size: int, batch_size: int, context
     tokens = torch.randint(4, vocab_size, (batch_size,), generator=gen).tolist()
     blocks = _Blocks(executor)
     seqs = [_work(i, [t], context_len - 1, blocks.table(context_len)) for i, t in enumerate(tokens)]
-    batch = ModelBatch(seqs, eos_token_id=None)
+    batch = ModelBatch(seqs)
     return _timed_batch(executor, batch, repeats, warmup)
 
 
@@ -153,7 +153,7 @@ def measure_forward(executor: Executor, vocab_size: int, num_tokens: int, repeat
     gen = torch.Generator().manual_seed(seed + 7 * num_tokens + 1)
     tokens = torch.randint(4, vocab_size, (num_tokens,), generator=gen).tolist()
     blocks = _Blocks(executor)
-    batch = ModelBatch([_work(i, [t], 0, blocks.table(1)) for i, t in enumerate(tokens)], eos_token_id=None)
+    batch = ModelBatch([_work(i, [t], 0, blocks.table(1)) for i, t in enumerate(tokens)])
     return _timed_batch(executor, batch, repeats, warmup)
 
 
@@ -169,7 +169,7 @@ def measure_mixed(executor: Executor, vocab_size: int, prompt_lens: Sequence[int
     for c in decode_context_lens:
         seqs.append(_work(len(seqs), [int(torch.randint(4, vocab_size, (1,), generator=gen))], c - 1,
                           blocks.table(c)))
-    return _timed_batch(executor, ModelBatch(seqs, eos_token_id=None), repeats, warmup)
+    return _timed_batch(executor, ModelBatch(seqs), repeats, warmup)
 
 
 def profile_executor(executor: Executor, vocab_size: int, key: dict, grid: ProfileGrid,

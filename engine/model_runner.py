@@ -230,7 +230,7 @@ class ModelRunner:
             seqs.append(SequenceWork(job_id="warm-up", token_ids=[self.model.cfg.bos_token_id] * n, start_pos=0,
                                      block_table=table, params=SamplingParams(temperature=0), generator=None,
                                      num_generated=0))
-        batch = ModelBatch(seqs, eos_token_id=None)
+        batch = ModelBatch(seqs)
         torch.cuda.reset_peak_memory_stats(self.device)
         saved, self.kv_cache = self.kv_cache, allocate_kv_cache(next_block, self.model.cfg, self.layout, bs,
                                                                  self.dtype, self.device)
@@ -274,7 +274,7 @@ class ModelRunner:
             results = [SequenceResult(NOT_SAMPLED) for _ in batch.seqs]
             if sampled:
                 logits = self.model.compute_logits(hidden, rows)  # [S, V]
-                for i, res in zip(sampled, self.sampler(logits, seqs, batch.eos_token_id)):
+                for i, res in zip(sampled, self.sampler(logits, seqs, batch.eos_token_ids)):
                     results[i] = res
             for i, rows in inputs.prompt_rows.items():
                 seq = batch.seqs[i]

@@ -23,6 +23,7 @@ Legend: S sequences, V vocab, R rows being sampled, W rows asking for logprobs.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,10 +105,10 @@ class Sampler:
         return twin
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[SequenceWork], eos_token_id: int | None
+        self, logits: torch.Tensor, seqs: list[SequenceWork], eos_token_ids: Sequence[int] = ()
     ) -> list[SequenceResult]:  # logits [S, V], on any device
         logits = logits.float()
-        masked = self._mask_min_tokens(logits, seqs, eos_token_id)
+        masked = self._mask_min_tokens(logits, seqs, eos_token_ids)
         adjusted = apply_penalties(apply_logit_bias(masked, seqs), seqs)
         tokens = self._sample(adjusted, seqs)  # [S] long, on the device
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
@@ -123,13 +124,13 @@ class Sampler:
         return results
 
     @staticmethod
-    def _mask_min_tokens(logits: torch.Tensor, seqs: list[SequenceWork], eos: int | None) -> torch.Tensor:
+    def _mask_min_tokens(logits: torch.Tensor, seqs: list[SequenceWork], eos: Sequence[int]) -> torch.Tensor:
         rows, cols = [], []
         for i, s in enumerate(seqs):
             if s.num_generated < s.params.min_tokens:
                 banned = list(s.params.stop_token_ids or [])
-                if eos is not None and not s.params.ignore_eos:
-                    banned.append(eos)
+                if not s.params.ignore_eos:
+                    banned += eos
                 banned = [b for b in banned if b < logits.shape[1]]
                 rows += [i] * len(banned)
                 cols += banned

@@ -23,6 +23,9 @@ Loading rules (mirroring transformers 5):
     whichever is in the vocabulary. A named token that is not in the vocabulary gets no id (transformers
     would invent a new id past the model's embedding; we do not).
   * Decoding skips the tokens registered as special; ids the vocabulary does not know decode to "".
+  * `eos_token_ids`: every id that ends generation: the eos token's, config.json's `eos_token_id` and
+    generation_config.json's (an int or a list: Llama 3 Instruct lists <|end_of_text|> and <|eot_id|>); a GGUF
+    file's tokenizer.ggml.eos_token_id and tokenizer.ggml.eot_token_id.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
-from engine.gguf_checkpoint import is_gguf
+from engine.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from engine.gguf_tokenizer import gguf_tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"  # what lossy UTF-8 decoding puts where bytes do not form a character
@@ -150,6 +153,23 @@ def _chat_template(model_dir: Path, tok_cfg: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _token_ids(value: Any) -> list[int]:
+    """An `eos_token_id` value as the configs write it (an int, a list of ints, or absent) as a list."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def checkpoint_eos_token_ids(path: str | os.PathLike) -> list[int]:
+    """The ids a checkpoint names as ending generation: config.json's and generation_config.json's
+    `eos_token_id` in a directory, tokenizer.ggml.eos_token_id and tokenizer.ggml.eot_token_id in a GGUF file."""
+    path = Path(path)
+    if is_gguf(path):
+        with GGUFCheckpoint(path) as gguf:
+            return [i for key in ("eos", "eot") for i in _token_ids(gguf.field(f"tokenizer.ggml.{key}_token_id"))]
+    return [i for name in ("config.json", "generation_config.json")
+            for i in _token_ids(_read_json(path / name).get("eos_token_id"))]
+
+
 def _bos_eos_template(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.PostProcessor:
     """transformers' `update_post_processor` for one text: "[bos] $A [eos]"."""
     single = " ".join([*([bos[0]] if bos else []), "$A", *([eos[0]] if eos else [])])
@@ -160,12 +180,15 @@ class Tokenizer:
     """Byte-level BPE tokenizer of an OPT-family model directory (see `from_pretrained`)."""
 
     def __init__(self, backend: tokenizers.Tokenizer, special: dict[str, AddedToken | None],
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, eos_token_ids: Sequence[int] = ()):
         self._backend = backend
         self.chat_template = chat_template  # the model's own Jinja chat template, if it ships one
         ids = {n: (backend.token_to_id(t.content) if t is not None else None) for n, t in special.items()}
         self.bos_token_id: int | None = ids.get("bos")
         self.eos_token_id: int | None = ids.get("eos")
+        # Every id that ends generation: the eos token's first, then the checkpoint's others.
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            i for i in (self.eos_token_id, *eos_token_ids) if i is not None))
         self.pad_token_id: int | None = ids.get("pad")
         self.unk_token_id: int | None = ids.get("unk")
         # The number of ids the tokenizer can produce: largest id + 1 (equals len(vocab) when ids are dense).
@@ -182,7 +205,7 @@ class Tokenizer:
         behaviour that transformers 5's AutoTokenizer gives the same directory; or a GGUF file's tokenizer."""
         model_dir = Path(model_dir)
         if is_gguf(model_dir):
-            return cls(*gguf_tokenizer(model_dir))
+            return cls(*gguf_tokenizer(model_dir), eos_token_ids=checkpoint_eos_token_ids(model_dir))
         if not model_dir.is_dir():
             raise TokenizerError(f"tokenizer directory {model_dir} does not exist or is not a directory")
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")
@@ -196,7 +219,7 @@ class Tokenizer:
             bos = _with_id(backend, special["bos"]) if tok_cfg.get("add_bos_token") else None
             eos = _with_id(backend, special["eos"]) if tok_cfg.get("add_eos_token") else None
             backend.post_processor = _bos_eos_template(bos, eos)
-        return cls(backend, special, _chat_template(model_dir, tok_cfg))
+        return cls(backend, special, _chat_template(model_dir, tok_cfg), checkpoint_eos_token_ids(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, OPT's "</s>" BOS comes first. `truncate_to` N keeps

@@ -73,10 +73,11 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path, add_bos: bool) 
 def write_gguf_checkpoint(path: str | Path, cfg: dict, sd: dict[str, torch.Tensor], tokenizer_dir: str | Path,
                           qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
                           default_qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.Q8_0,
-                          chat_template: str | None = None, seed: int = 0) -> Path:
+                          chat_template: str | None = None, seed: int = 0, eot_token_id: int | None = None) -> Path:
     """The model of config.json dict `cfg` and state dict `sd` as one GGUF file at `path`. qtypes: the ggml type
     of each 2-D tensor whose Hugging Face name ends with a key (e.g. "mlp.down_proj.weight"), default_qtype for
-    the others; the tokenizer is tokenizer_dir's tokenizer.json (a byte-level BPE)."""
+    the others; the tokenizer is tokenizer_dir's tokenizer.json (a byte-level BPE); eot_token_id: written as
+    tokenizer.ggml.eot_token_id (llama.cpp's end-of-turn token, as Llama 3 files name <|eot_id|>)."""
     path = Path(path)
     arch = _TO_GGUF_ARCH[cfg["architectures"][0]]
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
@@ -98,6 +99,8 @@ def write_gguf_checkpoint(path: str | Path, cfg: dict, sd: dict[str, torch.Tenso
     _add_tokenizer(writer, Path(tokenizer_dir), add_bos=True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     for name, tensor in sd.items():
         values = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

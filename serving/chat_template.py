@@ -1,30 +1,41 @@
 """Chat templates: a list of chat messages -> one prompt string.
 
-OPT was never trained for chat and ships no template, so FastServe has a plain
-default (below); `--chat-template FILE` replaces it with any Jinja template in
+A model that ships a chat template (tokenizer_config.json's `chat_template`,
+chat_template.jinja, a GGUF file's tokenizer.chat_template) is served with it;
+OPT was never trained for chat and ships none, so FastServe has a plain default
+(below). `--chat-template FILE` replaces either with any Jinja template in
 the Hugging Face `chat_template` convention: it sees `messages` (a list of
 {"role", "content"} and, when the client sent one, "name"),
 `add_generation_prompt` (the request's, default true), `documents` (the
 request's, or none), `bos_token` / `eos_token`, and any request
-`chat_template_kwargs`, and renders the prompt text. The engine's tokenizer
-then adds OPT's BOS token itself, so templates should not.
+`chat_template_kwargs`, and renders the prompt text. With the default template
+or a --chat-template file the engine's tokenizer then adds its BOS token itself,
+so those templates should not; a model's own template writes its BOS itself.
 
 The default template writes a message's `name` after its role:
 "User (alice): Hello". `continue_final_message` cuts the rendered text right
 after the last message's content (transformers' rule), so the model continues
 that message.
 
-Templates render in Jinja's immutable sandbox (no attribute access to Python
-internals, no file system), as transformers does.
+Templates render in the environment transformers' apply_chat_template builds,
+so a model's own template gives the very prompt it was trained on: Jinja's
+immutable sandbox (no attribute access to Python internals, no file system)
+with trim_blocks and lstrip_blocks, the loopcontrols extension ({% break %},
+{% continue %}), `{% generation %}` blocks (rendered as their content),
+`raise_exception(message)`, `strftime_now(format)` and transformers' `tojson`
+(non-ASCII kept, HTML characters not escaped; indent, separators, sort_keys).
 
 What this is not: message validation (serving/openai_protocol.py does that).
 """
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ValidationError
@@ -53,10 +64,33 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter: json.dumps, where Jinja's own escapes HTML characters and non-ASCII."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with it (for training
+    masks); rendering a prompt, the block is its content."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
 class ChatTemplate:
     def __init__(self, source: str = DEFAULT_CHAT_TEMPLATE, bos_token: str = "", eos_token: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
-        env.globals["raise_exception"] = _raise_exception
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_Generation, loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
             self._template = env.from_string(source)
         except TemplateError as e:

@@ -89,7 +89,7 @@ def run_chunks(runner, prompt: list[int], plan: list[int], decode_steps: int, jo
 
     def step(ids, start):
         work = SequenceWork(job, ids, start, table, params, None, len(tokens))
-        batch = ModelBatch([work], eos_token_id=None)
+        batch = ModelBatch([work])
         inputs = runner.prepare(batch)
         return runner.sample(runner.forward(inputs), inputs, batch)[0]
 

@@ -104,7 +104,7 @@ def test_cpu_sampler_matches_the_host_reference_over_steps():
     saw_random_difference = False
     for step in range(6):
         logits = torch.randn(len(PARAMS), VOCAB) * 3
-        got = new(logits, _seqs(step, gens_new, out_new), eos_token_id=2)
+        got = new(logits, _seqs(step, gens_new, out_new), eos_token_ids=(2,))
         want = ref(logits, _seqs(step, gens_ref, out_ref), 2)
         assert [r.token_id for r in got] == [t for t, _ in want]
         for r, (_, lp) in zip(got, want):

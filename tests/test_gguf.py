@@ -57,14 +57,27 @@ def test_dequantization_equals_the_gguf_packages(qtype):
 
 
 def gguf_model(tmp_path: Path, tokenizer_dir: Path, architecture: str, qtypes: dict | None = None,
-               chat_template: str = "{{ messages }}", **overrides) -> Path:
+               chat_template: str = "{{ messages }}", eot_token_id: int | None = None, **overrides) -> Path:
     """A random-weight GGUF file of `architecture` (modelmaker's small Llama-family shape, the tiny tokenizer's
     vocabulary)."""
     vocab = Tokenizer.from_pretrained(tokenizer_dir).vocab_size
     cfg = llama_config(architecture, vocab_size=vocab, **overrides)
     path = tmp_path / f"{architecture}.gguf"
     return write_gguf_checkpoint(path, cfg, random_llama_state_dict(cfg, seed=5), tokenizer_dir,
-                                 qtypes=MIXED if qtypes is None else qtypes, chat_template=chat_template)
+                                 qtypes=MIXED if qtypes is None else qtypes, chat_template=chat_template,
+                                 eot_token_id=eot_token_id)
+
+
+def test_generation_stops_at_the_files_eot_token_as_at_its_eos(tmp_path, tiny_model_dir):
+    """tokenizer.ggml.eot_token_id ends generation beside tokenizer.ggml.eos_token_id (the tiny vocabulary's
+    "</s>", 2): pushed to be sampled first, either gives a one-token "stop"; an ordinary token does not."""
+    path = gguf_model(tmp_path, tiny_model_dir, "LlamaForCausalLM", eot_token_id=7)
+    assert Tokenizer.from_pretrained(path).eos_token_ids == (2, 7)
+    with LLM(model=str(path), profile="analytic", num_gpu_blocks_override=64, device="cpu") as llm:
+        outs = llm.generate([[5, 6]] * 3, [SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100})
+                                           for t in (2, 7, 8)])
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [
+        ("stop", 1), ("stop", 1), ("length", 4)]
 
 
 @pytest.mark.parametrize("architecture, model_class, overrides", [
@@ -178,3 +191,27 @@ def test_the_server_chats_with_the_models_own_template_and_one_bos(tmp_path, tin
                                                                                              "['content'] }}")))
     assert custom == len(tokenizer.encode("Hi there")) == len(tokenizer.encode("Hi there", add_special_tokens=False)
                                                                ) + 1
+
+
+def test_smollm2_answers_a_chat_over_http_and_stops_at_im_end(smollm2, tmp_path):
+    """The real file behind server.py and the openai client: the chat prompt is transformers' rendering of the
+    file's ChatML template (its default system prompt included), the greedy answer names Paris, and without
+    max_tokens the reply ends at <|im_end|> ("stop"), which is not in the text."""
+    import openai
+
+    from tests.server_fixtures import QUICK_ARGS, start_server
+
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    want = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    srv = start_server(smollm2, (*QUICK_ARGS, "--num-gpu-blocks-override", "600"), tmp_path)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                               temperature=0)
+    finally:
+        srv.stop()
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content and "<|im_end|>" not in choice.message.content
+    assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 64
+    assert reply.usage.prompt_tokens == len(want)

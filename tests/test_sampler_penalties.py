@@ -50,10 +50,10 @@ def test_all_together_in_vllms_order_changes_the_greedy_pick():
     want = [1.0, -1.0, 0.5, -0.25, -3.0, -0.3]
     got = adjusted(params, prompt=[0], output=[5, 5, 3])
     assert got == pytest.approx(want)
-    (res,) = Sampler()(torch.tensor([LOGITS]), [work(params, [0], [5, 5, 3])], eos_token_id=None)
+    (res,) = Sampler()(torch.tensor([LOGITS]), [work(params, [0], [5, 5, 3])])
     assert res.token_id == 0  # unadjusted, 0 wins too; now check one where the adjustment decides:
     params = SamplingParams(temperature=0, frequency_penalty=1.0, logprobs=2)
-    (res,) = Sampler()(torch.tensor([LOGITS]), [work(params, [], [0])], eos_token_id=None)
+    (res,) = Sampler()(torch.tensor([LOGITS]), [work(params, [], [0])])
     assert res.token_id == 5  # 2.0 - 1.0 < 1.9
     raw = torch.log_softmax(torch.tensor(LOGITS), dim=-1)
     assert res.logprobs == pytest.approx({5: float(raw[5]), 0: float(raw[0])})  # the raw distribution

@@ -121,7 +121,7 @@ class TransferOrder:
 @dataclass
 class StepMessage:
     step_id: int  # -1: no batch (swap orders or releases only); no reply
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     new_jobs: list[NewJob] = field(default_factory=list)
     jobs: StepJobs = field(default_factory=StepJobs)
     transfers: list[TransferOrder] = field(default_factory=list)  # applied before the step's compute

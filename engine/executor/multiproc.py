@@ -338,7 +338,7 @@ class MultiprocExecutor(Executor):
     # -- messages -----------------------------------------------------------------------------------
     def _step_message(self, step_id: int, batch: ModelBatch) -> m.StepMessage:
         msg = self._take_deltas(step_id)
-        msg.eos_token_id = batch.eos_token_id
+        msg.eos_token_ids = batch.eos_token_ids
         jobs = msg.jobs
         for i, seq in enumerate(batch.seqs):
             end = seq.start_pos + len(seq.token_ids)

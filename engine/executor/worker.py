@@ -180,7 +180,7 @@ class Worker:
             self._report_copies()
             return
         start = time.perf_counter()
-        batch = self._batch(msg.jobs, msg.eos_token_id)
+        batch = self._batch(msg.jobs, msg.eos_token_ids)
         runner, layout = self.runner, self.layout
         if self._count_file is None:
             inputs = runner.prepare(batch)
@@ -206,7 +206,7 @@ class Worker:
         else:
             self._report_copies()
 
-    def _batch(self, steps: m.StepJobs, eos_token_id: int | None) -> ModelBatch:
+    def _batch(self, steps: m.StepJobs, eos_token_ids: tuple[int, ...]) -> ModelBatch:
         seqs = []
         plp, no_sample = set(steps.prompt_logprobs), set(steps.no_sample)
         for i, (handle, start, n, new) in enumerate(zip(steps.handles, steps.start_pos, steps.num_tokens,
@@ -227,7 +227,7 @@ class Worker:
                 output_token_ids=job.tokens[job.prompt_len:end] if history else [],
                 sample=i not in no_sample, prompt_len=job.prompt_len,
             ))
-        return ModelBatch(seqs, eos_token_id)
+        return ModelBatch(seqs, eos_token_ids)
 
     def _done_copies(self) -> list[int]:
         done = [tid for tid, h in self.copies.items() if h.done()]

@@ -105,7 +105,7 @@ def decode_batch(batch: int, context: int, block_size: int, vocab: int) -> Model
     ids = torch.randint(4, vocab, (batch,), generator=g).tolist()
     seqs = [SequenceWork(f"d{i}", [ids[i]], context - 1, list(range(i * n_blocks, (i + 1) * n_blocks)), GREEDY,
                          None, num_generated=1) for i in range(batch)]
-    return ModelBatch(seqs, eos_token_id=None)
+    return ModelBatch(seqs)
 
 
 def run_step(runner: ModelRunner, batch: ModelBatch) -> None:
@@ -224,7 +224,7 @@ def bench_prefill_once(runner: ModelRunner, seqs: int, tokens: int, repeat: int,
     g = torch.Generator().manual_seed(7)
     work = [SequenceWork(f"p{i}", [2] + torch.randint(4, cfg.vocab_size, (tokens - 1,), generator=g).tolist(), 0,
                          list(range(i * n_blocks, (i + 1) * n_blocks)), GREEDY, None, 0) for i in range(seqs)]
-    batch = ModelBatch(work, eos_token_id=None)
+    batch = ModelBatch(work)
     step_s = median_time(lambda: run_step(runner, batch), dev, repeat, warmup=1)
     flops = prefill_flops(cfg, seqs, tokens)
     # The baseline: the model's largest GEMM shape (tokens x E x F, fc1), timed once and scaled to the same FLOPs
