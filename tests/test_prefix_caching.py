@@ -36,11 +36,16 @@ def tokens(n, seed, vocab=512):
 
 def run(engine, arrivals, params=PARAMS, check=True):
     """Add requests at given step numbers (a callable entry is asked for its prompt then, given the outputs so
-    far: a follow-up turn); run to completion; checks the KV bookkeeping after every step."""
-    done, step = {}, 0
-    while step <= max(arrivals) or engine.has_unfinished():
-        for rid, prompt in arrivals.get(step, []):
-            engine.add_request(rid, prompt(done) if callable(prompt) else prompt, params)
+    far: a follow-up turn, which waits for the turn before it to finish, as a user does); run to completion;
+    checks the KV bookkeeping after every step."""
+    done, step, waiting = {}, 0, []
+    while step <= max(arrivals) or waiting or engine.has_unfinished():
+        arriving, waiting = waiting + arrivals.get(step, []), []
+        for rid, prompt in arriving:
+            try:
+                engine.add_request(rid, prompt(done) if callable(prompt) else prompt, params)
+            except KeyError:  # the turn it follows has not finished yet
+                waiting.append((rid, prompt))
         outs = engine.step()
         for out in outs:
             if out.finished:
