@@ -35,7 +35,7 @@ from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
 from engine.sampling_params import SamplingParams, check_cache_salt
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, checkpoint_eos_token_ids
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, sequence_end_ids
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy, step_charges
@@ -129,9 +129,7 @@ class Engine:
         self.model_dir = Path(config.model) if config.model else builtin_model_dir()
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
-        # The ids that end a sequence: the tokenizer's, and the model checkpoint's when the tokenizer is elsewhere.
-        self.eos_token_ids = tuple(dict.fromkeys([*self.tokenizer.eos_token_ids,
-                                                  *checkpoint_eos_token_ids(self.model_dir)]))
+        self.eos_token_ids = sequence_end_ids(self.tokenizer, self.model_dir)
         self._eos_set = frozenset(self.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len()
         self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)

@@ -322,3 +322,9 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self.text += out
         return out
+
+
+def sequence_end_ids(tokenizer: Tokenizer, model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The ids that end a sequence: the tokenizer's, then the model checkpoint's (which differ when the tokenizer
+    is loaded from elsewhere), each once."""
+    return tuple(dict.fromkeys([*tokenizer.eos_token_ids, *checkpoint_eos_token_ids(model_dir)]))
