@@ -7,6 +7,7 @@ that share a server leave it idle; `wait_idle` checks that, through /health's KV
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -47,6 +48,18 @@ def start_server(model_dir: Path, args: tuple[str, ...], log_dir: Path) -> Serve
         return srv.wait_ready()
     except RuntimeError as e:
         raise RuntimeError(f"{e}:\n{srv.log()}") from None
+
+
+@contextlib.contextmanager
+def served_client(model_dir: Path, args: tuple[str, ...], log_dir: Path, timeout: float = 60.0):
+    """The official openai client against a server of `model_dir` started for the block and stopped after it."""
+    import openai
+
+    srv = start_server(model_dir, args, log_dir)
+    try:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+    finally:
+        srv.stop()
 
 
 _SHARED: dict[tuple, ServerProcess] = {}

@@ -197,20 +197,14 @@ def test_smollm2_answers_a_chat_over_http_and_stops_at_im_end(smollm2, tmp_path)
     """The real file behind server.py and the openai client: the chat prompt is transformers' rendering of the
     file's ChatML template (its default system prompt included), the greedy answer names Paris, and without
     max_tokens the reply ends at <|im_end|> ("stop"), which is not in the text."""
-    import openai
-
-    from tests.server_fixtures import QUICK_ARGS, start_server
+    from tests.server_fixtures import QUICK_ARGS, served_client
 
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     want = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    srv = start_server(smollm2, (*QUICK_ARGS, "--num-gpu-blocks-override", "600"), tmp_path)
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with served_client(smollm2, (*QUICK_ARGS, "--num-gpu-blocks-override", "600"), tmp_path, timeout=120) as client:
         reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
                                                temperature=0)
-    finally:
-        srv.stop()
     choice = reply.choices[0]
     assert "Paris" in choice.message.content and "<|im_end|>" not in choice.message.content
     assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 64

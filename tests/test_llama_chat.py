@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.tokenizer import Tokenizer
 from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
-from tests.server_fixtures import QUICK_ARGS, start_server
+from tests.server_fixtures import QUICK_ARGS, served_client
 
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
            "<|eot_id|>"]
@@ -98,12 +98,9 @@ def llama3_dir(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def llama3_client(llama3_dir, tmp_path_factory):
-    srv = start_server(llama3_dir, (*QUICK_ARGS, "--num-gpu-blocks-override", "256"),
-                       tmp_path_factory.mktemp("llama3-logs"))
-    try:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        srv.stop()
+    with served_client(llama3_dir, (*QUICK_ARGS, "--num-gpu-blocks-override", "256"),
+                       tmp_path_factory.mktemp("llama3-logs")) as client:
+        yield client
 
 
 def test_the_tokenizer_names_every_eos_id_of_the_checkpoint(llama3_dir):
@@ -167,12 +164,8 @@ def test_a_named_default_template_renders_as_transformers_does(tmp_path, tiny_mo
     assert '<<SYS>>"You are a terse <b>café</b> assistant."<</SYS>>\n' in text and "user 2<|end_header_id|>" in text
     assert "break" not in text and text.endswith("please.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     (tmp_path / "logs").mkdir()
-    srv = start_server(model_dir, (*QUICK_ARGS, "--num-gpu-blocks-override", "64"), tmp_path / "logs")
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with served_client(model_dir, (*QUICK_ARGS, "--num-gpu-blocks-override", "64"), tmp_path / "logs") as client:
         assert server_prompt_ids(client, MESSAGES) == (len(want), want[1:])
-    finally:
-        srv.stop()
 
 
 def test_a_tokenizer_from_elsewhere_keeps_the_models_eos_ids(llama3_dir, tiny_model_dir):

@@ -21,7 +21,7 @@ from tokenizers import decoders, models, normalizers, processors
 from engine.tokenizer import Tokenizer
 from modelmaker.hf_files import write_checkpoint
 from modelmaker.llama_checkpoint import llama_config, random_llama_state_dict
-from tests.server_fixtures import QUICK_ARGS, start_server
+from tests.server_fixtures import QUICK_ARGS, served_client
 
 SPECIAL = ["<unk>", "<s>", "</s>"]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
@@ -71,12 +71,9 @@ def chain_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def chain_client(chain_model, tmp_path_factory):
-    srv = start_server(chain_model, (*QUICK_ARGS, "--num-gpu-blocks-override", "64"),
-                       tmp_path_factory.mktemp("byte-fallback-logs"))
-    try:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    finally:
-        srv.stop()
+    with served_client(chain_model, (*QUICK_ARGS, "--num-gpu-blocks-override", "64"),
+                       tmp_path_factory.mktemp("byte-fallback-logs")) as client:
+        yield client
 
 
 def test_the_arrow_is_three_byte_tokens(chain_model):
