@@ -130,7 +130,6 @@ class Engine:
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.eos_token_ids = sequence_end_ids(self.tokenizer, self.model_dir)
-        self._eos_set = frozenset(self.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len()
         self.executor = executor or make_executor(config, self.model_dir, self.model_config, self.max_model_len)
         self.clock = clock or WallClock()
@@ -625,7 +624,7 @@ class Engine:
         ending: tuple[str, int | None] | None = None
         if token in params.stop_token_ids:
             ending = ("stop", token)
-        elif token in self._eos_set and not params.ignore_eos:
+        elif token in self.eos_token_ids and not params.ignore_eos:
             ending = ("stop", None)
         elif generated >= params.max_tokens or context >= self.max_model_len:
             ending = ("length", None)
