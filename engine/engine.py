@@ -19,17 +19,17 @@ import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from engine.batch import PENDING_TOKEN, BatchResult, ModelBatch, SequenceWork
 from engine.clock import WallClock
-from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig, builtin_model_dir
+from engine.config import UNCHUNKED_BATCHED_TOKENS, EngineConfig
 from engine.errors import ValidationError
 from engine.executor import make_executor
 from engine.executor.base import Executor, ExecutorDeadError
 from engine.model.registry import load_model_config
+from engine.model_names import model_path
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.prefix_source import EnginePrefixSource
 from engine.profiles import load_cost_model
@@ -126,7 +126,7 @@ def resolve_chunking(config: EngineConfig, device_type: str, cost: ProfiledCostM
 class Engine:
     def __init__(self, config: EngineConfig | None = None, clock=None, executor: Executor | None = None) -> None:
         self.config = config = config or EngineConfig()
-        self.model_dir = Path(config.model) if config.model else builtin_model_dir()
+        self.model_dir = model_path(config.model)  # a directory, a GGUF file, or a name (engine/model_names.py)
         self.model_config = load_model_config(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.eos_token_ids = sequence_end_ids(self.tokenizer, self.model_dir)

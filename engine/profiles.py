@@ -32,6 +32,7 @@ from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.job_profiler import KEY_FIELDS, STARTUP_GRID, profile_executor, profile_key
 from engine.model.registry import ModelConfig
+from engine.model_names import TINY_OPT, is_tiny_opt
 from scheduler.cost_model import PROFILE_SCHEMA, ProfiledCostModel
 
 log = logging.getLogger(__name__)
@@ -99,13 +100,13 @@ def load_cost_model(config: EngineConfig, model_config: ModelConfig,
     start = time.perf_counter()
     max_len = config.max_model_len or model_config.max_position_embeddings
     cost = profile_executor(executor, model_config.vocab_size, key, STARTUP_GRID.clipped(max_len))
-    # The built-in tiny model (no --model) is measured at every start by design: said at INFO, not as a warning.
+    # The built-in tiny model (no --model, or tiny-opt) is measured at every start by design: said at INFO.
     log.log(
-        logging.INFO if config.model is None else logging.WARNING,
+        logging.INFO if is_tiny_opt(config.model) else logging.WARNING,
         "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s); "
-        "for a fuller one run `fastserve profile --model DIR`", key["model"], key["dtype"],
-        key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,
-        time.perf_counter() - start,
+        "for a fuller one, stored where the next start finds it, run `fastserve profile --model %s`", key["model"],
+        key["dtype"], key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,
+        time.perf_counter() - start, config.model or TINY_OPT,
     )
     return cost, "start-up profile (short grid)"
 

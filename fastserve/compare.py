@@ -7,11 +7,12 @@ Fig. 11 (per-token latency vs rate, one line per policy).
         --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 60 --sweep 1,2,4 \\
         --slo-per-token 0.05 --result-dir results/live --plot fig11.png --num-gpu-blocks-override 990
 
-The engine flags (the server's, engine/args.py: model, KV sizes, profile...; default: the built-in tiny
-model) are this script's too: those given go to every server, all but --scheduling-policy, which --policies
-sets per run (--seed and --tokenizer serve the load generator too). Everything after `--` goes to every server
-as it is (the server's own flags too), before the engine flags given here, which win. Flags this script does
-not know go to every load generator run (e.g. --random-range-ratio 0.9 for synthetic).
+The engine flags (the server's, engine/args.py: model, KV sizes, profile...; the model by default: the built-in
+tiny model, tiny-opt, not the server's own default) are this script's too: those given go to every server, all
+but --scheduling-policy, which --policies sets per run (--seed and --tokenizer serve the load generator too).
+Everything after `--` goes to every server as it is (the server's own flags too), before the engine flags given
+here, which win. Flags this script does not know go to every load generator run (e.g. --random-range-ratio 0.9
+for synthetic).
 Each server is started with OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
 With two or more policies, a last table puts their latencies side by side, with the first policy's mean over
 each other's (`make compare`: FCFS over skip-join MLFQ on the built-in tiny model).
@@ -28,8 +29,9 @@ import time
 from pathlib import Path
 
 from engine.args import add_engine_args, engine_args_given, engine_argv
+from engine.model_names import TINY_OPT
 from fastserve.bench.loadgen import build_parser as loadgen_parser
-from fastserve.server_process import ServerProcess
+from fastserve.server_process import ServerProcess, with_model
 
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 
@@ -125,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_flags(args: argparse.Namespace, passthrough: list[str]) -> list[str]:
-    """Every server's flags but its policy: those after `--`, then the engine flags given to this script."""
-    return [*passthrough, *engine_argv(engine_args_given(args))]
+    """Every server's flags but its policy: those after `--`, then the engine flags given to this script; the
+    built-in tiny model in front unless they name a model."""
+    return with_model([*passthrough, *engine_argv(engine_args_given(args))], TINY_OPT)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """server.py as a subprocess on a free loopback port, its output in a log file: started, polled until /health
 answers, stopped with SIGTERM (graceful shutdown) and SIGKILL if that takes too long.
 
-Used by `fastserve compare` (fastserve/compare.py), the live benchmarks and the tests that need a real server
-(tests/server_fixtures.py, tests/test_loadgen.py), so that there is one way to run one.
+Used by `fastserve compare` (fastserve/compare.py), `fastserve bench soak`, the live benchmarks and the tests that
+need a real server (tests/server_fixtures.py, tests/test_loadgen.py), so that there is one way to run one. With no
+model in its arguments server.py serves SmolLM2-135M-Instruct; with_model() gives a command's servers its own
+default (the tiny model, for compare and soak).
 """
 
 from __future__ import annotations
@@ -17,6 +19,25 @@ from pathlib import Path
 
 # server.py: beside the packages in a checkout, and in site-packages beside them when installed from the wheel
 SERVER = Path(__file__).resolve().parents[1] / "server.py"
+
+
+def with_model(args: Sequence[str], model: str) -> list[str]:
+    """server.py's `args` with `--model MODEL` in front, unless they name a model themselves (--model or the
+    positional MODEL): what a command that starts its own servers passes so that its default model is its own
+    (compare and soak serve the tiny model; server.py alone serves SmolLM2)."""
+    import server
+
+    parser = server.build_parser()
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    parser.error = refuse  # quietly: a bad flag is the server's to report when it starts
+    try:
+        given, _ = parser.parse_known_args(list(args))
+    except ValueError:
+        return list(args)
+    return list(args) if given.model is not None or given.model_tag is not None else ["--model", model, *args]
 
 
 def free_port() -> int:

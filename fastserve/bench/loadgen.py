@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--compare", nargs="+", default=[], help="result JSON files of other runs to draw in --plot")
     add("--label", default="", help="name of this run/policy in the report, JSON and plot")
     add("--tokenizer", help="model dir whose tokenizer counts text tokens (sharegpt, alpaca) (default: --model's, "
-        "else the served model's when it is a local dir, else the built-in tiny model's)")
+        "else the served model's when it is a local dir, GGUF file or known name, else the built-in tiny model's)")
     add("--gpt2-bpe", help="dir with GPT-2 encoder.json + vocab.bpe to count text tokens (if no --tokenizer)")
     add("--vocab-size", type=int, help="token-id prompts draw from [4, this) (default: the server's, else 4000)")
     add("--max-model-len", type=int, help="drop items longer than this (default: what /v1/models says)")

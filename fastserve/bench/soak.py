@@ -2,7 +2,7 @@
 malformed bodies and a mix of n, stop strings, logprobs, chat and completions; then checks that the server
 kept its promises.
 
-    fastserve bench soak --requests 10000      # starts a server (small KV: swapping under load)
+    fastserve bench soak --requests 10000      # starts a server of the tiny model (small KV: swapping under load)
     fastserve bench soak --requests 300 -- --kv-policy recompute      # flags after -- go to the server
     fastserve bench soak --base-url http://127.0.0.1:8000 --requests 500   # a running server, no RSS check
 
@@ -39,7 +39,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.args import OneLineErrorParser
-from fastserve.server_process import ServerProcess
+from engine.model_names import TINY_OPT
+from fastserve.server_process import ServerProcess, with_model
 
 # Started by this script: a small device KV (and host tier) so that the load preempts, offloads and recomputes.
 SERVER_ARGS = ("--profile", "analytic", "--num-gpu-blocks-override", "64", "--num-host-blocks-override", "256",
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.request_timeout, args.idle_timeout, args.rss_growth_mib, args.leak_mib, args.settle,
                      args.seed)
     with tempfile.TemporaryDirectory() as logs:
-        srv = None if args.base_url else ServerProcess([*SERVER_ARGS, *server_flags], Path(logs))
+        srv = None if args.base_url else ServerProcess(with_model([*SERVER_ARGS, *server_flags], TINY_OPT), Path(logs))
         try:
             if srv is not None:
                 srv.wait_ready()

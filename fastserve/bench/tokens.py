@@ -2,9 +2,11 @@
 
 What this is: choose_counter() picks, in the order a vLLM user expects, and says which and why:
   1. --tokenizer DIR, or --gpt2-bpe DIR (OpenAI's encoder.json + vocab.bpe);
-  2. --model, when it is a model directory this machine can read (vLLM's --model is also its tokenizer);
-  3. the model the server lists at /v1/models, when it is such a directory (server.py lists its --model path);
-  4. the built-in tiny model's tokenizer (what `python server.py` serves with no --model).
+  2. --model, when it is a model this machine can read: a directory, a GGUF file, or a name server.py knows
+     (SmolLM2-135M-Instruct, tiny-opt) (vLLM's --model is also its tokenizer);
+  3. the model the server lists at /v1/models, when it is such a model (server.py lists its --model value, and
+     SmolLM2-135M-Instruct when it was given none);
+  4. the built-in tiny model's tokenizer.
 mismatch_warning() says when the counter cannot be the server's: its vocabulary is larger than the server's
 model's, or smaller by more than the padding OPT checkpoints add (GPT-2 BPE counts as OPT's). Token counts
 decide which items fit the context and how many tokens each asks for; another tokenizer's counts can send a
@@ -57,14 +59,24 @@ def gpt2_bpe_counter(bpe_dir: str | Path) -> TokenCounter:
                         f"GPT-2 BPE from {bpe_dir} (--gpt2-bpe)")
 
 
-def readable_model_dir(name: str | None) -> Path | None:
-    """`name` as a directory holding a tokenizer, if this machine has one there."""
+def readable_model(name: str | None) -> Path | None:
+    """`name` as a model whose tokenizer this machine can read: a directory holding one, a GGUF file, or a name
+    that engine/model_names.py knows (SmolLM2-135M-Instruct when its package is installed; tiny-opt, built if
+    missing)."""
+    from engine.model_names import is_tiny_opt, model_path
+
     if not name:
         return None
-    path = Path(name).expanduser()
+    if is_tiny_opt(name):
+        from modelmaker.tiny_model import ensure_tiny_model
+
+        return ensure_tiny_model()
     try:
-        return path if path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES) else None
-    except OSError:
+        path = model_path(name)
+        if path.is_dir():
+            return path if any((path / f).is_file() for f in TOKENIZER_FILES) else None
+        return path if path.suffix == ".gguf" and path.is_file() else None
+    except OSError:  # a named model that is not installed, an unreadable path
         return None
 
 
@@ -75,11 +87,11 @@ def choose_counter(tokenizer: str | None, gpt2_bpe: str | None, model: str | Non
     if gpt2_bpe:
         return gpt2_bpe_counter(gpt2_bpe)
     for name, why in ((model, "--model"), (served_model, "the model the server lists at /v1/models")):
-        if (path := readable_model_dir(name)) is not None:
+        if (path := readable_model(name)) is not None:
             return model_dir_counter(path, why)
     from modelmaker.tiny_model import ensure_tiny_model
 
-    listed = f"the server lists {served_model!r}, not a directory here" if served_model else "no model named"
+    listed = f"the server lists {served_model!r}, not a model here" if served_model else "no model named"
     return model_dir_counter(ensure_tiny_model(), f"the built-in tiny model's; {listed}; "
                                                   "pass --tokenizer DIR to count with the served model's")
 

@@ -1,5 +1,6 @@
-"""A picture of the dashboard under load: starts server.py (small device KV, so jobs are preempted and
-offloaded), runs a steady mixed load for --seconds, and saves /dashboard as headless Chromium renders it.
+"""A picture of the dashboard under load: starts server.py (the tiny model unless SERVER FLAGS name one; small
+device KV, so jobs are preempted and offloaded), runs a steady mixed load for --seconds, and saves /dashboard as
+headless Chromium renders it.
 
     python -m scripts.tools.dashboard_screenshot --out docs/dashboard.png [--seconds 25] [-- SERVER FLAGS]
 
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import aiohttp
 
-from fastserve.server_process import ServerProcess
+from engine.model_names import TINY_OPT
+from fastserve.server_process import ServerProcess, with_model
 from scripts.tools.headless_chromium import Chromium
 
 # Small device KV and host tier: a steady load preempts, offloads and uploads.
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=25.0, help="load before the picture (default: %(default)s)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     with tempfile.TemporaryDirectory() as logs:
-        srv = ServerProcess([*SERVER_ARGS, *extra], Path(logs))
+        srv = ServerProcess(with_model([*SERVER_ARGS, *extra], TINY_OPT), Path(logs))
         try:
             srv.wait_ready()
             errors = asyncio.run(capture(srv.url, args.out, args.seconds))
