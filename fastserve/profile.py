@@ -4,7 +4,12 @@ skip-join placement, quanta and ENST (FastServe section 4.1).
 
     fastserve profile                       # the built-in tiny model, full grid
     fastserve profile --model DIR --dtype float16 --device cuda
+    fastserve profile --model SmolLM2-135M-Instruct --quick     # what `fastserve serve` serves with no model
+    fastserve profile --model CONFIG_ONLY_DIR --load-format dummy   # a shape without its weights
     fastserve profile --quick --out /tmp/p.json
+
+--model takes what `fastserve serve` does: a Hugging Face directory (OPT, Llama, Qwen2, Mistral), a GGUF file,
+or a name (SmolLM2-135M-Instruct, tiny-opt; engine/model_names.py).
 
 It loads the model into a LocalExecutor and times real ModelBatches
 (engine/job_profiler.py): t_init(s), the first iteration of one prompt of s
@@ -40,9 +45,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine.config import LOAD_FORMATS
+from engine.errors import CheckpointError
 from engine.executor.local import LocalExecutor
 from engine.job_profiler import FULL_GRID, QUICK_GRID, profile_executor, profile_key
-from engine.model.config import OPTConfig
+from engine.model.registry import load_model_config
+from engine.model_names import TINY_OPT, is_tiny_opt, model_path
 from engine.profiles import profile_dir, profile_filename
 from modelmaker.tiny_model import ensure_tiny_model
 
@@ -56,7 +64,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", help="a Hugging Face OPT directory (default: the built-in tiny model)")
+    p.add_argument("--model", help=f"a Hugging Face model directory, a GGUF file or a name (default: {TINY_OPT}, "
+                                   "the built-in tiny model)")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="auto: the model's weights; dummy: random weights from its config.json (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--block-size", type=int, default=16)
@@ -86,11 +97,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
 
-    model_dir = Path(args.model) if args.model else ensure_tiny_model()
-    cfg = OPTConfig.from_model_dir(model_dir)
-    grid = grid.clipped(cfg.max_position_embeddings)
-    executor = LocalExecutor(model_dir, cfg, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                             num_gpu_blocks_override=args.num_gpu_blocks_override)
+    try:
+        model_dir = ensure_tiny_model() if is_tiny_opt(args.model) else model_path(args.model)
+        cfg = load_model_config(model_dir)
+        # the lengths the engine serves: the context, or a sliding window shorter than it (engine/model/llama_config.py)
+        max_len = min(cfg.max_position_embeddings, getattr(cfg, "sliding_window", None) or cfg.max_position_embeddings)
+        executor = LocalExecutor(model_dir, cfg, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=max_len,
+                                 load_format=args.load_format)
+    except (CheckpointError, OSError) as e:  # no such model or weights, an architecture not served, not installed
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    grid = grid.clipped(max_len)
     key = profile_key(cfg.name, executor.dtype, executor.device)
     print(f"profiling {key} ({len(grid.prompt_lens)} prompt lengths, "
           f"{len(grid.batch_sizes)}x{len(grid.context_lens)} decode points)", file=sys.stderr)

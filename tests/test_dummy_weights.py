@@ -1,5 +1,6 @@
-"""--load-format dummy: random weights made from config.json alone, so a config-only directory serves; the same
-name-seeded weights at every tensor-parallel layout."""
+"""--load-format dummy: random weights made from config.json alone, so a config-only directory serves, OPT's and
+the Llama family's (grouped-query attention, a gated MLP); the same name-seeded weights at every tensor-parallel
+layout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import CheckpointError
+from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
 from modelmaker.opt_checkpoint import opt_config, write_opt_checkpoint
 from tests.server_fixtures import QUICK_ARGS, post_json, start_server
 
@@ -16,10 +18,13 @@ SHAPE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=3, num_attention
              max_position_embeddings=256, word_embed_proj_dim=32)  # with project_in/out
 
 
-@pytest.fixture(scope="module")
-def config_only(tmp_path_factory, tiny_model_dir):
-    out = write_opt_checkpoint(tmp_path_factory.mktemp("dummy") / "opt-small-config", opt_config(**SHAPE),
-                               weight_format="none")
+@pytest.fixture(scope="module", params=["OPTForCausalLM", "LlamaForCausalLM"])
+def config_only(request, tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("dummy")
+    if request.param == "OPTForCausalLM":
+        out = write_opt_checkpoint(root / "opt-small-config", opt_config(**SHAPE), weight_format="none")
+    else:  # 8 query heads over 2 KV heads (tensor parallel 2: one KV head a rank), untied embeddings
+        out = write_llama_checkpoint(root / "llama-small-config", llama_config(vocab_size=4096), weight_format="none")
     for f in tiny_model_dir.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             shutil.copyfile(f, out / f.name)
