@@ -67,6 +67,17 @@ class KVReserve:
         return f"{self.total / 2**20:.1f} MiB ({parts})"
 
 
+# [tokens, intermediate_size / tp] tensors one layer's MLP holds at once, by the config's mlp_kind: OPT's fc1 output
+# (ReLU in place), counted twice as an upper estimate; a gated MLP's fused gate|up output (two) and silu(gate) (one),
+# which up is multiplied into in place (engine/model/llama.py GatedMLP).
+MLP_ACTIVATIONS = {"plain": 2, "gated": 3}
+
+
+def mlp_activation_width(cfg: ModelConfig, tp_size: int = 1) -> int:
+    """Elements per token of one layer's MLP activations on one rank (kv_reserve's mF)."""
+    return MLP_ACTIVATIONS[cfg.mlp_kind] * (cfg.intermediate_size // tp_size)
+
+
 def kv_reserve(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, *, block_size: int, max_num_seqs: int,
                max_model_len: int, max_num_batched_tokens: int, attention_backend: str,
                graph_buckets: tuple[list[int], list[int]] | None) -> KVReserve:
@@ -74,10 +85,11 @@ def kv_reserve(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, *, 
 
     elt: bytes of dtype; S = max_num_seqs; C = the longest context in whole blocks (ceil(max_model_len / bs) x
     bs); E hidden size, H query heads on this rank (SDPA expands grouped KV heads to them), D head dim, A = H x D,
-    F = ffn_dim / tp, V vocabulary.
+    F = intermediate_size / tp, m = MLP_ACTIVATIONS of the config's mlp_kind (2 for OPT's fc1/fc2, 3 for a gated
+    MLP's gate, up and silu(gate)), V vocabulary.
     - graph_pool (graph_buckets: the captured (batch sizes, widths), None without graphs), B the largest batch,
       Cg its widest context: every graph's output [b, E] (sum over buckets), the persistent inputs (B x (5 + MB)
-      int64, and [B, E] on a later stage), one layer's activations B x (4E + 4A + 2F) x elt (the pool is reused
+      int64, and [B, E] on a later stage), one layer's activations B x (4E + 4A + mF) x elt (the pool is reused
       from layer to layer), and the attention's scratch: torch 2 x B x Cg x A x elt (K and V gathered, no
       workspace under capture) + B x H x Cg x 4 (scores); Triton B x H x P x (Dp + 2) x 4, P = ceil(Cg / 512).
     - nccl_p2p (pp > 1): per neighbouring stage 2 directions x NCCL_P2P_CHANNELS x NCCL_BUFFSIZE, and on every
@@ -90,7 +102,7 @@ def kv_reserve(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, *, 
     e, v = cfg.hidden_size, cfg.vocab_size
     h = layout.shard(cfg.num_attention_heads, "num_attention_heads")
     d = cfg.head_dim
-    a, f = h * d, cfg.ffn_dim // layout.tp_size
+    a, mlp = h * d, mlp_activation_width(cfg, layout.tp_size)
     max_blocks = -(-max_model_len // block_size)
     c, s = max_blocks * block_size, max_num_seqs
     graph_pool = 0
@@ -99,7 +111,7 @@ def kv_reserve(cfg: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, *, 
         b, cg = max(sizes), max(widths) * block_size
         outputs = sum(sizes) * len(widths) * e * elt
         inputs = b * (5 + max_blocks) * 8 + (0 if layout.is_first_stage else b * e * elt)
-        layer = b * (4 * e + 4 * a + 2 * f) * elt
+        layer = b * (4 * e + 4 * a + mlp) * elt
         if attention_backend == "triton":
             dp = max(16, 1 << (d - 1).bit_length())
             attention = b * h * (-(-cg // DECODE_SPLIT_TOKENS)) * (dp + 2) * 4

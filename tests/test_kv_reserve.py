@@ -2,7 +2,8 @@
 point-to-point buffers, the sampler's and prompt logprobs' logits and the torch backend's decode gather
 (engine/kv_cache.kv_reserve). The warm-up forward that measures the peak allocates none of them, so without the
 reserve --gpu-memory-utilization 0.95 could run out of memory once serving. Here: each term against its formula
-written out for OPT-13b, which terms apply where, and the real blocks_that_fit on a faked CUDA device (a fake
+written out for OPT-13b and a Llama-3-8B shape (whose gated MLP holds 3F a token, measured on the real module),
+which terms apply where, and the real blocks_that_fit on a faked CUDA device (a fake
 device allocator: free memory is what the storages made on this thread leave) subtracting exactly the reserve,
 and logging it, as LLM(...) starts."""
 
@@ -17,9 +18,12 @@ import engine.executor.local as local_executor
 import engine.kv_cache as kv_cache
 from engine import LLM
 from engine.decode_inputs import graph_buckets
-from engine.kv_cache import KVReserve, kv_reserve
+from engine.kv_cache import KVReserve, kv_reserve, mlp_activation_width
 from engine.model.config import OPTConfig
-from engine.parallel import ParallelLayout
+from engine.model.llama import GatedMLP
+from engine.model.llama_config import LlamaConfig
+from engine.parallel import ParallelLayout, TensorParallelGroup
+from modelmaker.llama_checkpoint import llama_config
 from tests.test_engine_close import FakeDeviceMemory
 
 OPT_13B = OPTConfig(vocab_size=50272, hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, ffn_dim=20480,
@@ -70,6 +74,63 @@ def test_pipeline_stages_reserve_nccl_buffers_and_only_the_last_the_logits(monke
     # tensor parallel: this rank's heads and FFN columns
     tp = reserve_13b("torch", False, ParallelLayout(tp_size=2))
     assert tp.decode_gather == int(1.25 * 2 * 256 * 2048 * 2560 * 2) + 256 * 20 * 2048 * 4
+
+
+# Meta-Llama-3-8B's shape: grouped-query attention (32 query heads over 8 KV heads), a gated MLP 3.5x the width
+LLAMA_3_8B = LlamaConfig.from_dict(llama_config(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                                max_position_embeddings=8192), "LlamaForCausalLM")
+
+
+class PeakMemory(FakeDeviceMemory):
+    """FakeDeviceMemory that keeps the most bytes live after any op, leaving out the storages of `before` (tensors
+    made earlier, which an op's views, such as a weight's transpose, would otherwise show as new)."""
+
+    def __init__(self, before: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.before = {t.untyped_storage().data_ptr() for t in before}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for key in self.before:
+            self._storages.pop(key, None)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def test_the_layer_term_follows_the_mlp_kind():
+    """OPT's MLP holds 2F a token, the Llama family's gated one 3F (gate and up, then silu(gate)), read from the
+    model config; the graph pool's layer term of a Llama-3-8B-shaped model is 4E + 4A + 3F."""
+    assert (OPT_13B.mlp_kind, LLAMA_3_8B.mlp_kind) == ("plain", "gated")
+    assert mlp_activation_width(OPT_13B) == 2 * 20480 and mlp_activation_width(OPT_13B, 2) == 20480
+    assert mlp_activation_width(LLAMA_3_8B) == 3 * 14336
+    buckets = graph_buckets(256, 8192, 16, "triton")
+    r = kv_reserve(LLAMA_3_8B, ParallelLayout(), torch.float16, block_size=16, max_num_seqs=256, max_model_len=8192,
+                   max_num_batched_tokens=8192, attention_backend="triton", graph_buckets=buckets)
+    layer = 256 * (4 * 4096 + 4 * 4096 + 3 * 14336) * 2
+    outputs, inputs = sum(buckets[0]) * len(buckets[1]) * 4096 * 2, 256 * (5 + 512) * 8
+    attention = 256 * 32 * (-(-8192 // 512)) * 130 * 4  # partial sums [B, H, splits, 128 + 2] fp32
+    assert r.graph_pool == outputs + inputs + layer + attention
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_a_gated_mlp_holds_what_the_estimate_says_and_more_than_the_old_2f(tokens):
+    """The real GatedMLP forward, its tensors counted as they are made: at its peak it holds 3F + E elements a
+    token (gate|up, silu(gate) multiplied by up in place, and down's output [T, E], one of the layer term's E
+    terms): the estimate's 3F is its F-wide part exactly; the old 2F, OPT's, fell short by F a token."""
+    cfg = LlamaConfig.from_dict(llama_config(hidden_size=64, intermediate_size=224), "LlamaForCausalLM")  # F 3.5E
+    mlp = GatedMLP(cfg, TensorParallelGroup(ParallelLayout()))
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param)
+    x = torch.randn(tokens, cfg.hidden_size)
+    with PeakMemory([x, *mlp.parameters()]) as memory, torch.no_grad():
+        out = mlp(x)
+    assert out.shape == x.shape
+    per_token = memory.peak // (tokens * x.element_size())
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    assert per_token == 3 * f + e
+    assert per_token - e == mlp_activation_width(cfg) > 2 * f
 
 
 DEVICE_BYTES = 512 << 20  # the fake device

@@ -65,6 +65,12 @@ class OPTConfig:
             )
 
     architecture = "OPTForCausalLM"
+    mlp_kind = "plain"  # fc2(relu(fc1(x))) (engine/kv_cache.py sizes its activations by the kind)
+
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP's width (the Llama family's name for ffn_dim)."""
+        return self.ffn_dim
 
     @property
     def head_dim(self) -> int:

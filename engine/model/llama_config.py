@@ -94,6 +94,8 @@ class LlamaConfig:
     torch_dtype: str | None = None
     name: str = "llama"
 
+    mlp_kind = "gated"  # down(silu(gate(x)) * up(x)) (engine/kv_cache.py sizes its activations by the kind)
+
     def __post_init__(self) -> None:
         if self.architecture not in LLAMA_ARCHITECTURES:
             raise CheckpointError(f"LlamaConfig is for {', '.join(LLAMA_ARCHITECTURES)}, not {self.architecture}")
