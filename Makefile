@@ -48,7 +48,8 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q -m "not slow and not cuda" --ignore=tests/clients --durations=20 $(ARGS)
 
 ## test-clients: guidellm, lm-eval, langchain-openai and litellm (installed first, versions pinned in
-## requirements-clients.txt) run against a live server.py with the built-in tiny model (tests/clients)
+## requirements-clients.txt) run against a live server.py with the built-in tiny model, and lm-eval, guidellm and
+## `fastserve bench serve` against SmolLM2-135M-Instruct's GGUF file (tests/clients)
 test-clients: $(CLIENTS_STAMP)
 	$(PY) -m pytest -q tests/clients $(ARGS)
 
@@ -91,7 +92,7 @@ bench-sim-vs-live: $(STAMP)
 dashboard-screenshot: $(STAMP) browser models/tiny-opt/config.json
 	$(PY) -m scripts.tools.dashboard_screenshot --out docs/dashboard.png $(ARGS)
 
-## soak: `fastserve bench soak`, 10,000 requests at 1.5x capacity (the test suite runs a short one)
+## soak: `fastserve bench soak`, 10,000 requests at 1.5x capacity, on the tiny model (the test suite runs a short one)
 soak: $(STAMP) models/tiny-opt/config.json
 	$(FASTSERVE) bench soak --requests 10000 $(ARGS)
 

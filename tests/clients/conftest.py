@@ -1,5 +1,6 @@
 """Fixtures for the third-party client tests (`make test-clients`): one live server.py with the built-in tiny
-model on loopback, shared by every test here, and the environment that keeps the clients off the network.
+model on loopback, shared by every test here but test_smollm2.py's (which serves the real model), and the
+environment that keeps the clients off the network.
 
 The clients (requirements-clients.txt) are not in requirements-test.txt: `make test` leaves this folder out
 (`--ignore=tests/clients`) and `make test-clients` installs them first. Run without them, every test here fails
