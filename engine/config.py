@@ -238,6 +238,6 @@ def builtin_model_dir() -> Path:
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         raise FileNotFoundError(
             f"no model given and the built-in tiny model is not built at {DEFAULT_MODEL_DIR}: run `make model` "
-            f"(`fastserve make-model --out {DEFAULT_MODEL_DIR}`) or `python server.py` once, which build it, or pass a "
-            "model directory")
+            f"(`fastserve make-model --out {DEFAULT_MODEL_DIR}`) or `python server.py --model tiny-opt` once, which "
+            "build it, or pass a model directory")
     return DEFAULT_MODEL_DIR

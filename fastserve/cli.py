@@ -147,8 +147,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 
 
 def _help() -> str:
-    lines = [USAGE.split("  (")[0], "", "FastServe: an OpenAI-compatible server for OPT models with skip-join MLFQ "
-             "scheduling, and the tools to load, measure and simulate it.", ""]
+    lines = [USAGE.split("  (")[0], "", "FastServe: an OpenAI-compatible server for OPT and Llama-family models with "
+             "skip-join MLFQ scheduling, and the tools to load, measure and simulate it.", ""]
     lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
     lines += ["", f"{PROG} COMMAND --help: that command's flags."]
     return "\n".join(lines)

@@ -1,10 +1,11 @@
 """The built-in tiny model: building it, and building it when missing.
 
-`python server.py` with no --model (and `make model`, `make serve`) build it here; the engine itself only
-loads it from engine.config.DEFAULT_MODEL_DIR (`LLM(model=None)`, EngineConfig(model=None)) and never
-builds it. It is a random-weight OPT of ~5M parameters (2048-token context) with its own byte-level BPE
-tokenizer, written deterministically by modelmaker/opt_checkpoint.py and modelmaker/tiny_tokenizer.py
-(`fastserve make-model`, fastserve/make_model.py, is the CLI).
+`python server.py --model tiny-opt` (and `make model`, `fastserve compare`, `fastserve bench soak`) build it
+here; the engine itself only loads it from engine.config.DEFAULT_MODEL_DIR (`LLM(model=None)`,
+EngineConfig(model=None), the name tiny-opt) and never builds it. It is a random-weight OPT of ~5M parameters
+(2048-token context) with its own byte-level BPE tokenizer, written deterministically by
+modelmaker/opt_checkpoint.py and modelmaker/tiny_tokenizer.py (`fastserve make-model`, fastserve/make_model.py,
+is the CLI).
 """
 
 from __future__ import annotations
