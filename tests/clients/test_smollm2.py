@@ -84,7 +84,7 @@ def runs(client_env, tmp_path_factory):
     try:
         tokenizer = save_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))  # while the server loads
         try:
-            srv.wait_ready(180)
+            srv.wait_ready(300)  # a busy 2-core machine has taken minutes to load it
         except RuntimeError as e:
             raise RuntimeError(f"{e}:\n{srv.log()}") from None
         work = {name: tmp_path_factory.mktemp(name) for name in ("lm_eval", "bench-random", "bench-chat",
