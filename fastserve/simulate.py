@@ -13,7 +13,7 @@ virtual clock, with costs from a job profile (engine/simulation.py).
         --enable-prefix-caching      # whole conversations, each turn over its history
     fastserve simulate --model llama-3-8b --profile profiles/sim/llama-3-8b-h100-80gb-x1.json \\
         --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \\
-        --num-prompts 3000 --request-rate 20      # Llama-3-8B on one H100 (grouped-query attention)
+        --num-prompts 3000 --request-rate 40      # Llama-3-8B on one H100 (grouped-query attention)
 
 The first runs at about FCFS's capacity on that profile (2.97 req/s), where the policies differ: seed 0 read a
 mean per-token latency of 0.060 s for skip-join MLFQ and 0.203 s with --scheduling-policy fcfs (P95 0.135 and

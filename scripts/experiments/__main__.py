@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             "edit by hand.", "",
             "What these are: the paper's experiments run through engine/simulation.py, which drives the real "
             "engine, scheduler and KV manager on a virtual clock with iteration costs from a job profile. The "
-            "profiles for OPT-13B/66B/175B on A100s (profiles/sim/, scripts/tools/make_sim_profiles.py) are "
-            "**roofline estimates from datasheet numbers, not measurements**: we have no A100. Absolute numbers "
+            "profiles for OPT-13B/66B/175B on A100s and Llama-3 on H100s and an H200 (profiles/sim/, "
+            "scripts/tools/make_sim_profiles.py; docs/benchmarks.md, \"Simulator profiles\") are **roofline "
+            "estimates from datasheet numbers, not measurements**: we have none of these GPUs. Absolute numbers "
             "therefore differ from the paper's; the comparisons between policies on the same profile and trace "
             "are what these runs show. The live section measures the real engine on this CPU.", "",
             f"Settings shared by all runs unless a section says otherwise: seed {args.seed}, max_num_seqs "
