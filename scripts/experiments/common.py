@@ -247,7 +247,8 @@ def slo_table(ctx: Ctx) -> dict:
     return out
 
 
-SCALE_RATE = {"opt-13b": 1.0, "opt-66b": 0.5, "opt-175b": 0.25}
+# Llama-3: the grid x4 (4 to 1,024 req/s); Llama-3-8B's C on the H100 profile is ~16x OPT-13B's on the A100 40GB
+SCALE_RATE = {"opt-13b": 1.0, "opt-66b": 0.5, "opt-175b": 0.25, "llama-3-8b": 4.0, "llama-3-70b": 4.0}
 
 
 # -- KV capacity of a scale ---------------------------------------------------------------------------------------
