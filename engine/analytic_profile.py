@@ -30,8 +30,9 @@ def analytic_profile(cfg: ModelConfig, device_kind: str, dtype_bytes: int, dtype
 def roofline_profile(cfg: ModelConfig, flops_s: float, bytes_s: float, dtype_bytes: int, key: dict,
                      overhead_per_layer_s: float = 2e-4) -> dict:
     """A profile dict: each iteration costs max(FLOPs / flops_s, bytes moved / bytes_s) plus a fixed
-    per-layer overhead (launches, Python)."""
-    weights = cfg.num_params()
+    per-layer overhead (launches, Python). The weights multiplied and read are the parameters less an untied input
+    embedding (Llama's embed_tokens: a row lookup; a tied one is the lm head, read whole)."""
+    weights = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     overhead = overhead_per_layer_s * cfg.num_hidden_layers
 

@@ -11,18 +11,25 @@ virtual clock, with costs from a job profile (engine/simulation.py).
         --dataset-name sharegpt --dataset-path ../shared/datasets/sharegpt/sharegpt_v3_random1000.json \\
         --gpt2-bpe ../shared/datasets/gpt2-bpe --multi-turn --num-prompts 200 --request-rate 0.4 \\
         --enable-prefix-caching      # whole conversations, each turn over its history
+    fastserve simulate --model llama-3-8b --profile profiles/sim/llama-3-8b-h100-80gb-x1.json \\
+        --dataset-name lengths --dataset-path ../shared/datasets/sharegpt_lengths.csv \\
+        --num-prompts 3000 --request-rate 40      # Llama-3-8B on one H100 (grouped-query attention)
 
 The first runs at about FCFS's capacity on that profile (2.97 req/s), where the policies differ: seed 0 read a
 mean per-token latency of 0.060 s for skip-join MLFQ and 0.203 s with --scheduling-policy fcfs (P95 0.135 and
 0.724); at 2 req/s (0.67x) they are within 4% of each other. The measured comparison, with seeds and intervals,
 is docs/experiments.md, "Skip-join at capacity".
 
---model is an OPT directory (config.json + tokenizer; weights unused) or an
-OPT shape name (opt-125m ... opt-175b): a shape uses models/<shape>-config,
-written on first use. Text datasets (sharegpt, alpaca) are counted with
---tokenizer DIR, --gpt2-bpe DIR (OPT's own BPE), else the model directory's
-tokenizer (the line printed first says which). Profiles of the paper's A100
-setups are in profiles/sim/.
+--model is a model directory (config.json + tokenizer; weights unused) or a
+shape name (opt-125m ... opt-175b, llama-3-8b, llama-3-70b): a shape uses
+models/<shape>-config, written on first use. Text datasets (sharegpt, alpaca)
+are counted with --tokenizer DIR, --gpt2-bpe DIR (OPT's own BPE), else the
+model directory's tokenizer (the line printed first says which). --profile
+picks the hardware: profiles/sim/ has roofline profiles of the paper's A100
+setups (<model>-a100-<memory>-x<GPUs>.json) and of Llama-3-8B on one H100 or
+H200 and Llama-3-70B on eight H100s (docs/benchmarks.md, "Simulator profiles";
+scripts/tools/make_sim_profiles.py writes them); `fastserve profile` measures
+one on real hardware.
 
 The engine settings are the server's flags (engine/args.py), with the same
 defaults, but for the profile's say: dtype auto is float16, and the pipeline
@@ -50,20 +57,22 @@ from pathlib import Path
 from engine.args import OneLineErrorParser, add_engine_args, config_from_args, engine_args_given
 from fastserve.bench.tokens import choose_counter, mismatch_warning
 from fastserve.bench.workload import DATASETS, LengthFilter, filter_line, load_workload
+from modelmaker.llama_checkpoint import LLAMA_SHAPES
 from modelmaker.opt_checkpoint import OPT_SHAPES
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (profiles/sim/); site-packages when installed
 
 TEXT_DATASETS = ("sharegpt", "alpaca")
+SHAPES = (*OPT_SHAPES, *LLAMA_SHAPES)  # fastserve/make_model.py's config-only shapes
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = OneLineErrorParser(prog="fastserve simulate", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     profiles = ", ".join(sorted(p.name for p in (REPO / "profiles" / "sim").glob("*.json")))
-    ap.add_argument("--model", required=True, help=f"an OPT directory, or a shape: {', '.join(OPT_SHAPES)}")
-    ap.add_argument("--profile", required=True, help=f"job profile JSON (+ optional transfer/capacity fields); "
-                    f"profiles/sim/ has {profiles}")
+    ap.add_argument("--model", required=True, help=f"a model directory, or a shape: {', '.join(SHAPES)}")
+    ap.add_argument("--profile", required=True, help=f"job profile JSON (+ optional transfer/capacity fields), "
+                    f"or the name of one in profiles/sim/ (with or without .json): {profiles}")
     ap.add_argument("--dataset-name", default="lengths", choices=sorted(DATASETS), help="default: %(default)s")
     ap.add_argument("--dataset-path", help="dataset file (not needed for synthetic)")
     ap.add_argument("--gpt2-bpe", help="text datasets: dir with GPT-2 encoder.json + vocab.bpe to count tokens "
@@ -98,21 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_dir(name: str) -> Path:
     """A directory as given, or models/<shape>-config for a shape name (written on first use)."""
-    if name in OPT_SHAPES:
+    if name in SHAPES:
         from fastserve.make_model import config_only_model
 
         return config_only_model(name)
     path = Path(name)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name}: no config.json there; give an OPT directory or a shape name "
-                         f"({', '.join(OPT_SHAPES)})")
+        raise ValueError(f"--model {name}: no config.json there; give a model directory or a shape name "
+                         f"({', '.join(SHAPES)})")
     return path
 
 
+def profile_path(name: str) -> str:
+    """--profile as given when that is a file, else profiles/sim/<name>[.json] of the checkout."""
+    if Path(name).is_file():
+        return name
+    for candidate in (REPO / "profiles" / "sim" / name, REPO / "profiles" / "sim" / f"{name}.json"):
+        if "/" not in name and candidate.is_file():
+            return str(candidate)
+    raise ValueError(f"--profile {name}: no such file; profiles/sim/ holds the paper's A100 setups and "
+                     "Llama-3 on H100/H200 (fastserve simulate --help lists them), `fastserve profile` measures one")
+
+
 def run(args: argparse.Namespace) -> dict:
-    if not Path(args.profile).is_file():
-        raise ValueError(f"--profile {args.profile}: no such file; profiles/sim/ holds the paper's A100 setups, "
-                         "`fastserve profile` measures one")
+    args.profile = profile_path(args.profile)
     model = model_dir(args.model)
     count = None
     if args.dataset_name in TEXT_DATASETS:

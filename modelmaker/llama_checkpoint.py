@@ -28,6 +28,16 @@ from modelmaker.hf_files import write_checkpoint
 from modelmaker.opt_checkpoint import LOGIT_STD
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
+# Shapes of published checkpoints: their config.json fields that differ from llama_config's defaults, as
+# meta-llama/Meta-Llama-3-8B and Meta-Llama-3-70B write them (config only: the simulator and the profiles).
+LLAMA_SHAPES: dict[str, dict] = {
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                        rope_theta=500000.0, bos_token_id=128000, eos_token_id=128001),
+}
 RESIDUAL_SCALE = 2.0  # o_proj and down_proj: what the layers add to the residual stream
 BIAS_STD = 0.1  # large enough that a bias the model ignored would show in the logprobs
 

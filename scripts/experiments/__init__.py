@@ -19,6 +19,7 @@ from collections.abc import Callable
 # section name -> the module of this package that defines section_<name>; in the document's order.
 SECTIONS: dict[str, str] = {
     "capacity": "steady",
+    "capacity_llama": "capacity_llama",
     "fig1": "fig1",
     "fig5": "fig5",
     "fig8": "fig8",

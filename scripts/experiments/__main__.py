@@ -6,7 +6,8 @@ simulated at the paper's scale with roofline profiles, plus a small live measure
     python -m scripts.experiments --no-live --num-prompts 200
 
 Sections: skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle (5
-seeds, 95% intervals; steady_state.py), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
+seeds, 95% intervals; steady_state.py), the same table for Llama-3-8B on an H100 beside OPT-13B (grouped-query
+attention's KV room), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
 (first-iteration vs decode cost), Fig. 8 (KV memory in use, MLFQ vs FCFS, steady state), Fig. 12 (P95 per-token
 latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
 ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-prompts", type=int, default=3000, help="requests per point of the capacity section")
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
+    ap.add_argument("--llama-seeds", type=int, default=3, help="seeds of the capacity_llama section's tables")
     ap.add_argument("--curve-seeds", type=int, default=3, help="seeds of Fig. 12 and 13 (steady state)")
     ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
     ap.add_argument("--past-prompts", type=int, default=10000, help="requests per point of the past_capacity "
@@ -170,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             "edit by hand.", "",
             "What these are: the paper's experiments run through engine/simulation.py, which drives the real "
             "engine, scheduler and KV manager on a virtual clock with iteration costs from a job profile. The "
-            "profiles for OPT-13B/66B/175B on A100s (profiles/sim/, scripts/tools/make_sim_profiles.py) are "
-            "**roofline estimates from datasheet numbers, not measurements**: we have no A100. Absolute numbers "
+            "profiles for OPT-13B/66B/175B on A100s and Llama-3 on H100s and an H200 (profiles/sim/, "
+            "scripts/tools/make_sim_profiles.py; docs/benchmarks.md, \"Simulator profiles\") are **roofline "
+            "estimates from datasheet numbers, not measurements**: we have none of these GPUs. Absolute numbers "
             "therefore differ from the paper's; the comparisons between policies on the same profile and trace "
             "are what these runs show. The live section measures the real engine on this CPU.", "",
             f"Settings shared by all runs unless a section says otherwise: seed {args.seed}, max_num_seqs "

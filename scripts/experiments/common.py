@@ -32,6 +32,10 @@ SCALES = {  # name -> (model shape, profile): OPT-13B on 1 A100, 66B on 4, 175B 
     "opt-13b-80gb": ("opt-13b", "profiles/sim/opt-13b-a100-80gb-x1.json"),
     "opt-66b-80gb": ("opt-66b", "profiles/sim/opt-66b-a100-80gb-x4.json"),
     "opt-175b-80gb": ("opt-175b", "profiles/sim/opt-175b-a100-80gb-x16.json"),
+    # Llama-3 (grouped-query attention, 8 KV heads): 8B on one H100 80GB or one H200, 70B on 8 H100s (TP 8)
+    "llama-3-8b": ("llama-3-8b", "profiles/sim/llama-3-8b-h100-80gb-x1.json"),
+    "llama-3-8b-h200": ("llama-3-8b", "profiles/sim/llama-3-8b-h200-141gb-x1.json"),
+    "llama-3-70b": ("llama-3-70b", "profiles/sim/llama-3-70b-h100-80gb-x8.json"),
 }
 MAIN = "opt-13b"  # the scale of the figures
 
@@ -243,7 +247,8 @@ def slo_table(ctx: Ctx) -> dict:
     return out
 
 
-SCALE_RATE = {"opt-13b": 1.0, "opt-66b": 0.5, "opt-175b": 0.25}
+# Llama-3: the grid x4 (4 to 1,024 req/s); Llama-3-8B's C on the H100 profile is ~16x OPT-13B's on the A100 40GB
+SCALE_RATE = {"opt-13b": 1.0, "opt-66b": 0.5, "opt-175b": 0.25, "llama-3-8b": 4.0, "llama-3-70b": 4.0}
 
 
 # -- KV capacity of a scale ---------------------------------------------------------------------------------------
@@ -251,15 +256,16 @@ BLOCK = 16  # tokens per KV block in every simulated run
 
 
 def kv_capacity(ctx: Ctx, scale: str) -> tuple[float, int]:
-    """(device KV bytes of the scale's profile, bytes of one float16 KV block of its model)."""
+    """(device KV bytes of the scale's profile, bytes of one 16-bit KV block of its model: KV heads, not query
+    heads, with grouped-query attention)."""
     import torch
 
     from engine.kv_cache import kv_block_bytes
-    from engine.model.config import OPTConfig
+    from engine.model.registry import load_model_config
     from engine.parallel import ParallelLayout
 
     model, profile = ctx.model(scale)
-    block = kv_block_bytes(OPTConfig.from_model_dir(model), ParallelLayout(), BLOCK, torch.float16)
+    block = kv_block_bytes(load_model_config(model), ParallelLayout(), BLOCK, torch.float16)
     return json.loads(profile.read_text())["capacity"]["device_kv_bytes"], block
 
 
