@@ -16,7 +16,12 @@ cache); loads are in units of C (steady_state.capacity).
   and reports every request, the drain time and the requests lost (zero, or it raises); bursts() runs it for
   policies and seeds.
 - Upload stall: run_point's and run_burst's "upload_stall_share", the virtual time steps waited for KV uploads
-  over the executor's time (engine/simulation.py, SimulationResult.upload_wait_s).
+  over the executor's time (engine/simulation.py, SimulationResult.upload_wait_s). Past capacity it reads 0: some
+  other job is always ready, so no step waits. What the picked job waits is its swap wait (engine/outputs.py
+  swap_wait_s: picked, but its KV on the host or moving, or its room still being freed): "swap_wait_share", the
+  requests' swap waits over their end-to-end time (run_point: the counted requests', as queueing_share; run_burst:
+  every request's, an unfinished one's time counted to the cut). A share of the requests' latency, not of the
+  executor's time: their sum over the executor's time would count each second once per waiting job.
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ def collapse(runner: Runner, setup: Setup, policies: Sequence[str], seeds: Seque
     request (finished in the window or not) made at a time t with lo <= t <= hi (a request's first token at its
     first_token_time, each next one an inter-token gap later), divided by hi - lo (windowed_metrics'
     "window_tokens_per_s"). {(load, policy): {"tokens_per_s": Stat, "vs_ref": Stat of the paired ratio to the
-    reference policy's (None for itself), "upload_stall_share": Stat}}."""
+    reference policy's (None for itself), "upload_stall_share": Stat, "swap_wait_share": Stat}}."""
     data = table(runner, setup, loads, policies, seeds, cap)
     out = {}
     for load in loads:
@@ -142,7 +147,7 @@ def collapse(runner: Runner, setup: Setup, policies: Sequence[str], seeds: Seque
                 "tokens_per_s": stat(d["window_tokens_per_s"]),
                 "vs_ref": None if ref is None or p == reference else ratio_stat(d["window_tokens_per_s"],
                                                                                  ref["window_tokens_per_s"]),
-                "upload_stall_share": stat(d["upload_stall_share"])}
+                "upload_stall_share": stat(d["upload_stall_share"]), "swap_wait_share": stat(d["swap_wait_share"])}
     return out
 
 
