@@ -27,7 +27,6 @@ SECTIONS: dict[str, str] = {
     "fig13": "latency_curves",
     "fig14": "fig14",
     "fig15": "fig15",
-    "overload": "overload",
     "past_capacity": "past_capacity",
     "enst_ablation": "sched",
     "alpha": "sched",
