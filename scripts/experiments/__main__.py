@@ -150,13 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(FIGURES)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; choose from {FIGURES}")
-    if "slo" in names:
-        from scripts.experiments.slo import parse_setups
+    try:  # the sections' own flags, checked before anything runs
+        if "slo" in names:
+            from scripts.experiments.slo import parse_setups
 
-        try:
             parse_setups(args.slo_setups)
-        except ValueError as e:
-            ap.error(str(e))
+        if "past_capacity" in names:
+            from scripts.experiments.past_capacity import parse_workloads
+
+            parse_workloads(args.past_workloads)
+    except ValueError as e:
+        ap.error(str(e))
     ctx = Ctx(args)
     t0 = time.perf_counter()
     parts = {}
