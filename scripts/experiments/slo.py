@@ -134,6 +134,13 @@ def section_slo(ctx: Ctx) -> str:
                 edge = f"{d['capped']} / {d['floored']}" if d["capped"] or d["floored"] else "-"
                 lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fmt(d['rate'])} | {ratio_cell(d['vs_ref'])} | "
                              f"{'-' if o['vs_ref'] is None else fmt(o['vs_ref'])} | {edge} |")
+    past = sorted({p for r in rows.values() for (_, p), d in r["fcfs"].items() if d["load"].mean > 1.0})
+    if past:
+        lines += ["", f"Where a load above 1.0C passes ({', '.join(past)}), it is a run of {a.slo_prompts} requests "
+                  "past FCFS's capacity: the order keeps the short jobs within the SLO while the long ones queue, "
+                  "and that queue grows for as long as the run lasts, so such a load passes for this many requests "
+                  "and may fail for more (the past_capacity section measures that region by time: tokens per "
+                  "second and a burst)."]
     lines += ["", f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
