@@ -311,3 +311,12 @@ def test_the_other_workloads_are_named_by_the_flag_and_built_as_their_sections_b
     assert workload_setup(ctx, "fig14-64", 300) == Setup("opt-13b", "sharegpt", 300, synthetic=(1024, 64, 0.5))
     assert workload_setup(ctx, "azure-code", 300) == Setup("opt-13b", "azure-code", 300)
     assert workload_setup(ctx, "alpaca", 300).path().endswith("alpaca_lengths.csv")
+
+
+def test_the_failing_loads_beside_an_answer_are_each_seeds_bracket_end():
+    from scripts.experiments.past_capacity import fail_cell
+
+    assert fail_cell([Bracket(passed=[1.0], failed=[1.225, 1.5]), Bracket(passed=[1.0, 1.107], failed=[1.225])]) \
+        == "1.23, 1.23"
+    assert fail_cell([Bracket(passed=[4.0]), Bracket(passed=[1.0], failed=[1.5])]) == "-, 1.5"
+    assert fail_cell([Bracket(passed=[4.0])]) == "-"

@@ -66,6 +66,16 @@ def ratio_cell(s: Stat | None, digits: int = 3) -> str:
     return fmt(s, digits) + (" (no difference)" if same else "")
 
 
+def fail_cell(brackets: list) -> str:
+    """The searches' lowest failing loads (x C), per seed: where each answer's bracket ends ("-": none failed)."""
+    fails = [b.fail for b in brackets]
+    return "-" if all(math.isinf(f) for f in fails) else ", ".join("-" if math.isinf(f) else f"{f:.3g}" for f in fails)
+
+
+GRID_NOTE = ("The answer of a seed is a load the search ran, so seeds that land on the same load read ± 0; the "
+             "crossing lies between it and that seed's lowest failing load (the column beside it).")
+
+
 def parse_workloads(text: str) -> list[str]:
     """--past-workloads: "all", "none", or comma-separated names of WORKLOADS."""
     if text in ("all", "none"):
@@ -140,13 +150,14 @@ def section_past_capacity(ctx: Ctx) -> str:
              "Poisson load whose mean (or P95) per-token latency is within the SLO; goodput: the highest at which "
              f"at least {GOODPUT_SHARE:.0%} of the counted requests meet both the SLO and a TTFT <= "
              f"{GOODPUT_TTFT_S:g} s. Found per seed by bracketing (x1.5 from 1.0C) and bisection to "
-             f"{a.past_resolution:.0%}, up to {ceiling:g}C.", "",
-             "| measure | policy | load (x C) | req/s | / FCFS | seeds at the ceiling |", "|---|---|---|---|---|---|"]
+             f"{a.past_resolution:.0%}, up to {ceiling:g}C. {GRID_NOTE}", "",
+             "| measure | policy | load (x C) | fails at (per seed) | req/s | / FCFS | seeds at the ceiling |",
+             "|---|---|---|---|---|---|---|"]
     for judge, label in MEASURES:
         for p in POLICIES:
             d = loads[(judge, p)]
-            lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fmt(d['rate'])} | {ratio_cell(d['vs_ref'])} | "
-                         f"{d['capped'] or '-'} |")
+            lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fail_cell(found[(judge, p)])} | {fmt(d['rate'])} | "
+                         f"{ratio_cell(d['vs_ref'])} | {d['capped'] or '-'} |")
     lines += ["", "**Output tokens per second** in the counted window (lo, hi: 10% and 90% of the way from the first "
               "arrival to the last): every output token of any request made at a time in [lo, hi], over hi - lo; "
               "the **upload stall**: the virtual time no step ran because requests waited for a KV upload, over the "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from scripts.experiments.common import MAIN, REPO, SCALES, Ctx
 from scripts.experiments.measures import GOODPUT_SHARE, Bracket, highest_loads, load_stats
-from scripts.experiments.past_capacity import MEASURES, POLICIES, ratio_cell
+from scripts.experiments.past_capacity import GRID_NOTE, MEASURES, POLICIES, fail_cell, ratio_cell
 from scripts.experiments.steady_state import (
     DATASETS,
     GOODPUT_TTFT_S,
@@ -72,7 +72,7 @@ def measure(ctx: Ctx, runner: Runner, scale: str, dataset: str) -> dict:
     cap = capacity(runner, setup, range(min(3, a.slo_seeds)), CAPACITY_START.get((scale, dataset)))
     found = highest_loads(runner, setup, POLICIES, seeds, cap["C"], resolution=a.past_resolution)
     print(f"  slo {scale} {dataset}: C {cap['C']:.3f} ({runner.runs} simulations so far)", flush=True)
-    return {"cap": cap, "slo": slo_seconds(setup), "fcfs": load_stats(found, cap["C"]),
+    return {"cap": cap, "slo": slo_seconds(setup), "found": found, "fcfs": load_stats(found, cap["C"]),
             "oracle": load_stats(found, cap["C"], reference=ORACLE)}
 
 
@@ -110,7 +110,7 @@ def section_slo(ctx: Ctx) -> str:
              f"requests within the SLO with a TTFT <= {GOODPUT_TTFT_S:g} s (DistServe's). The SLO of a setup: "
              f"{SLO_DECODES} decode iterations at batch 1 of its profile (steady_state.slo_seconds). Found by "
              f"bracketing (x1.5 from 1.0C) and bisection until the failing load is within "
-             f"{a.past_resolution:.0%} of the passing one, up to {Bracket().highest:g}C. Policies: "
+             f"{a.past_resolution:.0%} of the passing one, up to {Bracket().highest:g}C. {GRID_NOTE} Policies: "
              f"{', '.join(POLICIES)} (`srpt`: SRPT on the true output lengths with the defaults' age promotion, "
              "the bounded oracle; `srpt-unbounded`: without it). The engine's defaults, roofline profiles.", ""]
     if left_out:
@@ -126,13 +126,14 @@ def section_slo(ctx: Ctx) -> str:
         lines += ["", f"**{scale}, {ds}** ({SCALES[scale][1]}: {layout(scale)}; roofline estimate): C = "
                   f"{r['cap']['C']:.3f} req/s (FCFS served under a {r['cap']['offered']:.2f} req/s offer), SLO "
                   f"{r['slo']:.3f} s/token.", "",
-                  "| measure | policy | load (x C) | req/s | / FCFS | / srpt | seeds at the ceiling / floor |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| measure | policy | load (x C) | fails at (per seed) | req/s | / FCFS | / srpt | seeds at the "
+                  "ceiling / floor |", "|---|---|---|---|---|---|---|---|"]
         for judge, label in MEASURES:
             for p in POLICIES:
                 d, o = r["fcfs"][(judge, p)], r["oracle"][(judge, p)]
                 edge = f"{d['capped']} / {d['floored']}" if d["capped"] or d["floored"] else "-"
-                lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fmt(d['rate'])} | {ratio_cell(d['vs_ref'])} | "
+                lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fail_cell(r['found'][(judge, p)])} | "
+                             f"{fmt(d['rate'])} | {ratio_cell(d['vs_ref'])} | "
                              f"{'-' if o['vs_ref'] is None else fmt(o['vs_ref'])} | {edge} |")
     past = sorted({p for r in rows.values() for (_, p), d in r["fcfs"].items() if d["load"].mean > 1.0})
     if past:
