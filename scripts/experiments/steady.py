@@ -90,7 +90,8 @@ def section_capacity(ctx: Ctx) -> str:
         lines.append("")
     if not other_seeds:
         lines += ["The other setups (Alpaca, the 80GB profile, OPT-66B, OPT-175B) were not run this time "
-                  "(`--steady-other-seeds 0`); the slo section compares the policies on every setup.", ""]
+                  "(`--steady-other-seeds 0`); the slo section compares the policies on each of them "
+                  "(`--slo-setups all`).", ""]
     lines.append(f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
                  f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
                  f"version {runner.version} (scripts/experiments/steady_state.py, code_version).")
