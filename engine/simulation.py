@@ -21,8 +21,8 @@ import heapq
 import json
 import random
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.clock import VirtualClock
@@ -45,6 +45,8 @@ class SimulationResult:
     duration_s: float  # virtual seconds from the first arrival to the last finish
     busy_s: float  # virtual seconds the executor computed
     engine: Engine
+    sent: int = 0  # requests sent (run_trace: all of the trace unless its stop hook ended the arrivals)
+    unfinished: list[RequestOutput] = field(default_factory=list)  # still in the engine when run_trace's `until` cut it
 
     @property
     def upload_wait_s(self) -> float:
@@ -162,20 +164,30 @@ def _torch_dtype(name: str):
 
 
 def run_trace(
-    engine: Engine, trace: Sequence[tuple[float, int, int]], max_steps: int | None = None
+    engine: Engine, trace: Sequence[tuple[float, int, int]], max_steps: int | None = None,
+    stop: Callable[[Engine], bool] | None = None, until: float | None = None,
 ) -> SimulationResult:
-    """Feed (arrival_s, prompt_len, output_len) requests at their virtual arrival times; run to the end."""
+    """Feed (arrival_s, prompt_len, output_len) requests at their virtual arrival times; run to the end.
+
+    stop: asked before each round of arrivals (the engine loop's turn); once it answers True, no more requests are
+    sent, and the run goes on until those sent have finished. until: the run is cut at this virtual time, the
+    requests still in the engine then left unfinished. The result's `sent` counts the requests sent, `unfinished`
+    holds those cut (their RequestOutputs as they stood), `outputs` those that finished."""
     clock: VirtualClock = engine.clock
     order = sorted(range(len(trace)), key=lambda i: trace[i][0])
     done: dict[str, RequestOutput] = {}
-    nxt, steps = 0, 0
+    nxt, steps, stopped = 0, 0, False
     start = trace[order[0]][0] if order else 0.0
     if clock.now() < start:
         clock.advance(start - clock.now())
-    while nxt < len(order) or engine.has_unfinished():
-        while nxt < len(order) and trace[order[nxt]][0] <= clock.now():
+    while until is None or clock.now() < until:
+        stopped = stopped or (stop is not None and stop(engine))
+        while not stopped and nxt < len(order) and trace[order[nxt]][0] <= clock.now():
             add_trace_request(engine, order[nxt], *trace[order[nxt]])
             nxt += 1
+        sending = not stopped and nxt < len(order)
+        if not sending and not engine.has_unfinished():
+            break
         before = engine.num_steps
         for out in engine.step() if engine.has_unfinished() else []:
             if out.finished:
@@ -184,10 +196,11 @@ def run_trace(
         if max_steps is not None and steps > max_steps:
             raise RuntimeError(f"simulation did not finish within {max_steps} steps")
         if engine.num_steps == before:  # nothing ran: jump to the next event
-            advance_to_next_event(engine, clock, trace[order[nxt]][0] if nxt < len(order) else None)
-    outputs = [done[str(i)] for i in order]
+            advance_to_next_event(engine, clock, trace[order[nxt]][0] if sending else None)
+    outputs = [done[str(i)] for i in order[:nxt] if str(i) in done]
     end = max((o.metrics.finished_time for o in outputs), default=start)
-    return SimulationResult(outputs, end - start, engine.executor.busy_s, engine)
+    return SimulationResult(outputs, end - start, engine.executor.busy_s, engine, nxt,
+                            [req.to_output() for req in engine.requests.values()])
 
 
 def add_trace_request(engine: Engine, index: int, arrival: float, prompt_len: int, output_len: int) -> None:

@@ -11,7 +11,7 @@ from engine.simulation import run_trace, simulated_engine
 from fastserve.bench.arrivals import interarrival_cv, speedup_for_rate
 from memory.kv_manager import blocks_needed
 from scripts.benchmarks.sim_vs_live import make_trace
-from scripts.experiments.common import KVUsageTracker, clip_trace, phase_latencies, throughput_at_slo
+from scripts.experiments.common import KVUsageTracker, phase_latencies, throughput_at_slo
 
 
 def test_throughput_at_slo_finds_the_crossing_of_a_monotone_latency():
@@ -85,15 +85,6 @@ def test_speedup_for_rate_and_gap_cv():
         speedup_for_rate([1.0], 1.0)
 
 
-def test_clip_trace_fits_the_context():
-    class Item:
-        def __init__(self, p, o, t):
-            self.prompt_len, self.output_len, self.arrival_s = p, o, t
-
-    out = clip_trace([Item(3000, 10, 0.0), Item(100, 5000, 1.0), Item(0, 0, 2.0)], 2048)
-    assert out == [(0.0, 2047, 1), (1.0, 100, 1948), (2.0, 1, 1)]
-
-
 def test_make_trace_is_seeded_and_in_range():
     a = make_trace(20, 5.0, (16, 32), (4, 8), seed=3)
     assert a == make_trace(20, 5.0, (16, 32), (4, 8), seed=3)
@@ -141,6 +132,30 @@ def test_every_registered_section_has_its_function_and_runs_in_order():
     middle = [n for n in SECTIONS if n not in RUN_FIRST + RUN_LAST]
     assert run_order(list(SECTIONS)) == [*RUN_FIRST, *middle, *RUN_LAST]
     assert run_order(["live", "fig15", "fig1", "slo"]) == ["slo", "fig1", "live", "fig15"]
+    assert next(iter(SECTIONS)) == "slo" and "overload" not in SECTIONS  # the headline first; past C: past_capacity
+
+
+def test_the_slo_sections_setups_are_the_papers_and_its_flag_names_them():
+    from scripts.experiments.slo import SETUPS, parse_setups
+
+    assert len(SETUPS) == 8 and SETUPS[0] == ("opt-13b", "sharegpt") and parse_setups("all") == list(SETUPS)
+    assert parse_setups("opt-66b:alpaca,opt-13b:sharegpt") == [("opt-66b", "alpaca"), ("opt-13b", "sharegpt")]
+    with pytest.raises(ValueError, match="unknown --slo-setups"):
+        parse_setups("opt-13b:azure")
+
+
+def test_the_slo_sections_headline_setup_is_past_capacitys():
+    """The slo section's OPT-13B ShareGPT row runs the very Setup past_capacity runs (so the cache serves both)."""
+    from types import SimpleNamespace as NS
+
+    from scripts.experiments.slo import setup_for
+    from scripts.experiments.steady_state import DATASETS, Setup
+
+    ctx = NS(args=NS(sharegpt=DATASETS["sharegpt"], alpaca=DATASETS["alpaca"]))
+    assert setup_for(ctx, "opt-13b", "sharegpt", 3000) == Setup("opt-13b", "sharegpt", 3000, dataset_path=None)
+    moved = NS(args=NS(sharegpt=Path("/elsewhere.csv"), alpaca=DATASETS["alpaca"]))
+    assert setup_for(moved, "opt-66b", "sharegpt", 10).path() == "/elsewhere.csv"
+    assert setup_for(moved, "opt-66b", "alpaca", 10).path() == str(DATASETS["alpaca"])
 
 
 def test_update_replaces_one_section_and_the_header_names_it(tmp_path):
@@ -353,6 +368,28 @@ def test_azure_arrivals_carry_the_gamma_runs_lengths_at_the_asked_mean_rate():
     assert [t for t, _, _ in other] != times  # another seed, another window of the trace
 
 
+@pytest.mark.datasets  # (the Azure 2023 traces are in ../shared/datasets)
+@pytest.mark.parametrize("name", ["azure-conv", "azure-code"])
+def test_a_whole_azure_trace_is_its_filtered_requests_in_order_at_the_asked_rate(name):
+    """Setup.dataset azure-*: the trace's requests kept by vLLM's length filter, in order, a window of n by seed,
+    their own lengths and gaps, scaled to the asked mean rate."""
+    from fastserve.bench.workload import LengthFilter, load_workload
+    from scripts.experiments.steady_state import TRACE_WORKLOADS, Setup, trace_for
+
+    kept = load_workload(name, 10**9, path=TRACE_WORKLOADS[name], length_filter=LengthFilter())
+    trace, stats = trace_for(Setup(n=500, dataset=name), 3.0, 2)
+    assert stats["read"] > stats["kept"] == len(kept) and stats["dropped"] > 0
+    assert [t[1:] for t in trace] == [(it.prompt_len, it.output_len) for it in kept[1000:1500]]  # seed 2 x 500
+    times = [t for t, _, _ in trace]
+    assert times[0] == 0 and (len(times) - 1) / times[-1] == pytest.approx(3.0)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(kept[1000:1500], kept[1001:1500])]
+    scale = (times[-1] - times[0]) / sum(gaps)
+    assert [b - a for a, b in zip(times, times[1:])] == pytest.approx([g * scale for g in gaps])
+    assert [t[1:] for t in trace_for(Setup(n=500, dataset=name), 6.0, 2)[0]] == [t[1:] for t in trace]
+    with pytest.raises(ValueError, match="fewer than"):
+        trace_for(Setup(n=10**6, dataset=name), 3.0, 0)
+
+
 def test_windowed_metrics_queueing_share_is_over_the_counted_requests(sim_model):
     """Fig. 1's queueing share: the counted requests' time queued over their end-to-end time (one slot: the
     requests wait their turn, so some of it is queueing)."""
@@ -393,3 +430,15 @@ def test_run_point_with_kv_tracking_reports_the_usage_beside_the_same_metrics():
         {k: v for k, v in plain.items() if k != "wall_s"}
     assert 0 < tracked["kv_mean_blocks"] <= tracked["kv_peak_blocks"] <= tracked["kv_run_peak_blocks"]
     assert len(tracked["kv_series"]) == 400 and max(n for _, n in tracked["kv_series"]) == tracked["kv_run_peak_blocks"]
+
+
+@pytest.mark.parametrize("flags, message", [(["--only", "slo", "--slo-setups", "opt-13b:azure"], "--slo-setups"),
+                                            (["--only", "past_capacity", "--past-workloads", "fig14-3"],
+                                             "--past-workloads")])
+def test_a_bad_section_flag_is_a_one_line_error_before_anything_runs(flags, message, tmp_path, capsys):
+    from scripts.experiments.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*flags, "--out", str(tmp_path / "doc.md")])
+    assert exit_.value.code == 2 and f"error: unknown {message}" in capsys.readouterr().err
+    assert not (tmp_path / "doc.md").exists()

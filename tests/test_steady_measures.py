@@ -163,6 +163,52 @@ def test_collapse_is_the_window_token_rate_paired_with_fcfss(lengths, tmp_path):
     assert c[(2.0, "fcfs")]["vs_ref"] is None and c[(2.0, "fcfs")]["tokens_per_s"].values == f
     assert c[(2.0, "skip-join-mlfq")]["vs_ref"].values == pytest.approx([s[0] / f[0], s[1] / f[1]])
     assert all(x > 0 for x in f + s) and s != f
+    assert c[(2.0, "skip-join-mlfq")]["swap_wait_share"].values == raw[(2.0, "skip-join-mlfq")]["swap_wait_share"]
+
+
+def test_the_swap_wait_share_is_the_counted_requests_swap_wait_over_their_latency(lengths):
+    """Past capacity (the upload stall reads 0 there: another job is always ready) the picked jobs still wait on their
+    KV: windowed_metrics' swap-wait share is the counted requests' swap_wait_s over their e2e."""
+    from fastserve.make_model import config_only_model
+    from scripts.experiments.common import SCALES
+    from scripts.experiments.steady_state import REPO, trace_for, window
+
+    trace, _ = trace_for(setup_of(lengths, 400), 12.0, 0)
+    engine = simulated_engine(config_only_model("opt-13b"), REPO / SCALES["opt-13b"][1],
+                              scheduling_policy="skip-join-mlfq")
+    res = run_trace(engine, trace)
+    lo, hi = window([t for t, _, _ in trace])
+    counted = [o for o in res.outputs if lo <= o.metrics.arrival_time <= hi]
+    m = windowed_metrics(res.outputs, [t for t, _, _ in trace])
+    waits = sum(o.metrics.swap_wait_s for o in counted)
+    assert waits > 0 and m["swap_wait_share"] == pytest.approx(waits / sum(o.metrics.e2e_s for o in counted))
+    assert m["mean_swap_wait_s"] == pytest.approx(waits / len(counted)) and 0 < m["swap_wait_share"] < 1
+
+
+# -- run_trace's stop hook and cut ------------------------------------------------------------------------------
+def test_run_trace_stops_the_arrivals_when_its_hook_says_and_cuts_at_until(flat_sim_model):
+    """Flat profile, one request at a time, each 1 s (a 1-token answer is its prefill), one arriving every second
+    from 0. The hook turns true at 2: the requests of 0 and 1 are sent, no other; a cut at 2.5 leaves the request
+    started at 2 to finish at 3 (a step is not interrupted), and with 2-token answers leaves one unfinished."""
+    model, profile = flat_sim_model
+
+    def engine():
+        return simulated_engine(model, profile, num_device_blocks=200, scheduling_policy="fcfs", max_num_seqs=1)
+
+    trace = [(float(t), 20, 1) for t in range(6)]
+    asked = []
+    stopped = run_trace(engine(), trace, stop=lambda e: asked.append(e.clock.now()) or e.clock.now() >= 2.0)
+    assert stopped.sent == 2 and [o.request_id for o in stopped.outputs] == ["0", "1"] and not stopped.unfinished
+    assert asked == pytest.approx([0.0, 1.0, 2.0])  # once true it is not asked again; the run ends when drained
+    cut = run_trace(engine(), trace, until=2.5)
+    assert cut.sent == 3 and [o.request_id for o in cut.outputs] == ["0", "1", "2"] and not cut.unfinished
+    assert cut.engine.clock.now() == pytest.approx(3.0)
+    # 2-token answers (a 0.1 s decode after the prefill): 0 ends at 1.1, 1 at 2.2, 2 starts at 2.2 and is cut at 3.2
+    longer = run_trace(engine(), [(t, 20, 2) for t, _, _ in trace], until=2.5)
+    assert longer.sent == 3 and [o.request_id for o in longer.outputs] == ["0", "1"]
+    assert [o.request_id for o in longer.unfinished] == ["2"] and len(longer.unfinished[0].outputs[0].token_ids) == 1
+    whole = run_trace(engine(), trace)  # neither: every request, as before
+    assert whole.sent == 6 and len(whole.outputs) == 6 and not whole.unfinished
 
 
 # -- a burst ------------------------------------------------------------------------------------------------------
@@ -216,6 +262,7 @@ def test_run_burst_counts_every_request_and_drains(lengths, tmp_path):
         assert trace[r["requests"] - 1][0] <= drained_at <= trace[r["requests"]][0]  # arrivals stop at the drain
         assert r["burst_requests"] == sum(t < 60 for t, _, _ in trace)
         assert r["mean_per_token_s"] <= r["p95_per_token_s"] and r["p99_ttft_s"] > 0
+        assert 0 <= r["swap_wait_share"] < 1
     assert out["skip-join-mlfq"]["mean_per_token_s"].mean < out["fcfs"]["mean_per_token_s"].mean
 
 
@@ -247,3 +294,29 @@ def test_the_section_takes_its_oracles_from_one_constant_and_marks_no_difference
     assert ratio_cell(None) == "-"
     assert ratio_cell(stat([0.9, 1.2])).endswith("(no difference)")  # interval 1.05 +- 1.9: holds 1.0
     assert "no difference" not in ratio_cell(stat([1.5, 1.6, 1.55])) + ratio_cell(stat([1.1]))  # 1.55 +- 0.12; one seed
+
+
+def test_the_other_workloads_are_named_by_the_flag_and_built_as_their_sections_build_them():
+    from types import SimpleNamespace as NS
+
+    from scripts.experiments.fig14 import IO_RATIOS
+    from scripts.experiments.past_capacity import WORKLOAD_START, WORKLOADS, parse_workloads, workload_setup
+
+    assert parse_workloads("all") == list(WORKLOADS) and parse_workloads("none") == []
+    assert len(WORKLOADS) == 3 + len(IO_RATIOS) and set(WORKLOAD_START) == set(WORKLOADS)
+    assert parse_workloads("azure-code, fig14-64") == ["azure-code", "fig14-64"]
+    with pytest.raises(ValueError, match="unknown --past-workloads"):
+        parse_workloads("fig14-3")
+    ctx = NS(args=NS(io_total=1024, io_spread=0.5))
+    assert workload_setup(ctx, "fig14-64", 300) == Setup("opt-13b", "sharegpt", 300, synthetic=(1024, 64, 0.5))
+    assert workload_setup(ctx, "azure-code", 300) == Setup("opt-13b", "azure-code", 300)
+    assert workload_setup(ctx, "alpaca", 300).path().endswith("alpaca_lengths.csv")
+
+
+def test_the_failing_loads_beside_an_answer_are_each_seeds_bracket_end():
+    from scripts.experiments.past_capacity import fail_cell
+
+    assert fail_cell([Bracket(passed=[1.0], failed=[1.225, 1.5]), Bracket(passed=[1.0, 1.107], failed=[1.225])]) \
+        == "1.23, 1.23"
+    assert fail_cell([Bracket(passed=[4.0]), Bracket(passed=[1.0], failed=[1.5])]) == "-, 1.5"
+    assert fail_cell([Bracket(passed=[4.0])]) == "-"

@@ -5,16 +5,17 @@ simulated at the paper's scale with roofline profiles, plus a small live measure
     python -m scripts.experiments --only fig5,fig14     # some figures; prints their sections, keeps the doc
     python -m scripts.experiments --no-live --num-prompts 200
 
-Sections: skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle (5
+Sections: throughput at the SLO and goodput for every setup of the paper's Fig. 11/12 (by time: slo.py),
+skip-join at capacity measured at steady state in units of FCFS's capacity beside the SRPT oracle (5
 seeds, 95% intervals; steady_state.py), the same table for Llama-3-8B on an H100 beside OPT-13B (grouped-query
 attention's KV room), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
 (first-iteration vs decode cost), Fig. 8 (KV memory in use, MLFQ vs FCFS, steady state), Fig. 12 (P95 per-token
 latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
-ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), throughput at the 0.3 s/token SLO for every policy
-(table), sim vs live (scripts/benchmarks/sim_vs_live.py), and what the paper did not test (past capacity, the ENST
-ablation, alpha, profiler error and bursty arrivals, the Azure 2023 conversation trace's arrivals), past capacity
-by time (throughput at the SLO, goodput, tokens per second, a burst, the upload stall: past_capacity.py), and chunked
-prefill with long prompts among short ones (budget vs ITL and served rate, against their goals).
+ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), sim vs live (scripts/benchmarks/sim_vs_live.py),
+and what the paper did not test (the ENST ablation, alpha, profiler error and bursty arrivals, the Azure 2023
+conversation trace's arrivals), past capacity by time (throughput at the SLO, goodput, tokens per second, a
+burst, the upload stall: past_capacity.py), and chunked prefill with long prompts among short ones (budget vs ITL
+and served rate, against their goals).
 Everything simulated runs engine/simulation.py (the real engine, scheduler
 and KV manager on a virtual clock) with profiles/sim/*.json, which are roofline estimates from datasheets,
 not measurements. The simulations are deterministic (seeded traces, virtual clock); the text of the document
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 from scripts.experiments import SECTIONS, run_order, section
-from scripts.experiments.common import DEFAULTS, MAIN, SCALES, Ctx
+from scripts.experiments.common import DEFAULTS, Ctx
 from scripts.experiments.live_slo import LIVE_RATES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,14 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                     / "AzureLLMInferenceTrace_conv.csv", help="Azure 2023 trace CSV of the azure section")
     ap.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"], help="ShareGPT requests per run")
     ap.add_argument("--num-prompts-alpaca", type=int, default=DEFAULTS["num_prompts_alpaca"])
-    ap.add_argument("--scales", default="opt-13b,opt-13b-80gb,opt-66b,opt-175b",
-                    help=f"comma-separated of {','.join(SCALES)} for the SLO table ({MAIN}, the figures' scale, "
-                         "is always run)")
-    ap.add_argument("--bisect", type=int, default=3, help="bisection steps after the rate grid")
-    ap.add_argument("--span", type=float, default=20.0, help="arrivals span at least this many seconds")
-    ap.add_argument("--max-prompts", type=int, default=2000, help="cap on requests per simulated run")
+    ap.add_argument("--slo-setups", default="all", help="the slo section's setups: all, or comma-separated "
+                    "SCALE:DATASET of slo.SETUPS (e.g. opt-13b:sharegpt,opt-66b:alpaca)")
+    ap.add_argument("--slo-prompts", type=int, default=10000, help="requests per point of the slo section's searches "
+                    "(= --past-prompts: its OPT-13B ShareGPT runs are past_capacity's)")
+    ap.add_argument("--slo-seeds", type=int, default=3, help="seeds of the slo section")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--long-prompts", type=int, default=2000, help="requests per point of the long-trace search")
     ap.add_argument("--io-total", type=int, default=1024)
     ap.add_argument("--io-load", type=float, default=1.5)
     ap.add_argument("--io-spread", type=float, default=0.5, help="Fig. 14: lengths uniform over [1 - s, 1 + s] x "
@@ -127,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     "ablation and alpha sections")
     ap.add_argument("--steady-prompts", type=int, default=3000, help="requests per point of the capacity section")
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
-    ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups")
+    ap.add_argument("--steady-goal-prompts", type=int, default=10000, help="requests per point of the capacity "
+                    "section's goal rows (0.9C and 0.95C)")
+    ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups (0: not run)")
     ap.add_argument("--llama-seeds", type=int, default=3, help="seeds of the capacity_llama section's tables")
     ap.add_argument("--curve-seeds", type=int, default=3, help="seeds of Fig. 12 and 13 (steady state)")
     ap.add_argument("--steady-jobs", type=int, default=None, help="simulations at once (default: the cores)")
@@ -136,19 +137,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--past-seeds", type=int, default=5, help="seeds of the past_capacity section")
     ap.add_argument("--past-resolution", type=float, default=0.05, help="the past_capacity section's searches stop "
                     "when their failing load is within this fraction of their passing one")
+    ap.add_argument("--past-workloads", default="all", help="the workloads of the past_capacity section's "
+                    "tokens-per-second table beyond ShareGPT: all, none, or comma-separated names of "
+                    "past_capacity.WORKLOADS")
+    ap.add_argument("--past-workload-prompts", type=int, default=3000, help="requests per point of those workloads")
+    ap.add_argument("--past-workload-seeds", type=int, default=3, help="seeds of those workloads")
     ap.add_argument("--burst-seconds", type=float, default=600.0, help="the past_capacity section's burst at 1.5C "
                     "(virtual seconds)")
     ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
                     "(--max-num-batched-tokens)")
     ap.add_argument("--update", action="store_true", help="with --only: replace those sections in --out")
     args = ap.parse_args(argv)
-    args.scales = [MAIN] + [s for s in args.scales.split(",") if s != MAIN]
-    if set(args.scales) - set(SCALES):
-        ap.error(f"unknown scales {sorted(set(args.scales) - set(SCALES))}; choose from {list(SCALES)}")
     names = args.only.split(",") if args.only else [f for f in FIGURES if not (f.startswith("live") and args.no_live)]
     unknown = set(names) - set(FIGURES)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; choose from {FIGURES}")
+    try:  # the sections' own flags, checked before anything runs
+        if "slo" in names:
+            from scripts.experiments.slo import parse_setups
+
+            parse_setups(args.slo_setups)
+        if "past_capacity" in names:
+            from scripts.experiments.past_capacity import parse_workloads
+
+            parse_workloads(args.past_workloads)
+    except ValueError as e:
+        ap.error(str(e))
     ctx = Ctx(args)
     t0 = time.perf_counter()
     parts = {}

@@ -1,9 +1,8 @@
 """What every section of `make experiments` shares: the scales and policies, the experiment context `Ctx`
-(arguments, traces, cached simulations), plotting helpers, the SLO search and the SLO table (the slo section's),
-the KV capacity of a scale, and the tiny model's measured profile.
+(arguments, the figures' folder), plotting helpers, the SLO search (Fig. 13's), the KV capacity of a scale, and the
+tiny model's measured profile.
 
-The helpers SLOSearch/throughput_at_slo, phase_latencies, KVUsageTracker and clip_trace are
-tested in tests/test_experiments.py.
+The helpers SLOSearch/throughput_at_slo, phase_latencies and KVUsageTracker are tested in tests/test_experiments.py.
 """
 
 from __future__ import annotations
@@ -17,8 +16,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from fastserve.bench.workload import LengthFilter, load_workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -129,15 +126,6 @@ def phase_latencies(outputs) -> dict[str, float]:
     return {"p95_ttft_s": p95(ttft), "p95_tpot_s": p95(tpot)}
 
 
-def clip_trace(items, limit: int) -> list[tuple[float, int, int]]:
-    """WorkItems -> run_trace tuples whose prompt + output fit a context of `limit` tokens."""
-    out = []
-    for it in items:
-        prompt = max(1, min(it.prompt_len, limit - 1))
-        out.append((it.arrival_s, prompt, max(1, min(it.output_len, limit - prompt))))
-    return out
-
-
 # -- the experiment context ------------------------------------------------------------------------------------
 class Ctx:
     def __init__(self, args) -> None:
@@ -154,35 +142,6 @@ class Ctx:
         from fastserve.make_model import config_only_model  # torch: only when a simulation runs
 
         return config_only_model(shape), REPO / profile
-
-    def trace(self, dataset: str, rate: float, n: int | None = None) -> list[tuple[float, int, int]]:
-        """Poisson at `rate`: at least the dataset's request count, and enough to span --span seconds (capped
-        at --max-prompts), so that high rates are not a short burst."""
-        n = n or min(self.args.max_prompts, max(self.n[dataset], int(rate * self.args.span)))
-        items = load_workload("lengths", n, path=self.datasets[dataset], rate=rate,
-                              seed=self.args.seed, length_filter=LengthFilter())
-        return clip_trace(items, 2048)
-
-    def engine(self, shape: str, policy: str, kv_policy: str = "proactive", **kw):
-        from engine.simulation import simulated_engine
-
-        model, profile = self.model(shape)
-        return simulated_engine(model, profile, scheduling_policy=policy, kv_policy=kv_policy,
-                                max_num_seqs=self.args.max_num_seqs, **kw)
-
-    def simulate(self, shape: str, trace, policy: str, kv_policy: str = "proactive", track: bool = False, **kw):
-        from engine.simulation import run_trace
-
-        key = (shape, tuple(trace), policy, kv_policy, track, tuple(sorted(kw.items())))
-        if key not in self.cache:
-            eng = self.engine(shape, policy, kv_policy, **kw)
-            tracker = KVUsageTracker(eng) if track else None
-            res = run_trace(eng, trace)
-            self.sim_runs += 1
-            self.cache[key] = (res.summary() | phase_latencies(res.outputs)
-                               | {"offloads": eng.kv.stats.num_offloads, "drops": eng.kv.stats.num_drops},
-                               tracker, eng)
-        return self.cache[key]
 
     def cmd(self, only: str) -> str:
         a = self.args
@@ -224,33 +183,6 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms"
 
 
-# -- throughput at SLO (also gives each dataset's load scale to the figures) ------------------------------------
-RATE_GRID = {"ShareGPT": (1, 2, 4, 8, 16, 32, 64, 128, 256), "Alpaca": (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)}
-
-
-def slo_table(ctx: Ctx) -> dict:
-    if "slo" in ctx.cache:
-        return ctx.cache["slo"]
-    out: dict = {}
-    for shape in ctx.args.scales:
-        for ds in ctx.datasets:
-            for policy in POLICIES:
-                for metric in ("mean_per_token_s", "p95_per_token_s"):
-                    def lat(rate, ds=ds, policy=policy, metric=metric, shape=shape):
-                        return ctx.simulate(shape, ctx.trace(ds, rate), policy)[0][metric]
-                    grid = [r * SCALE_RATE[SCALES[shape][0]] for r in RATE_GRID[ds]]
-                    s = throughput_at_slo(lat, grid, SLO_S, iters=ctx.args.bisect)
-                    out[(shape, ds, policy, metric)] = s
-                    print(f"  SLO {shape} {ds:8} {policy:15} {metric[:4]}: {s.rate:7.2f} req/s"
-                          f"{' (grid cap)' if s.capped else ''}", flush=True)
-    ctx.cache["slo"] = out
-    return out
-
-
-# Llama-3: the grid x4 (4 to 1,024 req/s); Llama-3-8B's C on the H100 profile is ~16x OPT-13B's on the A100 40GB
-SCALE_RATE = {"opt-13b": 1.0, "opt-66b": 0.5, "opt-175b": 0.25, "llama-3-8b": 4.0, "llama-3-70b": 4.0}
-
-
 # -- KV capacity of a scale ---------------------------------------------------------------------------------------
 BLOCK = 16  # tokens per KV block in every simulated run
 
@@ -267,15 +199,6 @@ def kv_capacity(ctx: Ctx, scale: str) -> tuple[float, int]:
     model, profile = ctx.model(scale)
     block = kv_block_bytes(load_model_config(model), ParallelLayout(), BLOCK, torch.float16)
     return json.loads(profile.read_text())["capacity"]["device_kv_bytes"], block
-
-
-def kv_tokens(ctx: Ctx, scale: str) -> float:
-    capacity, block = kv_capacity(ctx, scale)
-    return capacity / (block / BLOCK)
-
-
-def kv_gib(ctx: Ctx, scale: str) -> float:
-    return kv_capacity(ctx, scale)[0] / 2**30
 
 
 def main_kv_blocks(ctx: Ctx) -> int:

@@ -16,7 +16,12 @@ cache); loads are in units of C (steady_state.capacity).
   and reports every request, the drain time and the requests lost (zero, or it raises); bursts() runs it for
   policies and seeds.
 - Upload stall: run_point's and run_burst's "upload_stall_share", the virtual time steps waited for KV uploads
-  over the executor's time (engine/simulation.py, SimulationResult.upload_wait_s).
+  over the executor's time (engine/simulation.py, SimulationResult.upload_wait_s). Past capacity it reads 0: some
+  other job is always ready, so no step waits. What the picked job waits is its swap wait (engine/outputs.py
+  swap_wait_s: picked, but its KV on the host or moving, or its room still being freed): "swap_wait_share", the
+  requests' swap waits over their end-to-end time (run_point: the counted requests', as queueing_share; run_burst:
+  every request's, an unfinished one's time counted to the cut). A share of the requests' latency, not of the
+  executor's time: their sum over the executor's time would count each second once per waiting job.
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ def collapse(runner: Runner, setup: Setup, policies: Sequence[str], seeds: Seque
     request (finished in the window or not) made at a time t with lo <= t <= hi (a request's first token at its
     first_token_time, each next one an inter-token gap later), divided by hi - lo (windowed_metrics'
     "window_tokens_per_s"). {(load, policy): {"tokens_per_s": Stat, "vs_ref": Stat of the paired ratio to the
-    reference policy's (None for itself), "upload_stall_share": Stat}}."""
+    reference policy's (None for itself), "upload_stall_share": Stat, "swap_wait_share": Stat}}."""
     data = table(runner, setup, loads, policies, seeds, cap)
     out = {}
     for load in loads:
@@ -142,7 +147,7 @@ def collapse(runner: Runner, setup: Setup, policies: Sequence[str], seeds: Seque
                 "tokens_per_s": stat(d["window_tokens_per_s"]),
                 "vs_ref": None if ref is None or p == reference else ratio_stat(d["window_tokens_per_s"],
                                                                                  ref["window_tokens_per_s"]),
-                "upload_stall_share": stat(d["upload_stall_share"])}
+                "upload_stall_share": stat(d["upload_stall_share"]), "swap_wait_share": stat(d["swap_wait_share"])}
     return out
 
 
@@ -177,9 +182,10 @@ def drive_burst(engine, trace: Sequence[tuple[float, int, int]], burst_end: floa
     """Run the engine on the trace's arrivals (sorted by time) until the queue has drained after burst_end: the
     first schedule at or after burst_end in which every request in the engine is in a step (or the engine is
     empty). No request arrives after that; the run goes on until every request sent has finished, or is cut at
-    cut_at (virtual s). Returns {"sent", "drained_at" (None: never), "end", "finished": [RequestOutputs],
-    "unfinished": [RequestOutputs, at the cut]}."""
-    from engine.simulation import add_trace_request, advance_to_next_event
+    cut_at (virtual s). engine/simulation.py run_trace runs it (its stop hook ends the arrivals at the drain, its
+    `until` cuts the run); this function only notices the drain. Returns {"sent", "drained_at" (None: never),
+    "end", "finished": [RequestOutputs], "unfinished": [RequestOutputs, at the cut]}."""
+    from engine.simulation import run_trace
 
     clock, drained = engine.clock, []
     inner = engine.schedule_step
@@ -192,24 +198,15 @@ def drive_burst(engine, trace: Sequence[tuple[float, int, int]], burst_end: floa
                 drained.append(clock.now())
         return plan
 
+    def stop(engine) -> bool:
+        if not drained and clock.now() >= burst_end and not engine.requests:
+            drained.append(clock.now())
+        return bool(drained)
+
     engine.schedule_step = schedule_step
-    finished, sent = [], 0
-    while clock.now() < cut_at:
-        now = clock.now()
-        if not drained and now >= burst_end and not engine.requests:
-            drained.append(now)
-        while not drained and sent < len(trace) and trace[sent][0] <= now:
-            add_trace_request(engine, sent, *trace[sent])
-            sent += 1
-        arrivals_left = not drained and sent < len(trace)
-        if not engine.has_unfinished() and not arrivals_left:
-            break
-        before = engine.num_steps
-        finished += [out for out in (engine.step() if engine.has_unfinished() else []) if out.finished]
-        if engine.num_steps == before:
-            advance_to_next_event(engine, clock, trace[sent][0] if arrivals_left else None)
-    return {"sent": sent, "drained_at": drained[0] if drained else None, "end": clock.now(), "finished": finished,
-            "unfinished": [req.to_output() for req in engine.requests.values()]}
+    result = run_trace(engine, trace, stop=stop, until=cut_at)
+    return {"sent": result.sent, "drained_at": drained[0] if drained else None, "end": clock.now(),
+            "finished": result.outputs, "unfinished": result.unfinished}
 
 
 def run_burst(setup: Setup, policy: str, cap: float, seed: int, shape: BurstShape) -> dict:
@@ -218,7 +215,8 @@ def run_burst(setup: Setup, policy: str, cap: float, seed: int, shape: BurstShap
     the cut by its age at the end (per-token: age / its asked output length, a lower bound of its own; TTFT: its
     first token's, or its age). Drain time: from the burst's end until the queue drained (drive_burst), or until
     the cut if it never did. Lost: requests sent that neither finished by length nor were still running at the
-    end; any raises RuntimeError."""
+    end; any raises RuntimeError. Swap-wait share: every request's swap wait (picked but waiting on a KV copy) over
+    their time in the system (e2e, or age at the cut)."""
     from engine.simulation import simulated_engine
     from fastserve.make_model import config_only_model
 
@@ -234,6 +232,8 @@ def run_burst(setup: Setup, policy: str, cap: float, seed: int, shape: BurstShap
     if lost:
         raise RuntimeError(f"burst run lost {lost} of {run['sent']} requests ({policy}, seed {seed})")
     end, per_token, ttft = run["end"], [], []
+    lived = sum(o.metrics.e2e_s for o in run["finished"]) + sum(end - o.metrics.arrival_time for o in run["unfinished"])
+    swap_wait = sum(o.metrics.swap_wait_s for o in (*run["finished"], *run["unfinished"]))
     for o in run["finished"]:
         per_token.append(o.metrics.e2e_s / max(1, len(o.outputs[0].token_ids)))
         ttft.append(o.metrics.ttft_s)
@@ -249,11 +249,12 @@ def run_burst(setup: Setup, policy: str, cap: float, seed: int, shape: BurstShap
             "drain_s": (end if drained_at is None else drained_at) - shape.seconds, "end_s": end,
             "mean_per_token_s": statistics.fmean(per_token), "p95_per_token_s": quantile(per_token, 0.95),
             "p99_ttft_s": quantile(ttft, 0.99), "mean_ttft_s": statistics.fmean(ttft), "busy_s": busy,
-            "upload_stall_s": upload, "upload_stall_share": stall_share(upload, busy), "wall_s": wall}
+            "upload_stall_s": upload, "upload_stall_share": stall_share(upload, busy),
+            "swap_wait_share": swap_wait / lived if lived > 0 else 0.0, "wall_s": wall}
 
 
 BURST_METRICS = ("mean_per_token_s", "p95_per_token_s", "p99_ttft_s", "drain_s", "requests", "unfinished", "lost",
-                 "upload_stall_share")
+                 "upload_stall_share", "swap_wait_share")
 
 
 def bursts(runner: Runner, setup: Setup, policies: Sequence[str], seeds: Sequence[int], cap: float,

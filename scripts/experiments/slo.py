@@ -1,114 +1,148 @@
-"""Throughput at the 0.3 s/token SLO for every policy and scale (the table), and the long-trace search
-(a steady state).
+"""Throughput at the SLO and goodput for every setup of the paper's Fig. 11/12 (OPT-13B on an A100 40GB and 80GB,
+OPT-66B on 4 GPUs, OPT-175B on 16; ShareGPT and Alpaca), measured by time (scripts/experiments/measures.py): per
+policy and seed, the highest Poisson load whose steady-state run meets the SLO by its mean, by its P95, and
+DistServe's goodput; loads in units of FCFS's capacity C of the setup; ratios paired per seed.
+
+    python -m scripts.experiments --only slo --slo-setups opt-13b:sharegpt --slo-prompts 3000 --slo-seeds 2
+
+Its OPT-13B A100-40GB ShareGPT searches are past_capacity's (the same Setup, capacity and Bracket): with the same
+requests a point (--slo-prompts = --past-prompts) the runner's cache serves one section the other's runs.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
-from scripts.experiments.common import (
-    MAIN,
-    POLICIES,
-    RATE_GRID,
-    REPO,
-    SCALE_RATE,
-    SCALES,
-    SLO_S,
-    Ctx,
-    kv_gib,
-    kv_tokens,
-    slo_table,
-    throughput_at_slo,
+from scripts.experiments.common import MAIN, REPO, SCALES, Ctx
+from scripts.experiments.measures import GOODPUT_SHARE, Bracket, highest_loads, load_stats
+from scripts.experiments.past_capacity import GRID_NOTE, MEASURES, POLICIES, fail_cell, ratio_cell
+from scripts.experiments.steady_state import (
+    DATASETS,
+    GOODPUT_TTFT_S,
+    SLO_DECODES,
+    Runner,
+    Setup,
+    capacity,
+    fmt,
+    slo_seconds,
 )
+
+# The paper's Fig. 11/12 setups, in its order: (scale of common.SCALES, dataset of steady_state.DATASETS).
+SETUPS = tuple((scale, ds) for scale in ("opt-13b", "opt-13b-80gb", "opt-66b", "opt-175b")
+               for ds in ("sharegpt", "alpaca"))
+HEADLINE = (MAIN, "sharegpt")
+SUBJECT, ORACLE = "skip-join-mlfq", "srpt"
+# Where capacity()'s search starts (req/s), from earlier measurements of C, so it needs one or two offers; the
+# headline setup starts where past_capacity's does (1.0) so that they share its runs.
+CAPACITY_START = {("opt-13b", "alpaca"): 128.0, ("opt-13b-80gb", "sharegpt"): 16.0,
+                  ("opt-13b-80gb", "alpaca"): 256.0, ("opt-66b", "sharegpt"): 4.0, ("opt-66b", "alpaca"): 64.0,
+                  ("opt-175b", "sharegpt"): 8.0, ("opt-175b", "alpaca"): 128.0}
+
+
+def parse_setups(text: str) -> list[tuple[str, str]]:
+    """--slo-setups: "all", or comma-separated SCALE:DATASET pairs of SETUPS."""
+    if text == "all":
+        return list(SETUPS)
+    pairs = [tuple(item.split(":", 1)) for item in text.split(",") if item]
+    bad = [":".join(p) for p in pairs if p not in SETUPS]
+    if bad:
+        raise ValueError(f"unknown --slo-setups {bad}; choose from {', '.join(f'{s}:{d}' for s, d in SETUPS)}")
+    return pairs  # type: ignore[return-value]
+
+
+def setup_for(ctx: Ctx, scale: str, dataset: str, n: int) -> Setup:
+    """The Setup of a row, as past_capacity builds its own (a dataset path only where a flag moved it)."""
+    flag = Path(ctx.args.sharegpt if dataset == "sharegpt" else ctx.args.alpaca)
+    return Setup(scale, dataset, n, dataset_path=None if flag == DATASETS[dataset] else str(flag))
+
+
+def layout(scale: str) -> str:
+    data = json.loads((REPO / SCALES[scale][1]).read_text())
+    tp, pp = data["key"]["tensor_parallel_size"], data["key"]["pipeline_parallel_size"]
+    return (f"{tp * pp} GPU{'s' if tp * pp > 1 else ''}" + (f", tensor parallel {tp}" if tp > 1 else "")
+            + (f" x pipeline parallel {pp}" if pp > 1 else ""))
+
+
+def measure(ctx: Ctx, runner: Runner, scale: str, dataset: str) -> dict:
+    a = ctx.args
+    setup = setup_for(ctx, scale, dataset, a.slo_prompts)
+    seeds = range(a.slo_seeds)
+    cap = capacity(runner, setup, range(min(3, a.slo_seeds)), CAPACITY_START.get((scale, dataset)))
+    found = highest_loads(runner, setup, POLICIES, seeds, cap["C"], resolution=a.past_resolution)
+    print(f"  slo {scale} {dataset}: C {cap['C']:.3f} ({runner.runs} simulations so far)", flush=True)
+    return {"cap": cap, "slo": slo_seconds(setup), "found": found, "fcfs": load_stats(found, cap["C"]),
+            "oracle": load_stats(found, cap["C"], reference=ORACLE)}
+
+
+def headline(rows: dict, seeds: int) -> list[str]:
+    """The sentence on skip-join / FCFS at the headline setup, from its numbers (nothing if it did not run)."""
+    if HEADLINE not in rows:
+        return []
+    r = rows[HEADLINE]
+    vs_fcfs = [ratio_cell(r["fcfs"][(j, SUBJECT)]["vs_ref"]) for j, _ in MEASURES]
+    vs_oracle = [fmt(r["oracle"][(j, SUBJECT)]["vs_ref"]) for j, _ in MEASURES]
+    return [f"**Headline** (OPT-13B, A100 40GB, ShareGPT; {seeds} seeds, ratios paired per seed, mean ± 95% "
+            f"interval): skip-join MLFQ's throughput at the SLO is {vs_fcfs[0]} x FCFS's by the mean per-token "
+            f"latency and {vs_fcfs[1]} x by the P95, and its goodput {vs_fcfs[2]} x FCFS's; against the bounded "
+            f"oracle (srpt) the same three are {vs_oracle[0]}, {vs_oracle[1]} and {vs_oracle[2]}. The paper reports "
+            "1.9x-2.9x (mean) at its 0.3 s SLO against vLLM (FCFS) on real A100s, from runs of a few hundred "
+            "requests that did not reach a steady state.", ""]
 
 
 def section_slo(ctx: Ctx) -> str:
-    table = slo_table(ctx)
-    lines = ["## Throughput at the SLO (0.3 s/token), all policies", "",
-             f"Command: `{ctx.cmd('slo')}`", "",
-             "The highest Poisson rate (req/s) whose mean (or P95) per-token latency over "
-             f"max({ctx.n['ShareGPT']} ShareGPT / {ctx.n['Alpaca']} Alpaca, rate x {ctx.args.span:.0f} s) requests "
-             f"(at most {ctx.args.max_prompts}) (lengths from the *_lengths.csv "
-             "files, vLLM's length filter: prompt <= 1024, total <= 2048) stays <= 0.3 s/token: a geometric grid "
-             f"of rates, then {ctx.args.bisect} bisection steps (resolution "
-             f"~{100 * (2 ** 0.5 ** ctx.args.bisect - 1):.0f}% of the rate). KV policy proactive, max_num_seqs "
-             f"{ctx.args.max_num_seqs}, starvation threshold 0.3 s, block size 16.", ""]
-    for shape in ctx.args.scales:
-        data = json.loads((REPO / SCALES[shape][1]).read_text())
-        tp, pp = data["key"]["tensor_parallel_size"], data["key"]["pipeline_parallel_size"]
-        layout = (f"{tp * pp} GPU{'s' if tp * pp > 1 else ''}" + (f", tensor parallel {tp}" if tp > 1 else "")
-                  + (f" x pipeline parallel {pp} with {pp} batches in flight" if pp > 1 else ""))
-        lines += [f"### {shape} ({SCALES[shape][1]}: {layout}; roofline estimate)", "",
-                  "| dataset | metric | " + " | ".join(POLICIES) + " | skip-join / fcfs |",
-                  "|---|---|" + "---|" * (len(POLICIES) + 1)]
-        for ds in ctx.datasets:
-            for metric, name in (("mean_per_token_s", "mean"), ("p95_per_token_s", "P95")):
-                rates = [table[(shape, ds, p, metric)] for p in POLICIES]
-                cells = [f"{s.rate:.2f}{'+' if s.capped else ''}" for s in rates]
-                fc, sj = rates[0].rate, rates[-1].rate
-                ratio = f"{sj / fc:.2f}x" if fc > 0 else "n/a"
-                lines.append(f"| {ds} | {name} | " + " | ".join(cells) + f" | {ratio} |")
-        lines.append("")
-    lines += ["(`+`: every grid rate met the SLO; the throughput is above this.)", ""]
-    ratios = []
-    for shape in ctx.args.scales:
-        for ds in ctx.datasets:
-            for metric in ("mean_per_token_s", "p95_per_token_s"):
-                fc = table[(shape, ds, "fcfs", metric)].rate
-                sj = table[(shape, ds, "skip-join-mlfq", metric)].rate
-                if fc > 0:
-                    ratios.append((shape, ds, metric[:4].rstrip("_"), sj / fc))
-    if ratios:
-        desc = "; ".join(f"{s} {d} {m}: {r:.2f}x" for s, d, m, r in ratios)
-        lines += [f"Skip-join MLFQ over FCFS, throughput at the SLO: {desc}. The paper reports 1.9x-2.9x "
-                  "(mean, and more at P95) at the same SLO against vLLM (FCFS) on real A100s.", "",
-                  "These numbers are with the default scheduler settings (`--kv-overcommit 4 --starvation-factor "
-                  "1`); the section \"Past capacity\" below compares them with the paper's rules "
-                  "(`--kv-overcommit none --starvation-factor none`) from 0.5x to 2x of capacity.", ""]
-    lines += ["**Why the GPU's memory decides it.** On an A100 40GB, OPT-13B has "
-              f"{kv_gib(ctx, MAIN):.1f} GiB of KV cache (about {kv_tokens(ctx, MAIN) / 1e3:.1f}K tokens; the vLLM "
-              "paper's Table 1 gives 12 GB for this setup), which holds the whole context of only a few dozen "
-              "ShareGPT jobs: FCFS's batch is bounded by memory, and jobs with long outputs hold it while short "
-              "ones queue behind them (head-of-line blocking). Skip-join MLFQ runs the short jobs first and parks "
-              "the preempted ones' KV in host memory (proactive offloading), so it keeps more jobs in flight. "
-              "On an A100 80GB "
-              f"({kv_gib(ctx, 'opt-13b-80gb'):.1f} GiB, ~{kv_tokens(ctx, 'opt-13b-80gb') / 1e3:.0f}K tokens) "
-              "FCFS batches up to max_num_seqs = 256 jobs continuously and memory rarely binds; with so many "
-              "slots, head-of-line blocking is rare, and MLFQ's preemptions and offloads cost about what they "
-              "save.", ""]
-    lines += section_slo_long(ctx)
+    a = ctx.args
+    runner = Runner(jobs=a.steady_jobs)
+    t0 = time.perf_counter()
+    chosen = parse_setups(a.slo_setups)
+    rows = {sd: measure(ctx, runner, *sd) for sd in chosen}
+    flags = f"--slo-setups {a.slo_setups} --slo-prompts {a.slo_prompts} --slo-seeds {a.slo_seeds} " \
+            f"--past-resolution {a.past_resolution}"
+    left_out = [f"{s} {d}" for s, d in SETUPS if (s, d) not in rows]
+    lines = ["## Throughput at the SLO and goodput, every setup (Fig. 11/12), by time", "",
+             f"Command: `{ctx.cmd('slo')} {flags}` (scripts/experiments/slo.py, measures.py). Per setup and "
+             f"policy, for each of {a.slo_seeds} seeds (mean ± 95% interval; ratios paired per seed): the highest "
+             "Poisson load, in units of the setup's C (FCFS's sustained capacity, measured by the same harness), "
+             f"whose steady-state run ({a.slo_prompts} requests a point through vLLM's length filter, those arriving "
+             "in the middle 80% of the trace counted, the run lasting until they finish) keeps the mean per-token "
+             f"latency within the SLO; the same for P95; and goodput: at least {GOODPUT_SHARE:.0%} of the counted "
+             f"requests within the SLO with a TTFT <= {GOODPUT_TTFT_S:g} s (DistServe's). The SLO of a setup: "
+             f"{SLO_DECODES} decode iterations at batch 1 of its profile (steady_state.slo_seconds). Found by "
+             f"bracketing (x1.5 from 1.0C) and bisection until the failing load is within "
+             f"{a.past_resolution:.0%} of the passing one, up to {Bracket().highest:g}C. {GRID_NOTE} Policies: "
+             f"{', '.join(POLICIES)} (`srpt`: SRPT on the true output lengths with the defaults' age promotion, "
+             "the bounded oracle; `srpt-unbounded`: without it). The engine's defaults, roofline profiles.", ""]
+    if left_out:
+        lines += [f"Not run this time (time; `--slo-setups all` runs them): {', '.join(left_out)}.", ""]
+    lines += headline(rows, a.slo_seeds)
+    lines += ["| setup | C req/s | SLO s/token | skip-join / FCFS: mean | P95 | goodput | skip-join / srpt: mean | "
+              "P95 | goodput |", "|---|---|---|---|---|---|---|---|---|"]
+    for (scale, ds), r in rows.items():
+        cells = [ratio_cell(r["fcfs"][(j, SUBJECT)]["vs_ref"]) for j, _ in MEASURES]
+        cells += [fmt(r["oracle"][(j, SUBJECT)]["vs_ref"]) for j, _ in MEASURES]
+        lines.append(f"| {scale} {ds} | {r['cap']['C']:.3f} | {r['slo']:.3f} | " + " | ".join(cells) + " |")
+    for (scale, ds), r in rows.items():
+        lines += ["", f"**{scale}, {ds}** ({SCALES[scale][1]}: {layout(scale)}; roofline estimate): C = "
+                  f"{r['cap']['C']:.3f} req/s (FCFS served under a {r['cap']['offered']:.2f} req/s offer), SLO "
+                  f"{r['slo']:.3f} s/token.", "",
+                  "| measure | policy | load (x C) | fails at (per seed) | req/s | / FCFS | / srpt | seeds at the "
+                  "ceiling / floor |", "|---|---|---|---|---|---|---|---|"]
+        for judge, label in MEASURES:
+            for p in POLICIES:
+                d, o = r["fcfs"][(judge, p)], r["oracle"][(judge, p)]
+                edge = f"{d['capped']} / {d['floored']}" if d["capped"] or d["floored"] else "-"
+                lines.append(f"| {label} | {p} | {fmt(d['load'])} | {fail_cell(r['found'][(judge, p)])} | "
+                             f"{fmt(d['rate'])} | {ratio_cell(d['vs_ref'])} | "
+                             f"{'-' if o['vs_ref'] is None else fmt(o['vs_ref'])} | {edge} |")
+    past = sorted({p for r in rows.values() for (_, p), d in r["fcfs"].items() if d["load"].mean > 1.0})
+    if past:
+        lines += ["", f"Where a load above 1.0C passes ({', '.join(past)}), it is a run of {a.slo_prompts} requests "
+                  "past FCFS's capacity: the order keeps the short jobs within the SLO while the long ones queue, "
+                  "and that queue grows for as long as the run lasts, so such a load passes for this many requests "
+                  "and may fail for more (the past_capacity section measures that region by time: tokens per "
+                  "second and a burst)."]
+    lines += ["", f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
+              f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
+              f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)
-
-def section_slo_long(ctx: Ctx) -> list[str]:
-    """The same search with long traces (a steady state, not a transient), FCFS and skip-join, ShareGPT."""
-    n = ctx.args.long_prompts
-    found = {}
-    for policy in ("fcfs", "skip-join-mlfq"):
-        for metric in ("mean_per_token_s", "p95_per_token_s"):
-            def lat(rate, policy=policy, metric=metric):
-                return ctx.simulate(MAIN, ctx.trace("ShareGPT", rate, n), policy)[0][metric]
-            grid = [r * SCALE_RATE[SCALES[MAIN][0]] for r in RATE_GRID["ShareGPT"]]
-            found[(policy, metric)] = throughput_at_slo(lat, grid, SLO_S, iters=ctx.args.bisect)
-            print(f"  SLO long {policy:15} {metric[:4]}: {found[(policy, metric)].rate:7.2f} req/s", flush=True)
-    lines = ["### Long traces: a steady state", "",
-             f"The table above, like the paper's and vLLM's benchmarks, runs a few hundred requests per point: "
-             f"at the highest rates the queue is still growing when the trace ends. Here the same search on "
-             f"{MAIN}, ShareGPT, with {n} requests per point (arrivals spanning ~{n} / rate s):", "",
-             "| metric | fcfs | skip-join-mlfq | skip-join / fcfs |", "|---|---|---|---|"]
-    for metric, name in (("mean_per_token_s", "mean"), ("p95_per_token_s", "P95")):
-        fc, sj = found[("fcfs", metric)].rate, found[("skip-join-mlfq", metric)].rate
-        lines.append(f"| {name} | {fc:.2f} | {sj:.2f} | {sj / fc:.2f}x |" if fc > 0 else f"| {name} | {fc:.2f} | "
-                     f"{sj:.2f} | n/a |")
-    evaluated = {p: dict(found[(p, "mean_per_token_s")].evaluated) for p in ("fcfs", "skip-join-mlfq")}
-    common = sorted(set(evaluated["fcfs"]) & set(evaluated["skip-join-mlfq"]))
-    lines += ["", "Mean per-token latency (s) at the rates both searches ran: "
-              + ", ".join(f"{r:.2f} req/s: fcfs {evaluated['fcfs'][r]:.3f}, skip-join "
-                          f"{evaluated['skip-join-mlfq'][r]:.3f}" for r in common) + ".", "",
-              "In a steady state both policies saturate at about the same rate: skip-join MLFQ reorders work, it "
-              "does not add capacity (its offloads and preemptions cost a little), and once the arrival rate "
-              "passes capacity the queue grows without bound under any policy; with starvation promotion every "
-              "job is then promoted in turn and skip-join degrades to round robin, worse than FCFS. Its gain is "
-              "the latency just below the knee, where FCFS's head-of-line blocking is worst; the short traces "
-              "measure that region plus the transient above it, which is where the paper-sized ratios come "
-              "from.", ""]
-    return lines

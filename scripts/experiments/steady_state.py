@@ -33,7 +33,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.simulation import quantile, stall_share  # the project's one quantile rule; copy stalls
@@ -48,6 +48,10 @@ DATASETS = {"sharegpt": REPO.parent / "shared" / "datasets" / "sharegpt_lengths.
 # Real arrival times (Setup.arrivals): the Azure LLM inference trace 2023's conversation service.
 ARRIVAL_TRACES = {"azure-conv": REPO.parent / "shared" / "datasets" / "azure_llm_trace_2023"
                   / "AzureLLMInferenceTrace_conv.csv"}
+# Whole traces as a Setup's dataset (their lengths and their arrival gaps, trace_for): the Azure LLM inference trace
+# 2023's conversation and code services.
+TRACE_WORKLOADS = {"azure-conv": ARRIVAL_TRACES["azure-conv"],
+                   "azure-code": ARRIVAL_TRACES["azure-conv"].with_name("AzureLLMInferenceTrace_code.csv")}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 MIN_REQUESTS = 3000
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
@@ -96,7 +100,7 @@ class Setup:
     track_kv: bool = False
 
     def path(self) -> str:
-        return self.dataset_path or str(DATASETS[self.dataset])
+        return self.dataset_path or str({**DATASETS, **TRACE_WORKLOADS}[self.dataset])
 
 
 @dataclass
@@ -133,7 +137,9 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
     """The seed's trace, and the length filter's stats with "long": the indices of the requests whose prompt
     was replaced by a long one (setup.long_share; the draws do not depend on the rate)."""
     stats: dict = {}
-    if setup.synthetic is None:
+    if setup.dataset in TRACE_WORKLOADS:
+        items = trace_workload(setup, rate, seed, stats)
+    elif setup.synthetic is None:
         items = load_workload("lengths", setup.n, path=setup.path(), rate=rate, burstiness=setup.burstiness,
                               seed=seed, length_filter=LengthFilter(), stats=stats)
     else:
@@ -155,6 +161,19 @@ def trace_for(setup: Setup, rate: float, seed: int) -> tuple[list[tuple[float, i
                 trace[i] = (arrival, prompt, max(1, min(out, 2048 - prompt)))
                 stats["long"].add(i)
     return trace, stats
+
+
+def trace_workload(setup: Setup, rate: float, seed: int, stats: dict) -> list:
+    """A TRACE_WORKLOADS dataset: the trace's requests kept by vLLM's length filter, in their order; n consecutive
+    ones from kept request seed x n on (wrapping around), with their lengths and their arrival times made relative
+    to the first and scaled to a mean rate of `rate` req/s (the gaps between the kept requests keep their shape)."""
+    kept = load_workload(setup.dataset, 10**9, path=setup.path(), length_filter=LengthFilter(), stats=stats)
+    if len(kept) < setup.n:
+        raise ValueError(f"{setup.dataset} keeps {len(kept)} requests, fewer than the {setup.n} asked")
+    start = (seed * setup.n) % (len(kept) - setup.n + 1)
+    picked = kept[start:start + setup.n]
+    speedup = speedup_for_rate([it.arrival_s for it in picked], rate)
+    return [replace(it, arrival_s=(it.arrival_s - picked[0].arrival_s) / speedup) for it in picked]
 
 
 def trace_times(name: str, n: int, seed: int, rate: float) -> list[float]:
@@ -189,7 +208,8 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
     every gap between a counted request's successive tokens. The short requests' metrics leave out the requests
     in `long` (by request id, the trace index); with none long they are every counted request's. Queueing
     share (Fig. 1): the counted requests' time queued (waiting while not running, preempted time included) over
-    their end-to-end time, as SimulationResult.summary computes it over every request. slo = (per-token s, TTFT s):
+    their end-to-end time, as SimulationResult.summary computes it over every request; swap-wait share the same with
+    their swap wait (picked, but waiting on a KV copy). slo = (per-token s, TTFT s):
     "slo_attainment" is the share of counted requests that meet both (goodput's test)."""
     lo, hi = window(arrivals)
     counted = [o for o in outputs if lo <= o.metrics.arrival_time <= hi]
@@ -229,6 +249,10 @@ def windowed_metrics(outputs, arrivals: Sequence[float], long: Collection[int] =
         "p99_ttft_s": quantile(ttft, 0.99),
         "mean_e2e_s": statistics.fmean(o.metrics.e2e_s for o in counted),
         "queueing_share": sum(o.metrics.queued_s for o in counted) / counted_e2e if counted_e2e else 0.0,
+        # The swap wait (engine/outputs.py swap_wait_s): the time a counted request was picked but waited on a KV copy
+        # (its KV on the host or moving, or its room still being freed), over their end-to-end time, as queueing_share.
+        "swap_wait_share": sum(o.metrics.swap_wait_s for o in counted) / counted_e2e if counted_e2e else 0.0,
+        "mean_swap_wait_s": statistics.fmean(o.metrics.swap_wait_s for o in counted),
         "max_e2e_s": max(e2e),
         "served_rate": finished_in / (hi - lo) if hi > lo else 0.0,
         "window_s": hi - lo,
