@@ -189,7 +189,7 @@ def section_past_capacity(ctx: Ctx) -> str:
                   f"{a.past_workload_prompts} requests a point, {a.past_workload_seeds} seed(s), FCFS and skip-join, C "
                   f"measured for each workload (FCFS's served rate under an offer >= 1.3x it). Goal met in "
                   f"{sum(workload_met)} of {len(workload_met)} rows.", "", *workload_lines]
-    lines += ["", f"**A burst**: {shape.seconds / 60:g} virtual minutes of Poisson arrivals at {shape.high:g}C, then "
+    lines += ["", f"**A burst**: {shape.seconds:g} virtual seconds of Poisson arrivals at {shape.high:g}C, then "
               f"{shape.low:g}C until the queue drains (the first step after the burst that holds every request in "
               "the engine); then no more arrivals. Every request sent counts; the run is cut at "
               f"{shape.limit * shape.seconds / 60:g} minutes, a request unfinished there at its age (per token: its "
