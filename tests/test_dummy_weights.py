@@ -18,7 +18,9 @@ SHAPE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=3, num_attention
              max_position_embeddings=256, word_embed_proj_dim=32)  # with project_in/out
 
 
-@pytest.fixture(scope="module", params=["OPTForCausalLM", "LlamaForCausalLM"])
+# The Llama case runs with `make test-slow` (its tensor-parallel x pipeline-parallel layout starts 4 workers); in the
+# default run tests/test_profile_models.py serves a Llama config-only directory with dummy weights.
+@pytest.fixture(scope="module", params=["OPTForCausalLM", pytest.param("LlamaForCausalLM", marks=pytest.mark.slow)])
 def config_only(request, tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("dummy")
     if request.param == "OPTForCausalLM":

@@ -89,6 +89,7 @@ def test_profile_runs_dummy_weights_on_a_llama_config_only_directory(llama_dirs,
     check_sane(tmp_path / "p.json", measured, "llama-small-config", 1, 512)
 
 
+@pytest.mark.slow  # 45 s: the real model, loaded and profiled
 def test_profile_measures_the_smollm2_gguf_by_name(tmp_path):
     """The model `fastserve serve` serves with no model, named as it is served; the key is the file's name, which is
     what the engine looks it up by."""
