@@ -40,7 +40,7 @@ QUESTIONS = [("What is the capital of France?", "The capital of France is Paris.
              ("What color is the sky on a clear day?", "The sky is blue on a clear day."),
              ("What sound does a cat make?", "A cat says meow.")]
 RANDOM_PROMPTS, RANDOM_INPUT, RANDOM_OUTPUT = 8, 32, 8
-GUIDELLM_REQUESTS, GUIDELLM_OUTPUT = 4, 8
+GUIDELLM_REQUESTS, GUIDELLM_OUTPUT = 8, 8
 
 
 def save_tokenizer(out: Path) -> Path:
@@ -67,7 +67,7 @@ def commands(url: str, tokenizer: Path, work: dict[str, Path]) -> dict[str, list
                        str(work["bench-chat"] / "questions.json"), "--num-prompts", str(len(QUESTIONS))],
         "guidellm": [console_script("guidellm"), "run", "--backend",
                      f"kind=openai_http,target={url},model={SMOLLM2},request_format=/v1/completions,stream=true",
-                     "--profile", "kind=concurrent,streams=2", "--constraint",
+                     "--profile", "kind=concurrent,streams=4", "--constraint",
                      f"kind=max_requests,count={GUIDELLM_REQUESTS}", "--tokenizer",
                      f"kind=huggingface_auto,model={tokenizer}", "--data",
                      f"kind=synthetic_text,prompt_tokens=16,output_tokens={GUIDELLM_OUTPUT}", "--output",
