@@ -1,9 +1,10 @@
 """The CPU decode kernels compiled from fastserve_kernels/csrc/, loaded once per process.
 
 What it is: `decode_attention_op()` returns torch.ops.fastserve_cpu.decode_attention (decode attention
-over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp), and
-`decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's decoder layers in one C++ call;
-cpu_decode_layers.cpp), building both with torch's cpp_extension (g++ and ninja) the first time on a machine
+over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp),
+`decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's OPT decoder layers in one C++ call;
+cpu_decode_layers.cpp) and `decode_llama_layers_op()` its Llama-family counterpart (cpu_decode_llama_layers.cpp),
+building them with torch's cpp_extension (g++ and ninja) the first time on a machine
 and loading the cached build after that; or None when it cannot be built or is turned off, and the CPU path
 falls back to the sparse-op kernel (fastserve_kernels/cpu_decode_attention.py) and the model's Python layer loop.
 `make install` builds them (`python -m fastserve_kernels.cpu_decode_extension`), so the first request does not wait for
@@ -158,6 +159,12 @@ def decode_attention_op():
 def decode_layers_op():
     """torch.ops.fastserve_cpu.decode_layers (built with decode_attention_op's library), or None likewise."""
     return torch.ops.fastserve_cpu.decode_layers if decode_attention_op() is not None else None
+
+
+def decode_llama_layers_op():
+    """torch.ops.fastserve_cpu.decode_llama_layers (cpu_decode_llama_layers.cpp: a Llama-family decode step's
+    layers in one C++ call; built with decode_attention_op's library), or None likewise."""
+    return torch.ops.fastserve_cpu.decode_llama_layers if decode_attention_op() is not None else None
 
 
 def unavailable_reason() -> str | None:
