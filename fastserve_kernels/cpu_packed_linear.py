@@ -6,13 +6,13 @@ without oneDNN, FASTSERVE_CPU_PACKED_WEIGHTS=0); `linear(x, packed, bias)` is F.
 (torch.ops.mkldnn._linear_pointwise), and the compiled Llama decode loop
 (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp) calls the same op for a packed weight.
 
-Why: F.linear on the CPU runs MKL's sgemm on plain weights. On the 2-core AMD EPYC (Zen 4) this project is
-measured on, oneDNN on packed weights took 0.70-0.82x MKL's CPU time at 32 rows (SmolLM2-135M's q/k/v, gate/up
-and down projections; 0.58x for its 49,152-row lm_head) and 0.86x at one row; the packed result is row by row
-the same whatever the other rows of the batch. It is not MKL's bit for bit (another order of sums: the same
-values within float32 rounding), so a model uses it in every path or in none (engine/model/llama.py).
+Why: F.linear on the CPU runs MKL's sgemm on plain weights. On the project's 2-core AMD EPYC, a SmolLM2-135M
+decode step's matmuls on packed weights took 0.64-0.72x MKL's CPU time at 32 rows and 0.87-0.94x at one row, one
+thread (`python -m scripts.benchmarks.llama_decode --parts matmul --threads 1`, two runs; docs/benchmarks.md). The
+packed result is not MKL's bit for bit (another order of sums: the same values within float32 rounding), so a
+model uses it in every path or in none (engine/model/llama.py).
 What it costs: the packed copy sits beside the plain weight (which the loader fills and the rest of the engine
-reads), so a model's packed weights are held twice.
+reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32).
 """
 
 from __future__ import annotations

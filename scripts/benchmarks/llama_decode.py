@@ -245,33 +245,38 @@ def part_matmul(args) -> dict:
         print(f"\n## matmul: packing does not apply here ({cpu_packed_linear.ENV_SWITCH}=0, or no oneDNN)")
         return {}
     print(f"\n## matmul: the matmuls of a SmolLM2 decode step ({layers} layers' q/k/v, o, gate/up, down, and the "
-          "head), weights packed for oneDNN / plain (MKL's F.linear), CPU time (below 1: packed faster)")
+          "head), weights packed for oneDNN / plain (MKL's F.linear) (below 1: packed faster)")
     results = {}
     for b in args.batches:
         inputs = {cols: torch.randn(b, cols, generator=g) for cols in (e, f)}
         runs = {"plain": partial(_matmuls, inputs, plain, F.linear),
                 "packed": partial(_matmuls, inputs, packed, partial(cpu_packed_linear.linear, bias=None))}
-        times: dict[str, list[float]] = {"plain": [], "packed": []}
+        times: dict[str, list[tuple[float, float]]] = {"plain": [], "packed": []}  # (wall, cpu) per round
         for r in range(args.repeats):
             for name in ("plain", "packed") if r % 2 == 0 else ("packed", "plain"):
                 times[name].append(runs[name]())
-        ratio = spread([p / q for p, q in zip(times["packed"], times["plain"])])
-        results[f"batch{b}"] = {"plain_cpu_ms": statistics.median(times["plain"]) * 1e3,
-                                "packed_cpu_ms": statistics.median(times["packed"]) * 1e3, "ratio_cpu": ratio}
-        print(f"batch {b:3d}: plain {results[f'batch{b}']['plain_cpu_ms']:7.1f} ms   packed "
-              f"{results[f'batch{b}']['packed_cpu_ms']:7.1f} ms   ratio cpu {fmt(ratio)}")
+        res = {f"{name}_{kind}_ms": statistics.median(t[i] for t in times[name]) * 1e3
+               for name in times for i, kind in enumerate(("wall", "cpu"))}
+        res["ratio_wall"], res["ratio_cpu"] = (spread([p[i] / q[i] for p, q in zip(times["packed"], times["plain"])])
+                                               for i in (0, 1))
+        results[f"batch{b}"] = res
+        print(f"batch {b:3d}: plain {res['plain_wall_ms']:7.1f} ms ({res['plain_cpu_ms']:.1f} cpu)   packed "
+              f"{res['packed_wall_ms']:7.1f} ms ({res['packed_cpu_ms']:.1f} cpu)   ratio wall {fmt(res['ratio_wall'])}"
+              f"   cpu {fmt(res['ratio_cpu'])}")
     return results
 
 
-def _matmuls(inputs: dict[int, torch.Tensor], weights: list[torch.Tensor], linear, steps: int = 5) -> float:
-    """CPU seconds of one pass over `weights` (each against the input of its width), the median of `steps`."""
+def _matmuls(inputs: dict[int, torch.Tensor], weights: list[torch.Tensor], linear, steps: int = 5,
+             ) -> tuple[float, float]:
+    """(wall, CPU) seconds of one pass over `weights` (each against the input of its width), medians of `steps`."""
     times = []
     for _ in range(steps):
-        c = time.process_time()
+        window = Window()
+        window.start()
         for w in weights:
             linear(inputs[w.shape[1]], w)
-        times.append(time.process_time() - c)
-    return statistics.median(times)
+        times.append(window.stop())
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def matmul_bound(results: dict, batches: list[int]) -> None:
@@ -286,7 +291,7 @@ def matmul_bound(results: dict, batches: list[int]) -> None:
             continue
         step_ms = {side: statistics.median(r[i]["cpu"] / (r[i]["tokens"] / b) for r in hf["rounds"]) * 1e3
                    for i, side in enumerate(("engine", "generate"))}
-        bound = step_ms["generate"] / mm["packed_cpu_ms"]
+        bound = step_ms["generate"] / mm["packed_cpu_ms"]  # (CPU time: the steadier one on a shared machine)
         hf["bound_cpu"] = bound
         print(f"batch {b:3d}: generate {step_ms['generate']:7.1f} ms   engine {step_ms['engine']:7.1f} ms   matmuls "
               f"{mm['packed_cpu_ms']:7.1f} ms   bound {bound:.2f}x")
