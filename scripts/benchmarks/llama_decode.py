@@ -37,6 +37,7 @@ import json
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -252,9 +253,12 @@ def part_matmul(args) -> dict:
         runs = {"plain": partial(_matmuls, inputs, plain, F.linear),
                 "packed": partial(_matmuls, inputs, packed, partial(cpu_packed_linear.linear, bias=None))}
         times: dict[str, list[tuple[float, float]]] = {"plain": [], "packed": []}  # (wall, cpu) per round
-        for r in range(args.repeats):
-            for name in ("plain", "packed") if r % 2 == 0 else ("packed", "plain"):
-                times[name].append(runs[name]())
+        # On a thread of their own, as the engine's steps run (LocalExecutor): on the main thread, alternating with
+        # MKL's, oneDNN's one-row matmuls at two threads took 2-10x their time there on the shared 2-core machine.
+        with ThreadPoolExecutor(1) as thread:
+            for r in range(args.repeats):
+                for name in ("plain", "packed") if r % 2 == 0 else ("packed", "plain"):
+                    times[name].append(thread.submit(runs[name]).result())
         res = {f"{name}_{kind}_ms": statistics.median(t[i] for t in times[name]) * 1e3
                for name in times for i, kind in enumerate(("wall", "cpu"))}
         res["ratio_wall"], res["ratio_cpu"] = (spread([p[i] / q[i] for p, q in zip(times["packed"], times["plain"])])
