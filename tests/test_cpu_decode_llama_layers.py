@@ -4,7 +4,8 @@ checkpoints written to disk and loaded through the real loader: grouped-query at
 heads) with and without q/k/v biases (Llama, Qwen2), a head dim wider than hidden / heads (Mistral's config),
 rope scaling (llama3, linear), ragged contexts across block boundaries, with the weights packed for oneDNN
 (fastserve_kernels/cpu_packed_linear.py) and without; it runs only where it applies (a decode-only batch); the
-packed weights give the plain ones' numbers within float32 rounding."""
+packed weights give the plain ones' numbers, and the RMSNorm and rotary kernels both loops run on the CPU give
+the torch formulas', within float32 rounding."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 import engine.model.llama as llama
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model_stage
+from engine.model.llama_config import LlamaConfig
 from engine.model.registry import load_model_config
+from engine.model.rotary import Rotary
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from fastserve_kernels import cpu_decode_extension, cpu_packed_linear
 from fastserve_kernels.paged_attention import AttentionMetadata
@@ -73,6 +76,10 @@ def run_both(stage, ids, positions, kv, meta, monkeypatch):
     return out, kv, out_python, kv_python
 
 
+def rope_config(**overrides):
+    return LlamaConfig.from_dict(llama_config(**overrides), "LlamaForCausalLM").rope
+
+
 class Spy:
     def __init__(self, op):
         self.op, self.calls = op, 0
@@ -116,6 +123,28 @@ def test_packed_weights_give_the_plain_weights_numbers(layers_op, tmp_path, monk
     for packed, plain in zip(*results):
         torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
     assert not torch.equal(results[0][2], results[1][2])  # oneDNN did run: its sums are not MKL's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_rms_norm_and_rotary_kernels_compute_the_torch_formulas(layers_op, dtype):
+    """The element-wise kernels the CPU runs in both loops (cpu_decode_extension.llama_kernel) against Hugging
+    Face's formulas in torch ops, on strided inputs (slices of a fused matmul's output, as the layers give them):
+    equal within float32 rounding."""
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(6, 3 * 128, generator=g, dtype=dtype) * 3
+    x, weight = fused[:, :128], 1 + 0.1 * torch.randn(128, generator=g, dtype=dtype)
+    x32 = x.float()
+    want = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = cpu_decode_extension.llama_kernel("rms_norm", x)(x, weight, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    heads = fused[:, 128:].view(6, 8, 32)  # 8 heads of 32 dims
+    rotary = Rotary(rope_config(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING), 32)
+    rotation = rotary(torch.tensor([0, 1, 7, 31, 40, 300]), dtype)
+    rotated = torch.cat((-heads[..., 16:], heads[..., :16]), dim=-1)
+    want = heads * rotation.cos + rotated * rotation.sin
+    got = cpu_decode_extension.llama_kernel("rotary", heads)(heads, rotation.cos, rotation.sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert got.is_contiguous() and rotation.apply(heads).equal(got)  # Rotation.apply runs the kernel
 
 
 def test_a_batch_with_a_prefill_runs_the_python_loop(layers_op, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from engine.parallel import TensorParallelGroup
-from fastserve_kernels import cpu_packed_linear
+from fastserve_kernels import cpu_decode_extension, cpu_packed_linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -56,7 +56,9 @@ class RowParallelLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Hugging Face's LlamaRMSNorm: x / sqrt(mean(x^2) + eps) in float32, cast back, times the weight."""
+    """Hugging Face's LlamaRMSNorm: x / sqrt(mean(x^2) + eps) in float32, cast back, times the weight. On the CPU
+    one compiled kernel computes it, the one the compiled Llama decode loop runs (cpu_decode_extension.llama_kernel;
+    within float32 rounding of these torch ops, not their bits)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -64,6 +66,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        if (kernel := cpu_decode_extension.llama_kernel("rms_norm", x)) is not None:
+            return kernel(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
