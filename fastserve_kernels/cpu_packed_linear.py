@@ -12,15 +12,19 @@ thread (`python -m scripts.benchmarks.llama_decode --parts matmul --threads 1`, 
 packed result is not MKL's bit for bit (another order of sums: the same values within float32 rounding), so a
 model uses it in every path or in none (engine/model/llama.py).
 What it costs: the packed copy sits beside the plain weight (which the loader fills and the rest of the engine
-reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32).
+reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32); a model whose
+copies would take more than half the host's available memory is not packed (fits).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
 ENV_SWITCH = "FASTSERVE_CPU_PACKED_WEIGHTS"
 
 
@@ -31,6 +35,21 @@ def enabled() -> bool:
 def applies(weight: torch.Tensor) -> bool:
     """Whether pack() packs this weight: a 2-d float32 tensor on the CPU, with packing on."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and enabled()
+
+
+def fits(nbytes: int) -> bool:
+    """Whether packed copies of `nbytes` take at most half the memory the host has available now (Linux's
+    MemAvailable; True where /proc/meminfo cannot be read); logs a warning when not."""
+    try:
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return True
+    available = int(line.split()[1]) * 1024
+    if nbytes <= available // 2:
+        return True
+    log.warning("weights not packed for oneDNN: the copies would take %.1f GB of the %.1f GB available; the plain "
+                "weights serve (slower matmuls on the CPU)", nbytes / 1e9, available / 1e9)
+    return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

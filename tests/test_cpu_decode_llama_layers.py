@@ -9,6 +9,8 @@ the torch formulas', within float32 rounding."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -145,6 +147,21 @@ def test_the_rms_norm_and_rotary_kernels_compute_the_torch_formulas(layers_op, d
     got = cpu_decode_extension.llama_kernel("rotary", heads)(heads, rotation.cos, rotation.sin)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert got.is_contiguous() and rotation.apply(heads).equal(got)  # Rotation.apply runs the kernel
+
+
+def test_weights_whose_copies_the_host_cannot_hold_stay_plain(tmp_path, monkeypatch, caplog):
+    """fits() reads the host's available memory: nothing fits in none, everything in more than exists; a stage
+    whose copies do not fit is not packed, and runs on the plain weights."""
+    assert cpu_packed_linear.fits(0)
+    with caplog.at_level(logging.WARNING):
+        assert not cpu_packed_linear.fits(1 << 60)
+    assert "weights not packed for oneDNN" in caplog.text
+    monkeypatch.setattr(cpu_packed_linear, "fits", lambda nbytes: False)
+    stage, cfg = load_stage(tmp_path, "qwen2_gqa_qkv_bias_linear_rope", torch.float32)
+    ids, positions, kv, meta = batch(cfg, SEQS, torch.float32)
+    with torch.inference_mode():
+        assert stage(ids, positions, kv, meta).shape == (len(SEQS), cfg.hidden_size)
+    assert stage.layers[0].self_attn.qkv_proj.packed is None and stage._packed_head is None
 
 
 def test_a_batch_with_a_prefill_runs_the_python_loop(layers_op, tmp_path, monkeypatch):

@@ -134,15 +134,20 @@ class LlamaStage(DecoderStage):
     def _pack_weights(self) -> None:
         """With one rank, each matmul's weight packed for oneDNN where it applies (float32 on the CPU:
         fastserve_kernels/cpu_packed_linear.py), once: the Python loop, the compiled decode loop and the head then
-        all multiply by the packed copies, and so agree bit for bit."""
+        all multiply by the packed copies, and so agree bit for bit. Not when the copies would take more than half
+        the memory the host has available (cpu_packed_linear.fits): the plain weights serve then."""
         self._packed = True
-        if self.layout.tp_size != 1:
+        linears = [linear for layer in self.layers for linear in _linears(layer)] if self.layout.tp_size == 1 else []
+        head = self._head() if self.is_last and linears else None
+        weights = [linear.weight for linear in linears] + ([head] if head is not None else [])
+        if not weights or not cpu_packed_linear.applies(weights[0]):
             return
-        for layer in self.layers:
-            for linear in _linears(layer):
-                linear.packed = cpu_packed_linear.pack(linear.weight)
-        if self.is_last:
-            self._packed_head = cpu_packed_linear.pack(self._head())
+        if not cpu_packed_linear.fits(sum(w.numel() * w.element_size() for w in weights)):
+            return
+        for linear in linears:
+            linear.packed = cpu_packed_linear.pack(linear.weight)
+        if head is not None:
+            self._packed_head = cpu_packed_linear.pack(head)
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
