@@ -254,8 +254,10 @@ def part_matmul(args) -> dict:
                 "packed": partial(_matmuls, inputs, packed, partial(cpu_packed_linear.linear, bias=None))}
         times: dict[str, list[tuple[float, float]]] = {"plain": [], "packed": []}  # (wall, cpu) per round
         # On a thread of their own, as the engine's steps run (LocalExecutor): on the main thread, alternating with
-        # MKL's, oneDNN's one-row matmuls at two threads took 2-10x their time there on the shared 2-core machine.
-        with ThreadPoolExecutor(1) as thread:
+        # MKL's, oneDNN's one-row matmuls at two threads took 2-9x their time there on the shared 2-core machine.
+        # The thread first takes torch's thread count: oneDNN reads OpenMP's own, which a new thread takes from
+        # the environment (every core) until torch sets it there.
+        with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as thread:
             for r in range(args.repeats):
                 for name in ("plain", "packed") if r % 2 == 0 else ("packed", "plain"):
                     times[name].append(thread.submit(runs[name]).result())
