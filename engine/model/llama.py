@@ -12,9 +12,10 @@ architecture has them (Qwen2's q/k/v), lm_head tied to the embeddings or not.
 
 On the CPU a decode-only batch runs the layers in one compiled call with the
 same ops (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp), the Python loop
-everywhere else; in float32 with one rank every matmul, the head's included,
+everywhere else; both compute RMSNorm and the rotary embedding with that file's
+kernels, and in float32 with one rank every matmul, the head's included,
 multiplies by a copy of its weight packed for oneDNN
-(fastserve_kernels/cpu_packed_linear.py), in both.
+(fastserve_kernels/cpu_packed_linear.py).
 
 Tensor parallelism: query heads and MLP columns are split across ranks; KV
 heads too when there are at least as many as ranks, else each rank holds the
