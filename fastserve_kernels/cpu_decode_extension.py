@@ -1,11 +1,13 @@
 """The CPU decode kernels compiled from fastserve_kernels/csrc/, loaded once per process.
 
 What it is: `decode_attention_op()` returns torch.ops.fastserve_cpu.decode_attention (decode attention
-over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp), and
-`decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's decoder layers in one C++ call;
-cpu_decode_layers.cpp), building both with torch's cpp_extension (g++ and ninja) the first time on a machine
-and loading the cached build after that; or None when it cannot be built or is turned off, and the CPU path
-falls back to the sparse-op kernel (fastserve_kernels/cpu_decode_attention.py) and the model's Python layer loop.
+over the paged cache in one pass, optionally writing the step's K/V first; cpu_decode_attention.cpp),
+`decode_layers_op()` torch.ops.fastserve_cpu.decode_layers (a decode step's OPT decoder layers in one C++ call;
+cpu_decode_layers.cpp) and `decode_llama_layers_op()` its Llama-family counterpart (cpu_decode_llama_layers.cpp,
+with the RMSNorm and rotary kernels of `llama_kernel()`), building them with torch's cpp_extension (g++ and
+ninja) the first time on a machine and loading the cached build after that; or None when it cannot be built or is
+turned off, and the CPU path falls back to the sparse-op kernel (fastserve_kernels/cpu_decode_attention.py), the
+model's Python layer loop and torch ops.
 `make install` builds them (`python -m fastserve_kernels.cpu_decode_extension`), so the first request does not wait for
 g++ (~20 s); later processes load the cached build (well under a second). torch's cpp_extension keeps it under
 ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR elsewhere).
@@ -158,6 +160,21 @@ def decode_attention_op():
 def decode_layers_op():
     """torch.ops.fastserve_cpu.decode_layers (built with decode_attention_op's library), or None likewise."""
     return torch.ops.fastserve_cpu.decode_layers if decode_attention_op() is not None else None
+
+
+def decode_llama_layers_op():
+    """torch.ops.fastserve_cpu.decode_llama_layers (cpu_decode_llama_layers.cpp: a Llama-family decode step's
+    layers in one C++ call; built with decode_attention_op's library), or None likewise."""
+    return torch.ops.fastserve_cpu.decode_llama_layers if decode_attention_op() is not None else None
+
+
+def llama_kernel(name: str, x: torch.Tensor):
+    """torch.ops.fastserve_cpu.rms_norm or .rotary (cpu_decode_llama_layers.cpp: the Llama family's element-wise
+    kernels, which its compiled decode loop runs too) where they serve `x` (a float32 or float64 CPU tensor, the
+    kernels built), else None: the caller computes the formula with torch ops."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or decode_attention_op() is None:
+        return None
+    return getattr(torch.ops.fastserve_cpu, name)
 
 
 def unavailable_reason() -> str | None:

@@ -247,6 +247,11 @@ def cpu_decode_layers_op(kv_cache: torch.Tensor):
     return cpu_decode_extension.decode_layers_op() if supports_in_place_decode(kv_cache) else None
 
 
+def cpu_decode_llama_layers_op(kv_cache: torch.Tensor):
+    """The compiled Llama-family decode-layers loop (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp), likewise."""
+    return cpu_decode_extension.decode_llama_layers_op() if supports_in_place_decode(kv_cache) else None
+
+
 def decode_attention_gathered(
     q: torch.Tensor,  # [S_d, H, D]
     kv_cache: torch.Tensor,

@@ -10,6 +10,13 @@ KV heads under num_attention_heads query heads; the paged cache holds the KV
 heads only), a SwiGLU MLP (down(silu(gate(x)) * up(x))), biases where the
 architecture has them (Qwen2's q/k/v), lm_head tied to the embeddings or not.
 
+On the CPU a decode-only batch runs the layers in one compiled call with the
+same ops (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp), the Python loop
+everywhere else; both compute RMSNorm and the rotary embedding with that file's
+kernels, and in float32 with one rank every matmul, the head's included,
+multiplies by a copy of its weight packed for oneDNN
+(fastserve_kernels/cpu_packed_linear.py).
+
 Tensor parallelism: query heads and MLP columns are split across ranks; KV
 heads too when there are at least as many as ranks, else each rank holds the
 one KV head its query heads read (ParallelLayout.kv_heads, vLLM's
@@ -32,7 +39,8 @@ from engine.model.llama_config import LlamaConfig
 from engine.model.rotary import Rotary, Rotation
 from engine.model.stage import NOT_A_LAYER, UNEXPECTED, DecoderStage, WeightTarget
 from engine.parallel import TensorParallelGroup
-from fastserve_kernels.paged_attention import AttentionMetadata, paged_attention
+from fastserve_kernels import cpu_packed_linear
+from fastserve_kernels.paged_attention import AttentionMetadata, cpu_decode_llama_layers_op, paged_attention
 
 _QKV = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 _GATE_UP = {"gate_proj": "gate", "up_proj": "up"}
@@ -112,7 +120,38 @@ class LlamaStage(DecoderStage):
         if self.is_last:
             self.norm = RMSNorm(e, cfg.rms_norm_eps)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(e, v, bias=False)
+        self._packed = False  # whether _pack_weights ran (on first use: the loader fills the weights first)
+        self._packed_head: torch.Tensor | None = None
+        self._layer_weights: list[torch.Tensor | None] | None = None  # decode_llama_layers' list, made on first use
         self.requires_grad_(False)
+
+    def release_weights(self) -> int:
+        self._layer_weights = self._packed_head = None
+        for layer in self.layers:
+            for linear in _linears(layer):
+                linear.packed = None
+        return super().release_weights()
+
+    def _pack_weights(self) -> None:
+        """With one rank, each matmul's weight packed for oneDNN where it applies (float32 on the CPU:
+        fastserve_kernels/cpu_packed_linear.py), once: the Python loop, the compiled decode loop and the head then
+        all multiply by the packed copies, and so agree bit for bit. Not when the copies would take more than half
+        the memory the host has available (cpu_packed_linear.fits): the plain weights serve then."""
+        self._packed = True
+        linears = [linear for layer in self.layers for linear in _linears(layer)] if self.layout.tp_size == 1 else []
+        head = self._head() if self.is_last and linears else None
+        weights = [linear.weight for linear in linears] + ([head] if head is not None else [])
+        if not weights or not cpu_packed_linear.applies(weights[0]):
+            return
+        if not cpu_packed_linear.fits(sum(w.numel() * w.element_size() for w in weights)):
+            return
+        for linear in linears:
+            linear.packed = cpu_packed_linear.pack(linear.weight)
+        if head is not None:
+            self._packed_head = cpu_packed_linear.pack(head)
+
+    def _head(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def checkpoint_target(self, name: str) -> WeightTarget | str | None:
         tp_piece = (self.layout.tp_rank, self.layout.tp_size)
@@ -151,13 +190,52 @@ class LlamaStage(DecoderStage):
         kv_cache: torch.Tensor,  # [NB, L, 2, Hkv, bs, D], L = this stage's layers
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
+        if not self._packed:
+            self._pack_weights()
         h = self.embed_tokens(inputs) if self.is_first else inputs
         rotation = self.rotary(positions, h.dtype)  # one for every layer of the step
+        if (out := self._decode_layers_in_one_call(h, rotation, kv_cache, meta)) is not None:
+            return out
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, kv_cache, i, meta)
         return h
 
+    def _decode_layers_in_one_call(self, h: torch.Tensor, rotation: Rotation, kv_cache: torch.Tensor,
+                                   meta: AttentionMetadata) -> torch.Tensor | None:
+        """Every layer of a decode-only batch on the CPU in one compiled call
+        (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp: the ops of LlamaDecoderLayer.forward in the same order,
+        the same output bit for bit), or None where it does not apply and the Python loop runs: tensor parallel,
+        the Triton backend, a batch with a prefill, a cache the compiled decode kernel does not serve (another
+        device or dtype), or the kernels not built."""
+        if (self.layout.tp_size != 1 or self.attention is not paged_attention or h.shape[0] == 0
+                or meta.decode_token_index.numel() != h.shape[0]):
+            return None
+        op = cpu_decode_llama_layers_op(kv_cache)
+        if op is None:
+            return None
+        if self._layer_weights is None:  # the parameters (and packed copies) as they are now: the same tensors
+            self._layer_weights = [t for layer in self.layers for t in (
+                layer.input_layernorm.weight, *_matmul(layer.self_attn.qkv_proj), *_matmul(layer.self_attn.o_proj),
+                layer.post_attention_layernorm.weight, *_matmul(layer.mlp.gate_up_proj),
+                *_matmul(layer.mlp.down_proj))]
+        attn = self.layers[0].self_attn
+        return op(h, self._layer_weights, attn.num_heads, attn.num_kv_heads, self.layers[0].input_layernorm.eps,
+                  rotation.cos, rotation.sin, kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+                  meta.slot_blocks, meta.slot_offsets, attn.scale)
+
     def compute_logits(self, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if not self._packed:
+            self._pack_weights()
         h = self.norm(h[indices])  # [S, E]
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, head).float()
+        if self._packed_head is not None:
+            return cpu_packed_linear.linear(h, self._packed_head, None).float()
+        return F.linear(h, self._head()).float()
+
+
+def _linears(layer: LlamaDecoderLayer) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _matmul(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's (weight, bias) for the compiled loop: the packed copy of the weight where there is one."""
+    return (linear.weight if linear.packed is None else linear.packed), linear.bias

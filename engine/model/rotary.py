@@ -5,7 +5,9 @@ rope_theta and the "linear" or "llama3" scaling of rope_scaling (the formulas
 of transformers' modeling_rope_utils). Rotary: per step, the cos and sin of
 each token's position (float32 products, then cast to the model's dtype, as
 transformers does), applied to q and k with the rotate-half convention
-(dims i and i + D/2 form a pair).
+(dims i and i + D/2 form a pair): on the CPU by one compiled kernel, the one
+the compiled Llama decode loop runs (cpu_decode_extension.llama_kernel), elsewhere
+with torch ops.
 
 Nothing is tabulated per position: a step computes [T, D] angles for its own
 tokens (a table for Llama 3's 131,072 positions would be 64 MiB a device).
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.llama_config import RopeConfig
+from fastserve_kernels import cpu_decode_extension
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [D/2] float32, on the CPU
@@ -51,6 +54,8 @@ class Rotation:
     sin: torch.Tensor
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H, D], a new tensor
+        if (kernel := cpu_decode_extension.llama_kernel("rotary", x)) is not None:  # on the CPU: one kernel
+            return kernel(x, self.cos, self.sin)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * self.cos + rotated * self.sin
