@@ -29,7 +29,7 @@ USAGE = f"usage: {PROG} {{serve,bench serve,simulate,compare,replay,profile,make
 
 # `make compare`'s settings: the tiny model at 1.0x FCFS's capacity C (measured first, one seed a step from 8 req/s),
 # 150 requests a run, 3 seeds, a per-token SLO of 45 ms; the servers in compare.py's setting (ORDER_MATTERS: a batch
-# of 8). Flags given after these win (argparse keeps the last).
+# of 16). Flags given after these win (argparse keeps the last).
 COMPARE_ARGS = ["--policies", "fcfs,skip-join-mlfq", "--num-prompts", "150", "--sweep", "1C", "--seeds", "3",
                 "--capacity-start", "8", "--capacity-seeds", "1", "--slo-per-token", "0.045",
                 "--result-dir", "results/compare"]

@@ -7,8 +7,8 @@ paper's Fig. 11 (per-token latency vs rate, one line per policy).
     python -m fastserve.compare --policies fcfs,skip-join-mlfq --dataset-name lengths \\
         --dataset-path ../shared/datasets/sharegpt_lengths.csv --num-prompts 600 --sweep 1C --seeds 5
 
-The setting: unless told otherwise, every server runs with a batch of at most 8 sequences and 1,024 KV blocks
-of 16 tokens (8 contexts of the tiny model's 2,048: the batch's worst case fits), 8,192 host blocks
+The setting: unless told otherwise, every server runs with a batch of at most 16 sequences, 1,024 KV blocks of
+16 tokens (16,384 tokens: 16 requests of ShareGPT's mean length fit several times over) and 8,192 host blocks
 (ORDER_MATTERS). A bounded batch is what makes the comparison mean anything: with the engine's defaults (256
 sequences a batch) every request of the tiny model joins the batch at once, the engine shares its iterations
 among them all, and no order can change anything (docs/benchmarks.md, "Live comparisons on the CPU"). The
@@ -20,13 +20,14 @@ this script does not know go to every load generator run (e.g. --random-range-ra
 
 --sweep takes request rates (req/s) or loads in units of C, FCFS's sustained capacity in this setting ("1C",
 "0.8C,1C"): C is then measured first, unless --capacity gives it: FCFS's served rate (requests that finished
-while arrivals were in their middle 80%, per second of that window) when offered at least 1.3x that,
-the offer doubled from --capacity-start until it is. --seeds N runs every rate N times, seeds --seed ..
---seed+N-1 (a seed draws the requests and their arrival times), the policies in turn seed by seed on servers
-kept up for the whole run, so a change in the machine's load falls on both sides of a pair. Latency: mean
-per-token latency (end to end / output tokens) of the requests that arrive in the middle 80% of a run; the
-ratios are paired per seed, with a 95% Student-t interval. Each server runs with OMP_NUM_THREADS=--server-threads
-so that the load generator keeps a core.
+while arrivals were in their middle 80%, per second of that window) when offered at least 1.3x that, the offer
+doubled from --capacity-start until it is; --capacity-each-seed measures it again before each seed, on that
+seed's requests, so that on a shared machine, whose speed drifts, each pair runs at the C of its time. --seeds N
+runs every rate N times, seeds --seed .. --seed+N-1 (a seed draws the requests and their arrival times), the
+policies in turn seed by seed on servers kept up for the whole run, so a change in the machine's load falls on
+both sides of a pair. Latency: mean per-token latency (end to end / output tokens) of the requests that arrive in
+the middle 80% of a run; the ratios are paired per seed, with a 95% Student-t interval. Each server runs with
+OMP_NUM_THREADS=--server-threads so that the load generator keeps a core.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from fastserve.server_process import ServerProcess
 
 POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 # The setting every server runs in unless told otherwise: a bounded batch, so that order matters.
-ORDER_MATTERS = {"max_num_seqs": 8, "num_gpu_blocks_override": 1024, "num_host_blocks_override": 8192}
+ORDER_MATTERS = {"max_num_seqs": 16, "num_gpu_blocks_override": 1024, "num_host_blocks_override": 8192}
 WINDOW = (0.1, 0.9)  # the counted requests: those arriving in the middle 80% of a run's arrival span
 # Student's t, 97.5% quantile, by degrees of freedom (the 95% two-sided interval); 1.96 beyond 30
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -154,14 +155,14 @@ class Live:
             server.stop()
 
 
-def measure_capacity(live: Live, args: argparse.Namespace) -> dict:
-    """FCFS's sustained capacity: its served rate (the mean over --capacity-seeds seeds) once the offer is at
-    least 1.3x it, the offer doubled (or raised to 1.5x the served rate) from --capacity-start until it is."""
-    offered = args.capacity_start
+def measure_capacity(live: Live, seeds: Sequence[int], start: float) -> dict:
+    """FCFS's sustained capacity: its served rate (the mean over the seeds' runs) once the offer is at least 1.3x
+    it, the offer doubled (or raised to 1.5x the served rate) from `start` until it is."""
+    offered = start
     while True:
         served = statistics.fmean(
             window_metrics(live.run("fcfs", [offered], s, f"capacity-{offered:.3f}-seed{s}.json")["runs"][0])
-            ["served_rate"] for s in range(args.seed, args.seed + args.capacity_seeds))
+            ["served_rate"] for s in seeds)
         print(f"capacity search: offered {offered:.3f} req/s, FCFS served {served:.3f}", flush=True)
         if served <= 0:
             raise RuntimeError("no request finished while arrivals lasted: give more --num-prompts or a lower "
@@ -175,8 +176,8 @@ def summarize(results: dict[str, list[dict]], slo: float) -> dict:
     """{policy: {rates, per rate: mean (over seeds) of the windowed mean and P95 per-token latency, failed
     requests (all seeds), served rate, each seed's windowed mean; throughput at the SLO from the means}}."""
     out = {}
-    for policy, per_seed in results.items():
-        rates = [float(r) for r in per_seed[0]["rates"]]
+    for policy, per_seed in results.items():  # the seeds' rates differ when C was measured before each seed
+        rates = [statistics.fmean(float(res["rates"][i]) for res in per_seed) for i in range(len(per_seed[0]["rates"]))]
         rows = [[window_metrics(res["runs"][i]) for res in per_seed] for i in range(len(rates))]
         s = {"rates": rates,
              "mean_per_token_s": [statistics.fmean(m["mean_per_token_s"] for m in row) for row in rows],
@@ -237,8 +238,9 @@ def format_side_by_side(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def format_verdict(summary: dict, loads: list[float] | None, setting: list[str]) -> str:
-    """One line per other policy and rate: the ratio, its interval and spread, the seeds; then the setting."""
+def format_verdict(summary: dict, loads: list[float] | None, setting: list[str], cap: dict | None = None) -> str:
+    """One line per other policy and rate: the ratio, its interval and spread, the seeds; then C when it was
+    measured before each seed, and the setting."""
     first = list(summary)[0]
     lines = []
     for p, per_rate in ratios(summary).items():
@@ -249,6 +251,9 @@ def format_verdict(summary: dict, loads: list[float] | None, setting: list[str])
                       f"95% interval [{r['low']:.2f}, {r['high']:.2f}] over {len(r['values'])} seeds; per seed "
                       + ", ".join(f"{v:.2f}" for v in r["values"]))
             lines.append(f"{first} / {p} mean per-token latency at {where}: {r['mean']:.2f}x ({spread})")
+    if cap and cap.get("per_seed"):
+        lines.append("C measured before each seed (req/s): " + ", ".join(f"{c:.3f}" for c in cap["per_seed"])
+                     + "; rates above: their mean")
     lines.append(f"setting (every server): {' '.join(setting)}")
     return "\n".join(lines)
 
@@ -266,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="C in req/s for a --sweep in units of C (default: measured first)")
     ap.add_argument("--capacity-start", type=float, default=4.0, help="first offered rate of C's search (req/s)")
     ap.add_argument("--capacity-seeds", type=int, default=2, help="seeds of each step of C's search")
+    ap.add_argument("--capacity-each-seed", action="store_true",
+                    help="measure C again before each seed's runs, on that seed's requests (the offer from 1.5x the "
+                         "previous seed's C), so that the load follows a shared machine's speed")
     ap.add_argument("--slo-per-token", type=float, default=0.3, help="seconds")
     ap.add_argument("--server-threads", type=int, default=1, help="torch threads of each server")
     ap.add_argument("--result-dir", type=Path, default=Path("results/live-sweep"))
@@ -299,22 +307,30 @@ def check(args: argparse.Namespace, policies: list[str]) -> str | None:
     return None
 
 
-def run_all(live: Live, args: argparse.Namespace, policies: list[str]) -> tuple[dict, dict | None, list[float]]:
-    """Measures C when the sweep is in units of it, then runs every seed, the policies in turn; (results per
-    policy, capacity or None, rates)."""
+def run_all(live: Live, args: argparse.Namespace, policies: list[str]) -> tuple[dict, dict | None]:
+    """Measures C when the sweep is in units of it (once, or before each seed), then runs every seed, the
+    policies in turn; (results per policy, capacity or None)."""
     values, in_c = parse_sweep(args.sweep)
-    cap = None
-    if in_c:
-        cap = {"C": args.capacity, "offered": None} if args.capacity else measure_capacity(live, args)
+    each = in_c and args.capacity_each_seed and not args.capacity
+    cap, per_seed = None, []
+    if in_c and not each:
+        cap = ({"C": args.capacity, "offered": None} if args.capacity else
+               measure_capacity(live, range(args.seed, args.seed + args.capacity_seeds), args.capacity_start))
         print(f"capacity C = {cap['C']:.3f} req/s" + (" (given)" if args.capacity else ""), flush=True)
-    rates = [v * cap["C"] for v in values] if cap else values
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in range(args.seed, args.seed + args.seeds):
+        if each:
+            c = measure_capacity(live, [seed], 1.5 * per_seed[-1] if per_seed else args.capacity_start)["C"]
+            per_seed.append(c)
+            print(f"seed {seed}: capacity C = {c:.3f} req/s", flush=True)
+        rates = [v * (per_seed[-1] if each else cap["C"]) for v in values] if in_c else values
         for policy in policies:
             t = time.perf_counter()
             results[policy].append(live.run(policy, rates, seed, f"{policy}-seed{seed}.json"))
             print(f"{policy} seed {seed}: {time.perf_counter() - t:.0f} s", flush=True)
-    return results, cap, rates
+    if each:
+        cap = {"C": statistics.fmean(per_seed), "offered": None, "per_seed": per_seed}
+    return results, cap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args.result_dir.mkdir(parents=True, exist_ok=True)
     live = Live(args, setting, loadgen_args)
     try:
-        results, cap, rates = run_all(live, args, policies)
+        results, cap = run_all(live, args, policies)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -352,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary, args.slo_per_token))
     if len(summary) > 1:
         print(format_side_by_side(summary))
-        print(format_verdict(summary, values if in_c else None, setting))
+        print(format_verdict(summary, values if in_c else None, setting, cap))
     if args.plot:
         from fastserve.bench.plot import plot_results
 

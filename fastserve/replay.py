@@ -17,7 +17,7 @@ arriving in the middle 80% of the trace (as `fastserve compare` counts), the sha
 (a batch of any size running), and each policy's gain over FCFS on that middle-80% mean.
 
     fastserve replay --result results/compare/fcfs-seed0.json --profile PROFILE.json \\
-        --max-num-seqs 8 --num-device-blocks 1024 --num-host-blocks 8192 --match-live
+        --max-num-seqs 16 --num-device-blocks 1024 --num-host-blocks 8192 --match-live
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from engine.simulation import p95, run_trace, simulated_engine
 
 POLICIES = ("fcfs", "skip-join-mlfq", "srpt")
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span, as fastserve compare counts
-MATCH_RANGE = (0.5, 4.0)  # --match-live's bisection bounds on the cost scale
-MATCH_STEPS = 8  # geometric halvings: the scale to within a factor 8 ** (1 / 256), under 1%
+MATCH_RANGE = (0.25, 8.0)  # --match-live's bisection bounds on the cost scale
+MATCH_STEPS = 9  # geometric halvings: the scale to within a factor 32 ** (1 / 512), under 1%
 
 
 def trace_of(result: dict) -> list[tuple[float, int, int]]:

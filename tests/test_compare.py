@@ -31,7 +31,7 @@ def test_two_policies_over_two_seeds_print_the_ratio_its_interval_and_the_settin
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     # the order-matters setting first, then the flags after `--`
-    assert summary["server_args"] == ["--max-num-seqs", "8", "--num-gpu-blocks-override", "1024",
+    assert summary["server_args"] == ["--max-num-seqs", "16", "--num-gpu-blocks-override", "1024",
                                       "--num-host-blocks-override", "8192", "--model", str(tiny_model_dir),
                                       "--profile", "analytic", "--num-host-blocks-override", "256"]
     assert summary["capacity"] == {"C": 8.0, "offered": None} and summary["seeds"] == [0, 1]
@@ -99,15 +99,15 @@ def test_sweep_is_rates_or_loads_in_units_of_capacity():
 
 def test_setting_defaults_to_a_bounded_batch_and_flags_given_win():
     args = compare.build_parser().parse_args(["--sweep", "1"])
-    assert args.max_num_seqs == 8  # what --help shows, too
+    assert args.max_num_seqs == 16  # what --help shows, too
     assert compare.server_flags(args, ["--max-model-len", "512"]) == [
-        "--max-num-seqs", "8", "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192",
+        "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192",
         "--max-model-len", "512"]
     args = compare.build_parser().parse_args(["--sweep", "1", "--max-num-seqs", "256"])
-    assert compare.server_flags(args, ["--max-num-seqs", "16"]) == [
-        "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192", "--max-num-seqs", "16",
+    assert compare.server_flags(args, ["--max-num-seqs", "12"]) == [
+        "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192", "--max-num-seqs", "12",
         "--max-num-seqs", "256"]  # the server keeps the last: the flag typed here
-    assert "(default: 8)" in " ".join(compare.build_parser().format_help().split())
+    assert "(default: 16)" in " ".join(compare.build_parser().format_help().split())
 
 
 def test_bad_policy_and_unreachable_model_are_one_line_errors(tmp_path):

@@ -1,5 +1,5 @@
 """Live: every policy served for real on this machine (server.py + the load generator via
-fastserve/compare.py, in its setting where order matters: a batch of 8), throughput at an SLO scaled to the tiny
+fastserve/compare.py, in its setting where order matters: a batch of 16), throughput at an SLO scaled to the tiny
 model (Fig. 11's live counterpart), and FCFS / skip-join per rate with its interval over seeds.
 """
 
@@ -15,7 +15,7 @@ from fastserve.compare import ORDER_MATTERS, format_ratio, ratios
 from scripts.experiments.common import MAIN, REPO, SCALES, SLO_S, Ctx, tiny_profile
 
 # Swept rates of the live section (req/s): around the tiny model's knee on this 2-core machine at the scaled SLO,
-# in compare's setting (a batch of at most 8). The simulator is no guide here: with the tiny model it reads the
+# in compare's setting (a batch of at most 16). The simulator is no guide here: with the tiny model it reads the
 # knee too high (the engine's per-iteration work, the HTTP server and the load generator share the two cores; no
 # profile measures them).
 LIVE_RATES = {"ShareGPT": "2,4,8", "Alpaca": "8,16,32"}
