@@ -66,6 +66,32 @@ def test_two_policies_over_two_seeds_print_the_ratio_its_interval_and_the_settin
     assert printed.splitlines()[-2] == "setting (every server): " + " ".join(summary["server_args"])
 
 
+def test_capacity_each_seed_measures_c_again_before_each_seeds_pair(tiny_model_dir, tmp_path, capsys):
+    """One request at a time (--max-concurrency 1, the load generator's): FCFS serves far less than the 50 req/s
+    offered, so seed 0's search stops at its first step; seed 1's starts at 1.5x the C before it."""
+    out = tmp_path / "results"
+    rc = compare.main(["--policies", "fcfs,skip-join-mlfq", "--dataset-path", str(ALPACA), "--num-prompts", "12",
+                       "--sweep", "1C", "--capacity-each-seed", "--capacity-start", "50", "--seeds", "2",
+                       "--result-dir", str(out), "--max-concurrency", "1",
+                       "--", "--model", str(tiny_model_dir), "--profile", "analytic"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    c0, c1 = summary["capacity"]["per_seed"]
+    assert 0 < c0 < 50 / 1.3 and c1 > 0
+    assert summary["capacity"]["C"] == pytest.approx((c0 + c1) / 2)
+    for seed, start, c in ((0, 50.0, c0), (1, 1.5 * c0, c1)):
+        steps = sorted((json.loads(f.read_text()) for f in out.glob(f"capacity-*-seed{seed}.json")),
+                       key=lambda r: r["rates"][0])  # the offers of that seed's search, from `start` up
+        assert all(r["label"] == "fcfs" for r in steps) and steps[0]["rates"] == [pytest.approx(start, rel=1e-5)]
+        assert compare.window_metrics(steps[-1]["runs"][0])["served_rate"] == c
+        for policy in ("fcfs", "skip-join-mlfq"):  # the pair ran at that seed's C
+            assert json.loads((out / f"{policy}-seed{seed}.json").read_text())["rates"] == [pytest.approx(c, rel=1e-5)]
+    assert summary["policies"]["fcfs"]["rates"] == [pytest.approx((c0 + c1) / 2, rel=1e-5)]
+    printed = capsys.readouterr().out.splitlines()
+    assert f"seed 1: capacity C = {c1:.3f} req/s" in printed
+    assert f"C measured before each seed (req/s): {c0:.3f}, {c1:.3f}; rates above: their mean" in printed
+
+
 def test_interval_is_the_student_t_95_percent_interval():
     r = compare.interval([1.0, 2.0, 3.0])  # sd 1, 2 degrees of freedom: t = 4.303
     assert r["mean"] == 2.0 and r["half"] == pytest.approx(4.303 / math.sqrt(3))
