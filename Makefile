@@ -73,10 +73,11 @@ bench: $(STAMP)
 device-versions:
 	$(PYTHON) -m scripts.device_versions $(ARGS)
 
-## compare: `fastserve compare`: the built-in tiny model served under FCFS, then skip-join MLFQ, each swept live at
-## 1 and 2 req/s (30 requests per rate); prints their per-token latency side by side (~3 minutes on 2 busy cores).
-## Uses ShareGPT's lengths when ../shared/datasets/sharegpt_lengths.csv exists, else synthetic lengths of a wide
-## spread (settings in fastserve/cli.py; ARGS="--dataset-name lengths --dataset-path FILE" or "-- SERVER FLAGS" add).
+## compare: `fastserve compare`: the built-in tiny model served under FCFS and skip-join MLFQ at FCFS's capacity C
+## (measured first), 150 requests a run, 3 seeds, in a setting where order matters (a batch of at most 16); prints
+## their per-token latency side by side, FCFS / skip-join with its 95% interval, and the setting (~10 minutes on 2
+## busy cores). Uses ShareGPT's lengths when ../shared/datasets/sharegpt_lengths.csv exists, else synthetic lengths
+## of a wide spread (settings in fastserve/cli.py; ARGS="--seeds 5" or "-- SERVER FLAGS" add).
 compare: $(STAMP) models/tiny-opt/config.json
 	$(FASTSERVE) compare $(ARGS)
 

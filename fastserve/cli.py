@@ -27,12 +27,12 @@ from types import ModuleType
 PROG = "fastserve"
 USAGE = f"usage: {PROG} {{serve,bench serve,simulate,compare,replay,profile,make-model}} ...  ({PROG} --help for more)"
 
-# `make compare`'s settings: the tiny model, 30 requests a rate at 1 and 2 req/s, a per-token SLO of 45 ms,
-# and a KV cache small enough that memory matters; flags given after these win (argparse keeps the last).
-COMPARE_ARGS = ["--policies", "fcfs,skip-join-mlfq", "--num-prompts", "30", "--sweep", "1,2",
-                "--slo-per-token", "0.045", "--result-dir", "results/compare"]
-COMPARE_SERVER_ARGS = ["--num-gpu-blocks-override", "987", "--num-host-blocks-override", "8192",
-                       "--max-model-len", "512"]
+# `make compare`'s settings: the tiny model at 1.0x FCFS's capacity C (measured first, one seed a step from 8 req/s),
+# 150 requests a run, 3 seeds, a per-token SLO of 45 ms; the servers in compare.py's setting (ORDER_MATTERS: a batch
+# of 16). Flags given after these win (argparse keeps the last).
+COMPARE_ARGS = ["--policies", "fcfs,skip-join-mlfq", "--num-prompts", "150", "--sweep", "1C", "--seeds", "3",
+                "--capacity-start", "8", "--capacity-seeds", "1", "--slo-per-token", "0.045",
+                "--result-dir", "results/compare"]
 # ShareGPT's lengths, when the checkout has the project's shared datasets beside it
 COMPARE_DATA = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "sharegpt_lengths.csv"
 COMPARE_SYNTHETIC = ["--dataset-name", "synthetic", "--random-input-len", "120", "--random-output-len", "200",
@@ -88,12 +88,12 @@ def _renamed(build_parser: Callable[[], argparse.ArgumentParser], prog: str):
 
 def compare_argv(argv: Sequence[str], data: Path = COMPARE_DATA) -> list[str]:
     """fastserve/compare.py's command line for `fastserve compare ARGV`: `make compare`'s settings, then the
-    caller's flags (which win), then `--`, the server's settings and the caller's server flags."""
+    caller's flags (which win), then the caller's `--` and server flags if any."""
     argv = list(argv)
-    ours, server = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, server = (argv[:argv.index("--")], argv[argv.index("--"):]) if "--" in argv else (argv, [])
     workload = (["--dataset-name", "lengths", "--dataset-path", str(data)] if data.is_file()
                 else COMPARE_SYNTHETIC)
-    return [*COMPARE_ARGS, *workload, *ours, "--", *COMPARE_SERVER_ARGS, *server]
+    return [*COMPARE_ARGS, *workload, *ours, *server]
 
 
 def _compare(argv: list[str]) -> int:
@@ -102,10 +102,12 @@ def _compare(argv: list[str]) -> int:
     ours = argv[:argv.index("--")] if "--" in argv else argv
     if "-h" in ours or "--help" in ours:
         print(f"{PROG} compare [flags] [-- SERVER FLAGS]: FCFS and skip-join MLFQ, each served live on the tiny "
-              f"model and swept with the same load (ShareGPT's lengths from {COMPARE_DATA} when it exists, else "
-              f"synthetic lengths); prints their per-token latency side by side.\nIts settings: "
-              f"{' '.join(COMPARE_ARGS)} -- {' '.join(COMPARE_SERVER_ARGS)}; flags given here win. "
-              f"Its flags:\n")
+              f"model under the same load (ShareGPT's lengths from {COMPARE_DATA} when it exists, else "
+              f"synthetic lengths) at FCFS's capacity, measured first, in a setting where order matters (a batch "
+              f"of at most {compare.ORDER_MATTERS['max_num_seqs']} sequences; with the engine's default of 256 "
+              f"every request joins the batch and no order can matter); prints their per-token latency side by "
+              f"side, FCFS's mean over skip-join's with a 95% interval over seeds, and the setting.\nIts "
+              f"settings: {' '.join(COMPARE_ARGS)}; flags given here win. Its flags:\n")
         return _run(compare, f"{PROG} compare", ["--help"])
     return _run(compare, f"{PROG} compare", compare_argv(argv))
 

@@ -126,18 +126,20 @@ def test_compare_runs_make_compares_settings_and_flags_given_win(tmp_path):
     with_data = tmp_path / "lengths.csv"
     with_data.write_text("input_tokens,output_tokens\n10,10\n")
     argv = cli.compare_argv(["--num-prompts", "5", "--", "--max-model-len", "256"], data=with_data)
-    assert argv[:argv.index("--")] == [*cli.COMPARE_ARGS, "--dataset-name", "lengths", "--dataset-path",
-                                       str(with_data), "--num-prompts", "5"]
-    assert argv[argv.index("--") + 1:] == [*cli.COMPARE_SERVER_ARGS, "--max-model-len", "256"]
+    assert argv == [*cli.COMPARE_ARGS, "--dataset-name", "lengths", "--dataset-path", str(with_data),
+                    "--num-prompts", "5", "--", "--max-model-len", "256"]
     argv = cli.compare_argv([], data=tmp_path / "absent.csv")  # no ShareGPT lengths beside the clone: synthetic
-    assert argv == [*cli.COMPARE_ARGS, *cli.COMPARE_SYNTHETIC, "--", *cli.COMPARE_SERVER_ARGS]
+    assert argv == [*cli.COMPARE_ARGS, *cli.COMPARE_SYNTHETIC]
+    # at capacity, measured first, over seeds; the servers' setting is compare.py's (a bounded batch)
+    assert cli.COMPARE_ARGS[cli.COMPARE_ARGS.index("--sweep") + 1] == "1C" and "--seeds" in cli.COMPARE_ARGS
 
 
 def test_compare_end_to_end_on_one_policy(tmp_path):
     """A small `fastserve compare` (one policy, one rate, 3 requests): a real server and the load generator."""
-    r = run("compare", "--policies", "fcfs", "--sweep", "8", "--num-prompts", "3", "--result-dir",
+    r = run("compare", "--policies", "fcfs", "--sweep", "8", "--seeds", "1", "--num-prompts", "3", "--result-dir",
             str(tmp_path / "out"), "--", "--profile", "analytic", timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert list(summary["policies"]) == ["fcfs"] and summary["num_prompts"] == 3
-    assert "--num-gpu-blocks-override" in summary["server_args"] and "analytic" in summary["server_args"]
+    assert summary["server_args"][:2] == ["--max-num-seqs", "16"] and "analytic" in summary["server_args"]
+    assert "setting (every server): --max-num-seqs 16 " in r.stdout

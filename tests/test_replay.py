@@ -51,3 +51,43 @@ def test_a_bad_result_file_is_one_line_and_exit_2(tmp_path, capsys):
     bad.write_text("{}")
     assert replay.main(["--result", str(bad), "--profile", str(PROFILE)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_window_mean_counts_the_middle_80_percent_of_arrivals():
+    # arrivals 0..10 s: the window is [1, 9]
+    assert replay.window_mean([float(i) for i in range(11)], [100.0] + [float(i) for i in range(1, 10)] + [100.0]) \
+        == 5.0
+
+
+def test_matched_scale_bisects_to_the_target_and_stops_at_the_range():
+    def run(scale: float) -> dict:  # a latency that rises with the costs
+        return {"window_mean_per_token_s": 0.01 * scale ** 1.5}
+
+    assert abs(replay.matched_scale(run, 0.01 * 1.7 ** 1.5) / 1.7 - 1) < 0.01
+    assert replay.matched_scale(run, 1e-9) == replay.MATCH_RANGE[0]
+    assert replay.matched_scale(run, 1.0) == replay.MATCH_RANGE[1]
+
+
+def test_match_live_finds_the_scale_at_which_the_simulated_run_is_the_live_one(tmp_path, tiny_model_dir, capsys):
+    """No queue: the simulated latency is proportional to the costs, so a live run twice as slow as the profile
+    on the middle 80% is matched at scale 2."""
+    flags = ["--profile", str(PROFILE), "--model", str(tiny_model_dir), "--max-num-seqs", "8",
+             "--num-device-blocks", "256", "--policies", "fcfs,skip-join-mlfq"]
+    assert replay.main(["--result", str(loadgen_result(tmp_path / "r.json")), *flags]) == 0
+    at_one = float(capsys.readouterr().out.splitlines()[2].split()[4]) / 1e3  # fcfs, scale 1: mean, mid 80%
+    result = json.loads((tmp_path / "r.json").read_text())
+    result["e2els"] = [2 * at_one * n for n in result["output_lens"]]  # every request 2x that per token
+    (tmp_path / "slow.json").write_text(json.dumps(result))
+    assert replay.main(["--result", str(tmp_path / "slow.json"), "--match-live", *flags]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    scale = float(lines[1].split()[3])
+    assert lines[1].startswith("matched cost scale: ") and abs(scale / 2 - 1) < 0.01
+    fcfs = lines[3].split()
+    assert fcfs[1] == "fcfs" and abs(float(fcfs[4]) / 1e3 / (2 * at_one) - 1) < 0.01
+
+
+def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
+    result = loadgen_result(tmp_path / "r.json")
+    assert replay.main(["--result", str(result), "--profile", str(PROFILE), "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from engine.simulation import p95
 from fastserve.bench.arrivals import poisson_arrivals
+from fastserve.compare import ORDER_MATTERS
 from modelmaker.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +157,7 @@ def run_sim(model_dir: Path, profile: Path, trace, policy: str, kv_policy: str, 
 
 
 def compare(model_dir: Path, profile: Path, trace, policies: list[str], kv_policy: str = "proactive",
-            device_blocks: int = 512, max_num_seqs: int = 16, log=print) -> list[dict]:
+            device_blocks: int = 512, max_num_seqs: int = ORDER_MATTERS["max_num_seqs"], log=print) -> list[dict]:
     """For each policy: live and simulated mean/P95 per-token latency and the ratio sim / live."""
     import torch
 
@@ -191,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=1.5, help="Poisson arrival rate, requests/s")
     ap.add_argument("--prompt-lens", default="16,128", help="uniform prompt length range lo,hi")
     ap.add_argument("--output-lens", default="8,48", help="uniform output length range lo,hi")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=ORDER_MATTERS["max_num_seqs"],
+                    help="batch bound (default: fastserve compare's, %(default)s)")
     ap.add_argument("--device-blocks", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the results here")

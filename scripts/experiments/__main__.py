@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "their mean")
     ap.add_argument("--no-live", action="store_true", help="skip the live measurements")
     ap.add_argument("--live-prompts", type=int, default=30, help="requests per rate in the live sweep")
+    ap.add_argument("--live-seeds", type=int, default=3, help="seeds of the live sweep (each policy, each rate)")
     for ds, rates in LIVE_RATES.items():
         ap.add_argument(f"--live-rates-{ds.lower()}", default=rates, help="live sweep rates (req/s)")
     ap.add_argument("--live-max-model-len", type=int, default=1024)

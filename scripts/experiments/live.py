@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fastserve.compare import ORDER_MATTERS
 from scripts.experiments.common import REPO, Ctx
 
 
@@ -17,7 +18,9 @@ def section_live(ctx: Ctx) -> str:
              "Command: `python -m scripts.benchmarks.sim_vs_live` (run by this section)", "",
              "The same seeded Poisson trace (24 requests, 1.5 req/s, prompts 16-128, outputs 8-48 tokens) on the "
              "live engine (async API, wall clock, CPU, random-weight OPT-125M, one torch thread) and in the "
-             "simulator with a profile measured just before on this machine (`fastserve profile --quick`)."
+             "simulator with a profile measured just before on this machine (`fastserve profile --quick`), in "
+             f"`fastserve compare`'s setting: a batch of at most {ORDER_MATTERS['max_num_seqs']} sequences, so "
+             "that a queue can form (512 device KV blocks)."
              " Numbers vary run to run: the machine is shared.", "",
              "| policy | live mean ms/token | sim mean ms/token | sim / live (mean) | live P95 | sim P95 | "
              "sim / live (P95) |", "|---|---|---|---|---|---|---|"]
