@@ -9,10 +9,16 @@ load_cost_model() picks, in this order:
    name, dtype, tensor/pipeline parallel sizes, hardware). The folder is
    `profiles/` at the repository root, or $FASTSERVE_PROFILE_DIR when set;
    `fastserve profile` writes there by default (profiles/README.md);
-4. otherwise a short profile measured now, on the engine's own executor
+4. a short profile an earlier start measured for the same key and model
+   shape, kept in the profile cache: $FASTSERVE_PROFILE_CACHE, else
+   $XDG_CACHE_HOME/fastserve/profiles (~/.cache/fastserve/profiles);
+   FASTSERVE_PROFILE_CACHE=off turns it off;
+5. otherwise a short profile measured now, on the engine's own executor
    (engine/job_profiler.STARTUP_GRID), announced by one log line (a warning,
    but INFO for the built-in tiny model, which is always measured this way:
-   a stored profile's key names the CPU, so none would match another machine).
+   a stored profile's key names the CPU, so none would match another machine),
+   and written to the profile cache for the next start (not for the tiny
+   model).
 
 Profiles follow the schema "fastserve.profile/1" (scheduler/cost_model.py);
 lookups between grid points interpolate.
@@ -20,6 +26,8 @@ lookups between grid points interpolate.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -40,11 +48,32 @@ log = logging.getLogger(__name__)
 ANALYTIC = "analytic"
 DEFAULT_PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 PROFILE_DIR_ENV = "FASTSERVE_PROFILE_DIR"
+PROFILE_CACHE_ENV = "FASTSERVE_PROFILE_CACHE"
 
 
 def profile_dir() -> Path:
     """Where profiles are looked up: $FASTSERVE_PROFILE_DIR, else profiles/ at the repo root."""
     return Path(os.environ.get(PROFILE_DIR_ENV) or DEFAULT_PROFILE_DIR)
+
+
+def profile_cache_dir() -> Path | None:
+    """Where start-up profiles are kept between starts: $FASTSERVE_PROFILE_CACHE, else
+    $XDG_CACHE_HOME/fastserve/profiles or ~/.cache/fastserve/profiles; None when FASTSERVE_PROFILE_CACHE is off."""
+    given = os.environ.get(PROFILE_CACHE_ENV, "")
+    if given.lower() in ("off", "0", "none"):
+        return None
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastserve" / "profiles"
+
+
+def startup_cache_path(folder: Path, key: dict, model_config: ModelConfig, max_len: int) -> Path:
+    """The cache file of a start-up profile: the key's readable name and a hash of what else the costs depend on
+    (the model's shape, whatever its name, and the longest prompt the grid measured)."""
+    shape = json.dumps([dataclasses.asdict(model_config), max_len, dataclasses.asdict(STARTUP_GRID)], sort_keys=True,
+                       default=str)
+    digest = hashlib.sha256(shape.encode()).hexdigest()[:12]
+    return folder / f"startup__{profile_filename(key).removesuffix('.json')}__{digest}.json"
 
 
 def profile_filename(key: dict) -> str:
@@ -97,18 +126,45 @@ def load_cost_model(config: EngineConfig, model_config: ModelConfig,
     found = find_profile(key, folder)
     if found is not None:
         return _read(found, f"the profile folder {folder}"), f"profile {found}"
-    start = time.perf_counter()
     max_len = config.max_model_len or model_config.max_position_embeddings
+    cache = None if is_tiny_opt(config.model) else profile_cache_dir()
+    cached = startup_cache_path(cache, key, model_config, max_len) if cache is not None else None
+    if cached is not None and cached.is_file():
+        try:
+            cost = ProfiledCostModel.from_dict(json.loads(cached.read_text()))
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+            log.warning("ignoring the cached start-up profile %s (%s); measuring again", cached, e)
+        else:
+            log.info("job profile: the start-up profile an earlier start measured, cached in %s", cached)
+            return cost, f"start-up profile (short grid) cached in {cached}"
+    start = time.perf_counter()
     cost = profile_executor(executor, model_config.vocab_size, key, STARTUP_GRID.clipped(max_len))
+    kept = _keep(cost, cached)
     # The built-in tiny model (no --model, or tiny-opt) is measured at every start by design: said at INFO.
     log.log(
         logging.INFO if is_tiny_opt(config.model) else logging.WARNING,
-        "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s); "
-        "for a fuller one, stored where the next start finds it, run `fastserve profile --model %s`", key["model"],
+        "no job profile for %s %s tp%d pp%d on %s in %s: measured a short one at start-up (%.1f s)%s; "
+        "for a fuller one, stored where every start finds it, run `fastserve profile --model %s`", key["model"],
         key["dtype"], key["tensor_parallel_size"], key["pipeline_parallel_size"], key["hardware"], folder,
-        time.perf_counter() - start, config.model or TINY_OPT,
+        time.perf_counter() - start, f", cached in {kept} for the next start" if kept else "", config.model or TINY_OPT,
     )
     return cost, "start-up profile (short grid)"
+
+
+def _keep(cost: ProfiledCostModel, path: Path | None) -> Path | None:
+    """Write a start-up profile to the cache (atomically: a temporary file renamed); the path, or None when there
+    is no cache or it cannot be written (logged; serving goes on)."""
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cost.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache the start-up profile in %s (%s)", path, e)
+        return None
+    return path
 
 
 def _read(path: Path, origin: str) -> ProfiledCostModel:

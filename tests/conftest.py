@@ -19,6 +19,9 @@ DATA = Path(__file__).resolve().parent / "data"  # test data shipped with the re
 # readers against the whole published files, which are not ours to ship (their licences: ../shared/datasets/SOURCES.md).
 SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 REQUIRE_DATASETS = "FASTSERVE_REQUIRE_DATASETS"  # set by `make test-datasets`: absent datasets fail, loudly
+# Tests neither read nor write the user's start-up profile cache (engine/profiles.py); the servers they start inherit
+# this. The test of the cache sets its own folder.
+os.environ["FASTSERVE_PROFILE_CACHE"] = "off"
 
 # Small OPT shapes for reference tests: a pre-LN one and an opt-350m-like post-LN one with project_in/out.
 SMALL_PRE_LN = dict(vocab_size=512, max_position_embeddings=256, hidden_size=64, num_hidden_layers=3,

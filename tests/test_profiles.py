@@ -5,6 +5,7 @@ well-formed batches, and lookups on the pinned profile are monotone."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from concurrent.futures import Future
@@ -18,7 +19,14 @@ from engine.config import EngineConfig
 from engine.executor.base import Executor
 from engine.job_profiler import STARTUP_GRID, profile_key
 from engine.model.config import OPTConfig
-from engine.profiles import PROFILE_DIR_ENV, engine_profile_key, find_profile, load_cost_model, profile_filename
+from engine.profiles import (
+    PROFILE_CACHE_ENV,
+    PROFILE_DIR_ENV,
+    engine_profile_key,
+    find_profile,
+    load_cost_model,
+    profile_filename,
+)
 from scheduler.cost_model import ProfiledCostModel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +113,41 @@ def test_engine_order_analytic_then_path_then_folder(tiny_config, tmp_path, monk
     cost, source = load_cost_model(EngineConfig(profile="analytic"), tiny_config, executor)
     assert source.startswith("analytic") and "analytic" in cost.key["hardware"]
     assert executor.batches == []  # none of these measured anything
+
+
+def test_a_start_up_profile_is_cached_for_the_next_start_of_the_same_shape(tiny_model_dir, tiny_config, tmp_path,
+                                                                           monkeypatch, caplog):
+    """A model given by path (not the built-in tiny one) is measured once: the next start of the same key and shape
+    reads the cache and measures nothing; another shape, or a broken cache file, is measured again; off keeps none."""
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "stored"))  # no stored profile matches
+    monkeypatch.setenv(PROFILE_CACHE_ENV, str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=300)
+    first = FakeExecutor()
+    with caplog.at_level(logging.INFO, logger="engine.profiles"):
+        cost, source = load_cost_model(config, tiny_config, first)
+    assert source == "start-up profile (short grid)" and first.batches
+    (cached,) = (tmp_path / "cache").glob("startup__*.json")
+    assert f"cached in {cached} for the next start" in caplog.text
+
+    again = FakeExecutor()
+    cost2, source2 = load_cost_model(config, tiny_config, again)
+    assert again.batches == [] and source2 == f"start-up profile (short grid) cached in {cached}"
+    assert cost2.to_dict() == cost.to_dict()
+
+    wider = FakeExecutor()
+    load_cost_model(config, dataclasses.replace(tiny_config, ffn_dim=2 * tiny_config.ffn_dim), wider)
+    assert wider.batches and len(list((tmp_path / "cache").glob("startup__*.json"))) == 2
+
+    cached.write_text("{ not json")
+    broken = FakeExecutor()
+    _, source3 = load_cost_model(config, tiny_config, broken)
+    assert broken.batches and source3 == "start-up profile (short grid)" and "ignoring the cached" in caplog.text
+    assert json.loads(cached.read_text())["schema"]  # measured again and written over the broken file
+
+    monkeypatch.setenv(PROFILE_CACHE_ENV, "off")
+    off = FakeExecutor()
+    load_cost_model(EngineConfig(model=str(tiny_model_dir), max_model_len=200), tiny_config, off)
+    assert off.batches and len(list((tmp_path / "cache").glob("startup__*.json"))) == 2
 
 
 def test_startup_profile_runs_the_short_grid_and_says_so(tiny_config, tmp_path, monkeypatch, caplog):
