@@ -141,5 +141,6 @@ def test_compare_end_to_end_on_one_policy(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert list(summary["policies"]) == ["fcfs"] and summary["num_prompts"] == 3
-    assert summary["server_args"][:2] == ["--max-num-seqs", "16"] and "analytic" in summary["server_args"]
-    assert "setting (every server): --max-num-seqs 16 " in r.stdout
+    assert summary["server_args"][:4] == ["--model", "tiny-opt", "--max-num-seqs", "16"]
+    assert "analytic" in summary["server_args"]
+    assert "setting (every server): --model tiny-opt --max-num-seqs 16 " in r.stdout

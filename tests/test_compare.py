@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.model_names import TINY_OPT
 from fastserve import compare
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,12 +128,12 @@ def test_setting_defaults_to_a_bounded_batch_and_flags_given_win():
     args = compare.build_parser().parse_args(["--sweep", "1"])
     assert args.max_num_seqs == 16  # what --help shows, too
     assert compare.server_flags(args, ["--max-model-len", "512"]) == [
-        "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192",
-        "--max-model-len", "512"]
+        "--model", TINY_OPT, "--max-num-seqs", "16", "--num-gpu-blocks-override", "1024",
+        "--num-host-blocks-override", "8192", "--max-model-len", "512"]
     args = compare.build_parser().parse_args(["--sweep", "1", "--max-num-seqs", "256"])
     assert compare.server_flags(args, ["--max-num-seqs", "12"]) == [
-        "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192", "--max-num-seqs", "12",
-        "--max-num-seqs", "256"]  # the server keeps the last: the flag typed here
+        "--model", TINY_OPT, "--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192",
+        "--max-num-seqs", "12", "--max-num-seqs", "256"]  # the server keeps the last: the flag typed here
     assert "(default: 16)" in " ".join(compare.build_parser().format_help().split())
 
 
