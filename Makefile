@@ -49,16 +49,18 @@ test: $(STAMP) browser
 
 ## test-clients: guidellm, lm-eval, langchain-openai and litellm (installed first, versions pinned in
 ## requirements-clients.txt) run against a live server.py with the built-in tiny model, and lm-eval, guidellm and
-## `fastserve bench serve` against SmolLM2-135M-Instruct's GGUF file (tests/clients)
+## `fastserve bench serve` against SmolLM2-135M-Instruct's GGUF file (tests/clients; their slow part, the same
+## clients against SmolLM2 as a Llama-layout directory, runs with test-slow)
 test-clients: $(CLIENTS_STAMP)
-	$(PY) -m pytest -q tests/clients $(ARGS)
+	$(PY) -m pytest -q -m "not slow" tests/clients $(ARGS)
 
 ## test-datasets: only the tests of the workload readers against the project's shared datasets (../shared/datasets
 ## beside the clone); they fail when it is absent (make test leaves them out then, and says so)
 test-datasets: $(STAMP)
 	FASTSERVE_REQUIRE_DATASETS=1 $(PY) -m pytest -q -m "datasets" $(ARGS)
 
-test-slow: $(STAMP)
+## test-slow: the tests marked slow, the clients' slow part included (installs the clients first)
+test-slow: $(STAMP) $(CLIENTS_STAMP)
 	$(PY) -m pytest -q -m "slow" $(ARGS)
 
 lint: $(STAMP)

@@ -10,9 +10,12 @@ server.py under its name (what `fastserve serve` serves with no model), with the
   from the model's own tokenizer (the served name resolved to the GGUF file), and a real answer to a real question;
 - guidellm, one streaming run over completions: every request successful, TTFT measured.
 
-The four client processes start at once (most of each is importing itself) against the one server; each test
-then waits for its own. lm-eval and guidellm read a Hugging Face tokenizer folder that transformers writes from
-the GGUF file here (they cannot read a GGUF tokenizer themselves). Nothing is downloaded.
+Each runs twice: against the GGUF file served by name, and against the same weights as a Llama-layout directory
+(config.json, safetensors, tokenizer.json: what transformers writes from the GGUF file here) served by its path,
+as `make serve ARGS="DIR"` serves one. The directory's run is marked slow (`make test-slow`). The four client
+processes start at once (most of each is importing itself) against the one server; each test then waits for its
+own. lm-eval and guidellm read a Hugging Face tokenizer folder that transformers writes from the GGUF file here
+(they cannot read a GGUF tokenizer themselves). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -52,13 +55,34 @@ def save_tokenizer(out: Path) -> Path:
     return out
 
 
-def commands(url: str, tokenizer: Path, work: dict[str, Path]) -> dict[str, list[str]]:
-    """Each client's command line, by name; `work[name]` is the folder it runs in."""
+def save_llama_dir(out: Path) -> Path:
+    """SmolLM2 as a Llama-layout directory: the GGUF file's weights as transformers dequantizes them (float32), in
+    model.safetensors beside config.json, with the tokenizer's files. (transformers will not save_pretrained a model
+    it read from a GGUF file, so the files are written here; the tied lm_head is left out, as save_pretrained
+    does.)"""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    gguf = smollm2_gguf()
+    model = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    tied = config.get("tie_word_embeddings", False)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return save_tokenizer(out)
+
+
+def commands(url: str, model: str, tokenizer: Path, work: dict[str, Path]) -> dict[str, list[str]]:
+    """Each client's command line, by name, against the model served as `model`; `work[name]` is the folder it
+    runs in."""
     bench = [sys.executable, "-m", "fastserve", "bench", "serve", "--base-url", url, "--request-rate", "inf",
              "--disable-tqdm", "--save-result", "--result-dir", ".", "--result-filename", "result.json"]
     return {
         "lm_eval": [console_script("lm_eval"), "--model", "local-completions", "--model_args",
-                    f"model={SMOLLM2},base_url={url}/v1/completions,tokenizer={tokenizer},"
+                    f"model={model},base_url={url}/v1/completions,tokenizer={tokenizer},"
                     "tokenizer_backend=huggingface,max_retries=1", "--include_path", ".", "--tasks",
                     "fastserve_mc,fastserve_gen", "--output_path", "out", "--log_samples"],
         "bench-random": [*bench, "--dataset-name", "random", "--random-input-len", str(RANDOM_INPUT),
@@ -66,7 +90,7 @@ def commands(url: str, tokenizer: Path, work: dict[str, Path]) -> dict[str, list
         "bench-chat": [*bench, "--backend", "openai-chat", "--dataset-name", "sharegpt", "--dataset-path",
                        str(work["bench-chat"] / "questions.json"), "--num-prompts", str(len(QUESTIONS))],
         "guidellm": [console_script("guidellm"), "run", "--backend",
-                     f"kind=openai_http,target={url},model={SMOLLM2},request_format=/v1/completions,stream=true",
+                     f"kind=openai_http,target={url},model={model},request_format=/v1/completions,stream=true",
                      "--profile", "kind=concurrent,streams=4", "--constraint",
                      f"kind=max_requests,count={GUIDELLM_REQUESTS}", "--tokenizer",
                      f"kind=huggingface_auto,model={tokenizer}", "--data",
@@ -75,18 +99,34 @@ def commands(url: str, tokenizer: Path, work: dict[str, Path]) -> dict[str, list
     }
 
 
-@pytest.fixture(scope="module")
-def runs(client_env, tmp_path_factory):
-    """{name: (process, its folder)}, all started at once once the server is up (`--model SmolLM2-135M-Instruct`:
-    served under that name), each writing its console output to console.log; the server is checked idle after."""
-    srv = ServerProcess(["--model", SMOLLM2, *SERVER_ARGS], tmp_path_factory.mktemp("smollm2-server"))
+class Served:
+    """How the model is served: its --model argument (the name, or the directory's path) and the name clients ask
+    for (the one /v1/models lists)."""
+
+    def __init__(self, form: str, tmp_path_factory) -> None:
+        self.form = form
+        self.tokenizer = save_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))
+        if form == "gguf":
+            self.model_arg = SMOLLM2
+        else:
+            self.model_arg = str(save_llama_dir(tmp_path_factory.mktemp("smollm2-llama-dir")))
+        self.name = SMOLLM2 if form == "gguf" else None  # the directory's: asked of the server once it is up
+
+
+@pytest.fixture(scope="module", params=["gguf", pytest.param("llama-dir", marks=pytest.mark.slow)])
+def runs(request, client_env, tmp_path_factory):
+    """{name: (process, its folder)}, all started at once once the server is up (`--model SmolLM2-135M-Instruct`,
+    served under that name, or `--model DIR`), each writing its console output to console.log; the server is
+    checked idle after. The Served instance is under "served"."""
+    served = Served(request.param, tmp_path_factory)
+    srv = ServerProcess(["--model", served.model_arg, *SERVER_ARGS], tmp_path_factory.mktemp("smollm2-server"))
     started: dict[str, tuple[subprocess.Popen, Path]] = {}
     try:
-        tokenizer = save_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))  # while the server loads
         try:
             srv.wait_ready(300)  # a busy 2-core machine has taken minutes to load it
         except RuntimeError as e:
             raise RuntimeError(f"{e}:\n{srv.log()}") from None
+        served.name = served.name or listed_model(srv.url)
         work = {name: tmp_path_factory.mktemp(name) for name in ("lm_eval", "bench-random", "bench-chat",
                                                                  "guidellm")}
         for f in TASKS.iterdir():
@@ -94,11 +134,11 @@ def runs(client_env, tmp_path_factory):
         (work["bench-chat"] / "questions.json").write_text(json.dumps(
             [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
              for i, (q, a) in enumerate(QUESTIONS)]))
-        for name, cmd in commands(srv.url, tokenizer, work).items():
+        for name, cmd in commands(srv.url, served.name, served.tokenizer, work).items():
             with open(work[name] / "console.log", "wb") as log:
                 started[name] = subprocess.Popen(cmd, cwd=work[name], env=client_env, stdout=log,
                                                  stderr=subprocess.STDOUT), work[name]
-        yield started
+        yield {**started, "served": served}
         for proc, _ in started.values():
             if proc.poll() is None:
                 proc.kill()
@@ -109,6 +149,15 @@ def runs(client_env, tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
         srv.stop()
+
+
+def listed_model(url: str) -> str:
+    """The one model id the server lists at /v1/models."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        (model,) = json.loads(r.read())["data"]
+    return model["id"]
 
 
 def finished(runs, name: str) -> tuple[Path, str]:
@@ -148,14 +197,16 @@ def test_bench_serve_completes_every_request_on_smollm2(runs, name):
     work, console = finished(runs, name)
     assert "Failed requests:                         0" in console, console[-3000:]
     result = json.loads((work / "result.json").read_text())
-    assert result["failed"] == 0 and result["model_id"] == SMOLLM2
+    served = runs["served"]
+    assert result["failed"] == 0 and result["model_id"] == served.name
     if name == "bench-random":  # token ids, each request generating every token asked for (vLLM's ignore_eos)
         assert result["completed"] == RANDOM_PROMPTS
         assert result["output_lens"] == [RANDOM_OUTPUT] * RANDOM_PROMPTS
         assert result["input_lens"] == [RANDOM_INPUT] * RANDOM_PROMPTS
     else:  # text, counted with the served model's own tokenizer, found from the name the server lists
         assert result["completed"] == len(QUESTIONS) and all(n > 0 for n in result["output_lens"])
-        assert ".gguf (the model the server lists at /v1/models)" in result["tokenizer_id"]
+        tokenizer_from = ".gguf" if served.form == "gguf" else served.model_arg
+        assert f"{tokenizer_from} (the model the server lists at /v1/models)" in result["tokenizer_id"]
         assert any("Paris" in text for text in result["generated_texts"]), result["generated_texts"]
 
 
