@@ -112,6 +112,21 @@ def test_kernels_compile_for_an_h100_class_gpu_without_one_within_register_limit
     assert unaligned["_decode_split_kernel"].registers <= 128 and unaligned["_decode_split_kernel"].spill_stores == 0
 
 
+@pytest.mark.parametrize(("heads", "dtype", "d", "bs"), [((32, 8), torch.float16, 128, 16),  # Llama 3 8B: G = 4
+                                                        ((9, 3), torch.bfloat16, 64, 16),  # SmolLM2-135M: G = 3
+                                                        ((32, 8), torch.float16, 128, 128),  # 64-token tiles
+                                                        ((64, 1), torch.float16, 128, 16)])  # G = 64: 4 programs
+def test_kernels_compile_for_grouped_query_attention_within_register_limits(heads, dtype, d, bs):
+    """Fewer KV heads than query heads, sm_90: the decode kernel's program takes a KV head's query heads as the
+    rows of its tl.dot (16, padded past G), within the same limits and without spills."""
+    builds = triton_registers.compile_kernels(90, dtype, d, bs=bs, heads=heads)
+    assert set(builds) == set(REGISTER_LIMITS)
+    for name, build in builds.items():
+        assert build.spill_stores == 0 and build.spill_loads == 0, build
+        assert build.registers <= REGISTER_LIMITS[name], build
+        assert build.shared < SHARED_LIMIT, build
+
+
 def test_launches_are_recorded_as_the_host_code_makes_them():
     """The register check compiles what paged_attention really launches: every kernel, with the tiles and warps
     of decode_config / prefill_config and the cache tile of the block size."""
@@ -123,6 +138,13 @@ def test_launches_are_recorded_as_the_host_code_makes_them():
     assert (by_name["_prefill_kernel"]["BLOCK_M"], by_name["_prefill_kernel"]["BLOCK_N"],
             by_name["_prefill_kernel"]["PREFIX_N"], by_name["_prefill_kernel"]["num_warps"]) == (64, 64, 32, 8)
     assert module.decode_config(128, 128) == (64, 8) and module.decode_config(4, 128) == (16, 4)
+    # The decode split grid: one program a KV head and split, the group's query heads its rows (16, or
+    # ceil(G / 16) programs a KV head past 16), whatever the query heads.
+    for (h, h_kv), programs in {(40, 40): 40, (32, 8): 8, (9, 3): 3, (64, 1): 4}.items():
+        recorded = triton_registers.launches(module, torch.float16, 128, bs=16, heads=(h, h_kv))
+        (_, grid, _, kwargs), = [x for x in recorded if x[0].fn.__name__ == "_decode_split_kernel"]
+        assert grid[1] == programs and (kwargs["G"], kwargs["BLOCK_G"]) == (h // h_kv, 16), (h, h_kv)
+        assert module.decode_kv_bytes([100, 7], h, h_kv, 128, torch.float16) == programs * 107 * 2 * 128 * 2
     with pytest.raises(ValueError, match="multiple of the decode tile"):
         q = torch.empty(1, 2, 16, device="meta")
         module.decode_attention(q, torch.empty(4, 1, 2, 2, 16, 16, device="meta"), 0, torch.zeros(1, dtype=torch.long),
@@ -157,7 +179,9 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
     assert not module.INTERPRETED
     bs = 16
     seqs = [(0, 1), (0, 200), (15, 1), (16, 1), (17, 1), (1500, 1), (100, 37), (64, 130), (2047, 1)]
-    q, k, v, kv, meta, _ = make_batch(seqs, h=4, d=d, bs=bs, dtype=dtype, seed=5)
+    # 6 query heads over 2 KV heads: a decode program's 16 rows hold 3 query heads (the engine's OPT tests on
+    # CUDA, tests/test_decode_graphs.py, run them with as many KV heads as query heads).
+    q, k, v, kv, meta, _ = make_batch(seqs, h=6, d=d, bs=bs, dtype=dtype, seed=5, h_kv=2)
     q, k, v, kv = (x.to(cuda) for x in (q, k, v, kv))
     meta = meta.to(cuda)
     # The reference in float32 on float32 copies (its float16 SDPA on CUDA is itself approximate).
