@@ -197,3 +197,19 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
                                 meta.decode_context_lens, d**-0.5, out2, tokens_per_split)
         rows = meta.decode_token_index
         torch.testing.assert_close(out2[rows].float(), expected[rows], **cuda_tol)
+
+
+def test_decode_kv_traffic_script_prints_the_bytes_read_a_group_and_a_query_head():
+    """scripts/decode_kv_traffic.py, run as a user runs it: the K/V one layer's decode reads per shape, with one
+    program a KV head against one a query head (G times as much; ceil(G / 16) programs a KV head past 16)."""
+    run = subprocess.run([sys.executable, "-m", "scripts.decode_kv_traffic", "--batch", "2", "--context", "100"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = {line.split(" | ")[0].strip("| "): line for line in run.stdout.splitlines() if line.startswith("| ")}
+    llama = 8 * 2 * 100 * 2 * 128 * 2  # 8 KV heads x 2 rows x 100 tokens x K and V x 128 x float16
+    assert lines["llama-3-8b"] == f"| llama-3-8b | 32 | 8 | {llama / 1e6:.1f} | {4 * llama / 1e6:.1f} | 4.00x |"
+    assert lines["opt-13b"].endswith("| 1.00x |") and lines["smollm2-135m"].endswith("| 3.00x |")
+    assert lines["falcon-7b"].endswith(f"| {71 / 5:.2f}x |")  # 71 query heads over 5 programs of 16 rows
+    bad = subprocess.run([sys.executable, "-m", "scripts.decode_kv_traffic", "--context", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("--batch and --context must be at least 1")
