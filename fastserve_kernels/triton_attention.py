@@ -33,7 +33,7 @@ The kernels:
                             causally from k/v; fresh prefill = empty prefix)
 Softmax is online (running max and sum), accumulated in float32 whatever the
 cache dtype. Grouped-query attention: a decode program handles one KV head and
-the query heads of its group, BLOCK_G = 16 rows (decode_group_tile; the rows
+the query heads of its group, BLOCK_G = 16 rows (DECODE_GROUP_ROWS; the rows
 past G are padding, computed on zeros and not stored; a group over 16 heads
 takes ceil(G / 16) programs), so each K/V tile is read once for the group:
 scores [BLOCK_G, BLOCK_N] = tl.dot(q [BLOCK_G, Dp], K tile^T), then
@@ -59,8 +59,11 @@ def interpreter_ready() -> bool:
     when triton is first imported, so TRITON_INTERPRET=1 must already have been set then, not only here."""
     return INTERPRETED and type(tl.zeros).__name__ == "InterpretedFunction"
 
-# The most query heads of one KV head's group a decode program handles (decode_group_tile).
-MAX_GROUP_TILE = 16
+# BLOCK_G, the rows of a decode program: the query heads of one KV head's group it handles, padded past G (16: the
+# height of the tensor-core tile Triton fills for a smaller tl.dot anyway). A group of more is cut over
+# ceil(G / 16) programs a KV head. 32 took 94-103 registers on sm_90 (docs/gpu.md), past the limit of 96
+# (tests/test_triton_kernels.py).
+DECODE_GROUP_ROWS = 16
 
 # A decode row's context is cut into splits of this many tokens (flash-decoding); each split is one program.
 DEFAULT_TOKENS_PER_SPLIT = 512
@@ -317,8 +320,8 @@ def decode_attention(
 
     The context (at most MB * bs tokens) is cut into P = ceil(MB * bs / tokens_per_split) splits; each split
     keeps its own softmax max, sum and weighted values, and a second kernel combines them. A split program
-    handles one KV head and group_tile query heads of its group (default decode_group_tile(G): the whole group
-    up to 16), so it reads each K/V tile once for them; group_tile=1 runs one program per query head."""
+    handles one KV head and group_tile query heads of its group (default DECODE_GROUP_ROWS: the whole group up
+    to 16), so it reads each K/V tile once for them; group_tile=1 runs one program per query head."""
     s_d = rows.shape[0]
     if s_d == 0:
         return
@@ -332,7 +335,9 @@ def decode_attention(
     part_sum = torch.empty_like(part_max)
     group = h // h_kv
     block_n, num_warps = decode_config(bs, dp)
-    block_g = group_tile or decode_group_tile(group)
+    block_g = group_tile or DECODE_GROUP_ROWS
+    if block_g < 1 or block_g & (block_g - 1):
+        raise ValueError(f"group_tile ({group_tile}) must be a power of two")
     if tokens_per_split % block_n:
         raise ValueError(f"tokens_per_split ({tokens_per_split}) must be a multiple of the decode tile ({block_n})")
     _decode_split_kernel[(s_d, decode_head_programs(h, h_kv, block_g), splits)](
@@ -360,7 +365,7 @@ def decode_kv_bytes(context_lens: list[int], h: int, h_kv: int, d: int, dtype: t
     over heads (decode_head_programs, as launched) reads, in its split, the K and V of every context token once,
     D elements each (its loads are masked to the context; the splits partition it), whatever G and BLOCK_G.
     group_tile=1 gives one program per query head: the same kernel reading every tile G times."""
-    block_g = group_tile or decode_group_tile(h // h_kv)
+    block_g = group_tile or DECODE_GROUP_ROWS
     return decode_head_programs(h, h_kv, block_g) * sum(context_lens) * 2 * d * dtype.itemsize
 
 
@@ -400,13 +405,6 @@ def cache_tile(block_size: int, limit: int) -> int:
     """Tokens of a tile read from the cache: one block or a slice of one (one base pointer a tile) when the
     block size is at least 16, else 16 tokens over several blocks (tl.dot needs 16 on GPUs)."""
     return max(16, min(block_size, limit))
-
-
-def decode_group_tile(group: int) -> int:
-    """BLOCK_G of the decode kernel: the query heads of a KV head's group one program handles, a power of two,
-    at least 16 (the M of tl.dot's tensor-core tile: smaller is padded by Triton anyway) and at most
-    MAX_GROUP_TILE; a group larger than that is cut over ceil(G / BLOCK_G) programs."""
-    return min(MAX_GROUP_TILE, max(16, triton.next_power_of_2(group)))
 
 
 def prefill_config(dtype: torch.dtype, padded_head_dim: int) -> tuple[int, int, int]:

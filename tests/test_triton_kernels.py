@@ -86,8 +86,9 @@ def test_triton_asked_for_but_not_installed_is_one_clear_error(monkeypatch):
 
 
 # Per-thread register limits of each kernel compiled for sm_90 as the host code launches it (measured with
-# the pinned triton 3.7.1 / ptxas 12.8, block size 16, scripts/triton_registers.py: write_kv 25-100, decode split 40-48
-# (80 on 64-token tiles), reduce 22-28, prefill 94-158), and no spills. Before the kernels read the cache one
+# the pinned triton 3.7.1 / ptxas 12.8, block size 16, scripts/triton_registers.py: write_kv 25-100, decode split 50-72
+# (48-80 on 64-token tiles, --block-size 128; the same under --heads 32,8), reduce 22-28, prefill 94-158), and no
+# spills. Before the kernels read the cache one
 # base pointer a KV block, the decode kernel took 64-143 registers (232-255 without the launch's alignment
 # hints) and prefill spilled.
 REGISTER_LIMITS = {"_write_kv_kernel": 128, "_decode_split_kernel": 96, "_decode_reduce_kernel": 64,
