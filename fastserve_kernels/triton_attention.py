@@ -26,14 +26,20 @@ prefill_config (register counts for sm_90: scripts/triton_registers.py).
 
 The kernels:
     _write_kv_kernel        this step's K/V (Hkv heads) into their slots grid (T, 2)
-    _decode_split_kernel    one new token per sequence, the context cut  grid (S_d, H, P)
+    _decode_split_kernel    one new token per sequence, the context cut  grid (S_d, Hkv * ceil(G / BLOCK_G), P)
       + _decode_reduce_kernel  into P splits, then the splits combined   grid (S_d, H)
     _prefill_kernel         several new tokens after a cached prefix     grid (S_p, H, ceil(n / BLOCK_M))
                             (prefix from the cache, then the new tokens
                             causally from k/v; fresh prefill = empty prefix)
 Softmax is online (running max and sum), accumulated in float32 whatever the
-cache dtype. Under grouped-query attention each query head's program reads its
-KV head's rows (the G programs of a KV head read the same ones).
+cache dtype. Grouped-query attention: a decode program handles one KV head and
+the query heads of its group, BLOCK_G = 16 rows (DECODE_GROUP_ROWS; the rows
+past G are padding, computed on zeros and not stored; a group over 16 heads
+takes ceil(G / 16) programs), so each K/V tile is read once for the group:
+scores [BLOCK_G, BLOCK_N] = tl.dot(q [BLOCK_G, Dp], K tile^T), then
+tl.dot(probs, V tile). decode_kv_bytes gives the K/V bytes a decode call reads.
+A prefill program handles one query head (a tile of its queries) and reads its
+KV head's rows: the G programs of a group read the same ones.
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ def interpreter_ready() -> bool:
     """Whether kernels can run under the interpreter: triton's own library (tl.zeros, tl.sum, ...) is decorated
     when triton is first imported, so TRITON_INTERPRET=1 must already have been set then, not only here."""
     return INTERPRETED and type(tl.zeros).__name__ == "InterpretedFunction"
+
+# BLOCK_G, the rows of a decode program: the query heads of one KV head's group it handles, padded past G (16: the
+# height of the tensor-core tile Triton fills for a smaller tl.dot anyway). A group of more is cut over
+# ceil(G / 16) programs a KV head. 32 took 94-103 registers on sm_90 (docs/gpu.md), past the limit of 96
+# (tests/test_triton_kernels.py).
+DECODE_GROUP_ROWS = 16
 
 # A decode row's context is cut into splits of this many tokens (flash-decoding); each split is one program.
 DEFAULT_TOKENS_PER_SPLIT = 512
@@ -86,24 +98,33 @@ def _decode_split_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_ts,
     stride_cb, stride_ckv, stride_co, stride_ch, layer_offset,
-    scale, H, G, D, P,
+    scale, H, D, P,
+    G: tl.constexpr, BLOCK_G: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_SPLIT: tl.constexpr,
 ):
+    # One program: one KV head, BLOCK_G query heads of its group (all G of them when G <= BLOCK_G), one split.
+    CHUNKS: tl.constexpr = (G + BLOCK_G - 1) // BLOCK_G  # programs a KV head (1 when G <= BLOCK_G)
     s = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_h = tl.program_id(1) // CHUNKS
     p = tl.program_id(2)
     context_len = tl.load(lens_ptr + s)
     row = tl.load(rows_ptr + s)
+    g0 = (tl.program_id(1) % CHUNKS) * BLOCK_G  # the program's first query head within the group
+    r = tl.arange(0, BLOCK_G)  # [BLOCK_G] rows: query heads g0 + r of the group
+    g_ok = g0 + r < G  # rows past the group (padding) are computed on zeros and never stored
+    h = kv_h * G + g0 + r  # [BLOCK_G] query heads
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    q = tl.load(q_ptr + row * stride_qt + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)  # [Dp]
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + row * stride_qt + (h[:, None] * stride_qh + d[None, :]), mask=q_mask,
+                other=0.0)  # [BLOCK_G, Dp], in the cache's dtype (tl.dot's operands)
     start = p * TOKENS_PER_SPLIT
     end = tl.minimum(start + TOKENS_PER_SPLIT, context_len)
-    run_max = tl.zeros([1], dtype=tl.float32) - float("inf")
-    run_sum = tl.zeros([1], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    run_max = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    run_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = tables_ptr + s.to(tl.int64) * stride_ts
-    head = cache_ptr + layer_offset + (h // G) * stride_ch  # this layer's K of the query head's KV head, block 0
+    head = cache_ptr + layer_offset + kv_h * stride_ch  # this layer's K of the KV head, block 0
     n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):  # n0 is a multiple of BLOCK_N (TOKENS_PER_SPLIT is)
         live = n0 + n < end  # n0 < end: the tile has a live token
@@ -118,21 +139,25 @@ def _decode_split_kernel(
             block = tl.load(table + (n0 + n) // BS, mask=live, other=0)
             base = head
             offsets = (block * stride_cb + ((n0 + n) % BS) * stride_co)[:, None] + d[None, :]
-        k = tl.load(base + offsets, mask=tile_mask, other=0.0).to(tl.float32)  # [BLOCK_N, Dp]
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # [BLOCK_N]
-        scores = tl.where(live, scores, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(scores, axis=0))  # [1]
+        # K and V tiles are read once for the BLOCK_G query heads.
+        k = tl.load(base + offsets, mask=tile_mask, other=0.0)  # [BLOCK_N, Dp]
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))  # [BLOCK_G]
         correction = tl.exp(run_max - new_max)
-        probs = tl.exp(scores - new_max)  # [BLOCK_N]
-        v = tl.load(base + stride_ckv + offsets, mask=tile_mask, other=0.0).to(tl.float32)
-        run_sum = run_sum * correction + tl.sum(probs, axis=0)
-        acc = acc * correction + tl.sum(probs[:, None] * v, axis=0)
+        probs = tl.exp(scores - new_max[:, None])  # [BLOCK_G, BLOCK_N]
+        v = tl.load(base + stride_ckv + offsets, mask=tile_mask, other=0.0)
+        run_sum = run_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         run_max = new_max
-    part = (s * H + h) * P + p
-    tl.store(part_acc_ptr + part.to(tl.int64) * BLOCK_D + d, acc)
-    one = tl.arange(0, 1)
-    tl.store(part_max_ptr + part + one, run_max)  # -inf and 0 for a split past the context
-    tl.store(part_sum_ptr + part + one, run_sum)
+    # Query head h's split p is part (s * H + h) * P + p: a 64-bit base (row 0's), 32-bit offsets (a 64-bit offset
+    # a row spilled on sm_90).
+    first = (s * H + kv_h * G + g0) * P + p
+    rows = r * P  # [BLOCK_G]
+    tl.store(part_acc_ptr + first.to(tl.int64) * BLOCK_D + (rows[:, None] * BLOCK_D + d[None, :]), acc,
+             mask=g_ok[:, None])
+    tl.store(part_max_ptr + first + rows, run_max, mask=g_ok)  # -inf and 0 for a split past the context
+    tl.store(part_sum_ptr + first + rows, run_sum, mask=g_ok)
 
 
 @triton.jit
@@ -289,11 +314,14 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,  # [T, H, D]: rows `rows` are written
     tokens_per_split: int = DEFAULT_TOKENS_PER_SPLIT,
+    group_tile: int | None = None,
 ) -> None:
     """Attention of one new token per sequence to its whole context, read through the block table.
 
     The context (at most MB * bs tokens) is cut into P = ceil(MB * bs / tokens_per_split) splits; each split
-    keeps its own softmax max, sum and weighted values, and a second kernel combines them."""
+    keeps its own softmax max, sum and weighted values, and a second kernel combines them. A split program
+    handles one KV head and group_tile query heads of its group (default DECODE_GROUP_ROWS: the whole group up
+    to 16), so it reads each K/V tile once for them; group_tile=1 runs one program per query head."""
     s_d = rows.shape[0]
     if s_d == 0:
         return
@@ -305,20 +333,40 @@ def decode_attention(
     part_acc = torch.empty(s_d * h * splits, dp, dtype=torch.float32, device=q.device)  # [S_d * H * P, Dp]
     part_max = torch.empty(s_d * h * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    group = h // h_kv
     block_n, num_warps = decode_config(bs, dp)
+    block_g = group_tile or DECODE_GROUP_ROWS
+    if block_g < 1 or block_g & (block_g - 1):
+        raise ValueError(f"group_tile ({group_tile}) must be a power of two")
     if tokens_per_split % block_n:
         raise ValueError(f"tokens_per_split ({tokens_per_split}) must be a multiple of the decode tile ({block_n})")
-    _decode_split_kernel[(s_d, h, splits)](
+    _decode_split_kernel[(s_d, decode_head_programs(h, h_kv, block_g), splits)](
         q, kv_cache, block_tables, context_lens, rows, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), block_tables.stride(0),
         *_cache_strides(kv_cache, layer),
-        scale, h, h // h_kv, d, splits,
+        scale, h, d, splits,
+        G=group, BLOCK_G=block_g,
         BS=bs, BLOCK_N=block_n, BLOCK_D=dp, TOKENS_PER_SPLIT=tokens_per_split, num_warps=num_warps,
     )
     _decode_reduce_kernel[(s_d, h)](
         part_acc, part_max, part_sum, out, rows, out.stride(0), out.stride(1), h, d, splits,
         BLOCK_P=triton.next_power_of_2(splits), BLOCK_D=dp,
     )
+
+
+def decode_head_programs(h: int, h_kv: int, block_g: int) -> int:
+    """The decode split kernel's programs over heads (its grid's second axis): ceil(G / BLOCK_G) a KV head."""
+    return h_kv * triton.cdiv(h // h_kv, block_g)
+
+
+def decode_kv_bytes(context_lens: list[int], h: int, h_kv: int, d: int, dtype: torch.dtype,
+                    group_tile: int | None = None) -> int:
+    """Bytes of K and V that decode_attention reads from the cache for decode rows of these contexts. Each program
+    over heads (decode_head_programs, as launched) reads, in its split, the K and V of every context token once,
+    D elements each (its loads are masked to the context; the splits partition it), whatever G and BLOCK_G.
+    group_tile=1 gives one program per query head: the same kernel reading every tile G times."""
+    block_g = group_tile or DECODE_GROUP_ROWS
+    return decode_head_programs(h, h_kv, block_g) * sum(context_lens) * 2 * d * dtype.itemsize
 
 
 class PrefillRows:

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every Triton kernel (fastserve_kernels/triton_attention.py), compiled for an
 NVIDIA GPU without one.
 
-    .venv/bin/python -m scripts.triton_registers [--arch 90] [--block-size 16]
+    .venv/bin/python -m scripts.triton_registers [--arch 90] [--block-size 16] [--heads 32,8]
 
 Each kernel is compiled as the host code launches it (its tile sizes, num_warps and argument types for a dtype
 and head dim) with triton.compile(ASTSource, GPUTarget("cuda", arch, 32)): Triton's front end, LLVM, PTX and
@@ -70,14 +70,15 @@ class _Recorder:
         return lambda *args, **kwargs: self.launches.append((self.kernel, grid, args, kwargs))
 
 
-def launches(module, dtype: torch.dtype, d: int, bs: int, layers: int = 4):
+def launches(module, dtype: torch.dtype, d: int, bs: int, layers: int = 4, heads: tuple[int, int] | None = None):
     """Every kernel launch of one layer's fastserve_kernels.triton_attention.paged_attention, as the host code makes it,
     on meta tensors (no memory, no device): a batch of fresh prefills (one longer than a query tile), a chunked
     prefill after a cached prefix and decode rows with contexts up to 2,048 tokens, over a cache of a model
-    with this head dim (HEADS) in `dtype`. Returns [(kernel, grid, args, kwargs)]."""
+    with this head dim (HEADS: as many KV heads as query heads) or these (query heads, KV heads), in `dtype`.
+    Returns [(kernel, grid, args, kwargs)]."""
     from fastserve_kernels.paged_attention import AttentionMetadata
 
-    h = HEADS.get(d, 32)
+    h, h_kv = heads or (HEADS.get(d, 32),) * 2
     seqs = [(0, 300), (0, 7), (700, 90), (1000, 1), (2047, 1), (15, 1), (40, 1)]  # (cached, new)
     tables, next_block = [], 0
     for cached, new in seqs:
@@ -86,9 +87,9 @@ def launches(module, dtype: torch.dtype, d: int, bs: int, layers: int = 4):
         next_block += n
     meta = AttentionMetadata.for_sequences(seqs, tables, bs).to("meta")
     t = sum(new for _, new in seqs)
-    qkv = torch.empty(t, 3, h, d, dtype=dtype, device="meta")  # the model's fused projection: q, k, v are views
-    q, k, v = qkv.unbind(1)
-    kv_cache = torch.empty(next_block + 64, layers, 2, h, bs, d, dtype=dtype, device="meta")
+    qkv = torch.empty(t, h + 2 * h_kv, d, dtype=dtype, device="meta")  # the model's fused projection: q, k, v are views
+    q, k, v = qkv.split([h, h_kv, h_kv], dim=1)
+    kv_cache = torch.empty(next_block + 64, layers, 2, h_kv, bs, d, dtype=dtype, device="meta")
     with recording(module) as recorded:
         module.paged_attention(q, k, v, kv_cache, layers - 1, meta, d**-0.5)
     return recorded
@@ -133,7 +134,7 @@ def kernel_test_launches(module) -> list:
     launches = []
     for dtype in (torch.float16, torch.float32):
         for d in (64, 80, 128):
-            q, k, v, kv, meta, _ = make_batch(seqs, h=4, d=d, bs=16, dtype=dtype, seed=5)
+            q, k, v, kv, meta, _ = make_batch(seqs, h=6, d=d, bs=16, dtype=dtype, seed=5, h_kv=2)
             q, k, v, kv, meta = (x.to("meta") for x in (q, k, v, kv, meta))
             with recording(module) as recorded:
                 module.paged_attention(q, k, v, kv, 1, meta, d**-0.5)
@@ -197,18 +198,18 @@ def ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
 
 
 def compile_kernels(arch: int, dtype: torch.dtype, d: int, bs: int = 16, module=None,
-                    aligned: bool = True) -> dict[str, KernelBuild]:
+                    aligned: bool = True, heads: tuple[int, int] | None = None) -> dict[str, KernelBuild]:
     """Every kernel, as launches() records it, compiled for compute capability `arch` (no GPU needed), with its
     resource usage. A kernel launched twice with different specializations keeps its larger register count.
     aligned=False drops the divisibility hints (tt.divisibility), as for a launch whose pointers or strides are
-    not multiples of 16: no vectorized loads, the worst case."""
+    not multiples of 16: no vectorized loads, the worst case. heads: (query heads, KV heads), as launches()."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     module = module or attention_module()
     builds: dict[str, KernelBuild] = {}
-    for kernel, _grid, args, kwargs in launches(module, dtype, d, bs):
+    for kernel, _grid, args, kwargs in launches(module, dtype, d, bs, heads=heads):
         signature, constexprs, attrs, options = specialize(kernel, args, dict(kwargs))
         attrs = attrs if aligned else {}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -242,10 +243,15 @@ def main() -> None:
     parser.add_argument("--module", help="another version of fastserve_kernels/triton_attention.py to measure, e.g. "
                         "git show HEAD~1:fastserve_kernels/triton_attention.py > /tmp/old.py; --module /tmp/old.py")
     parser.add_argument("--unaligned", action="store_true", help="without the launch's divisibility hints")
+    parser.add_argument("--heads", help="query heads,KV heads (e.g. 32,8: grouped-query attention); default: each "
+                        "head dim's OPT model, as many KV heads as query heads")
     parser.add_argument("--count-kernel-tests", action="store_true", help="only count the kernels the device check's "
                         "kernels step compiles (tests/test_triton_kernels.py on CUDA), by kernel")
     args = parser.parse_args()
     module = load_module(args.module) if args.module else None
+    heads = tuple(int(x) for x in args.heads.split(",")) if args.heads else None
+    if heads is not None and (len(heads) != 2 or heads[1] < 1 or heads[0] % heads[1]):
+        parser.error(f"--heads {args.heads}: give query heads,KV heads, the first a multiple of the second")
     if args.count_kernel_tests:
         keys = specializations(kernel_test_launches(module or attention_module()))
         by_kernel = collections.Counter(key[0] for key in keys)
@@ -254,7 +260,8 @@ def main() -> None:
     print("| dtype | D | kernel | warps | registers | spill stores / loads (bytes) | stack | shared |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype, d in CONFIGS:
-        builds = compile_kernels(args.arch, dtype, d, args.block_size, module=module, aligned=not args.unaligned)
+        builds = compile_kernels(args.arch, dtype, d, args.block_size, module=module, aligned=not args.unaligned,
+                                 heads=heads)
         for b in builds.values():
             print(f"| {TYPE_NAMES[dtype]} | {d} | {b.name} | {b.num_warps} | {b.registers} | "
                   f"{b.spill_stores} / {b.spill_loads} | {b.stack} | {b.shared} |")

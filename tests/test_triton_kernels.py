@@ -86,8 +86,9 @@ def test_triton_asked_for_but_not_installed_is_one_clear_error(monkeypatch):
 
 
 # Per-thread register limits of each kernel compiled for sm_90 as the host code launches it (measured with
-# the pinned triton 3.7.1 / ptxas 12.8, block size 16, scripts/triton_registers.py: write_kv 25-100, decode split 40-48
-# (80 on 64-token tiles), reduce 22-28, prefill 94-158), and no spills. Before the kernels read the cache one
+# the pinned triton 3.7.1 / ptxas 12.8, block size 16, scripts/triton_registers.py: write_kv 25-100, decode split 50-72
+# (48-80 on 64-token tiles, --block-size 128; the same under --heads 32,8), reduce 22-28, prefill 94-158), and no
+# spills. Before the kernels read the cache one
 # base pointer a KV block, the decode kernel took 64-143 registers (232-255 without the launch's alignment
 # hints) and prefill spilled.
 REGISTER_LIMITS = {"_write_kv_kernel": 128, "_decode_split_kernel": 96, "_decode_reduce_kernel": 64,
@@ -112,6 +113,21 @@ def test_kernels_compile_for_an_h100_class_gpu_without_one_within_register_limit
     assert unaligned["_decode_split_kernel"].registers <= 128 and unaligned["_decode_split_kernel"].spill_stores == 0
 
 
+@pytest.mark.parametrize(("heads", "dtype", "d", "bs"), [((32, 8), torch.float16, 128, 16),  # Llama 3 8B: G = 4
+                                                        ((9, 3), torch.bfloat16, 64, 16),  # SmolLM2-135M: G = 3
+                                                        ((32, 8), torch.float16, 128, 128),  # 64-token tiles
+                                                        ((64, 1), torch.float16, 128, 16)])  # G = 64: 4 programs
+def test_kernels_compile_for_grouped_query_attention_within_register_limits(heads, dtype, d, bs):
+    """Fewer KV heads than query heads, sm_90: the decode kernel's program takes a KV head's query heads as the
+    rows of its tl.dot (16, padded past G), within the same limits and without spills."""
+    builds = triton_registers.compile_kernels(90, dtype, d, bs=bs, heads=heads)
+    assert set(builds) == set(REGISTER_LIMITS)
+    for name, build in builds.items():
+        assert build.spill_stores == 0 and build.spill_loads == 0, build
+        assert build.registers <= REGISTER_LIMITS[name], build
+        assert build.shared < SHARED_LIMIT, build
+
+
 def test_launches_are_recorded_as_the_host_code_makes_them():
     """The register check compiles what paged_attention really launches: every kernel, with the tiles and warps
     of decode_config / prefill_config and the cache tile of the block size."""
@@ -123,6 +139,13 @@ def test_launches_are_recorded_as_the_host_code_makes_them():
     assert (by_name["_prefill_kernel"]["BLOCK_M"], by_name["_prefill_kernel"]["BLOCK_N"],
             by_name["_prefill_kernel"]["PREFIX_N"], by_name["_prefill_kernel"]["num_warps"]) == (64, 64, 32, 8)
     assert module.decode_config(128, 128) == (64, 8) and module.decode_config(4, 128) == (16, 4)
+    # The decode split grid: one program a KV head and split, the group's query heads its rows (16, or
+    # ceil(G / 16) programs a KV head past 16), whatever the query heads.
+    for (h, h_kv), programs in {(40, 40): 40, (32, 8): 8, (9, 3): 3, (64, 1): 4}.items():
+        recorded = triton_registers.launches(module, torch.float16, 128, bs=16, heads=(h, h_kv))
+        (_, grid, _, kwargs), = [x for x in recorded if x[0].fn.__name__ == "_decode_split_kernel"]
+        assert grid[1] == programs and (kwargs["G"], kwargs["BLOCK_G"]) == (h // h_kv, 16), (h, h_kv)
+        assert module.decode_kv_bytes([100, 7], h, h_kv, 128, torch.float16) == programs * 107 * 2 * 128 * 2
     with pytest.raises(ValueError, match="multiple of the decode tile"):
         q = torch.empty(1, 2, 16, device="meta")
         module.decode_attention(q, torch.empty(4, 1, 2, 2, 16, 16, device="meta"), 0, torch.zeros(1, dtype=torch.long),
@@ -157,7 +180,9 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
     assert not module.INTERPRETED
     bs = 16
     seqs = [(0, 1), (0, 200), (15, 1), (16, 1), (17, 1), (1500, 1), (100, 37), (64, 130), (2047, 1)]
-    q, k, v, kv, meta, _ = make_batch(seqs, h=4, d=d, bs=bs, dtype=dtype, seed=5)
+    # 6 query heads over 2 KV heads: a decode program's 16 rows hold 3 query heads (the engine's OPT tests on
+    # CUDA, tests/test_decode_graphs.py, run them with as many KV heads as query heads).
+    q, k, v, kv, meta, _ = make_batch(seqs, h=6, d=d, bs=bs, dtype=dtype, seed=5, h_kv=2)
     q, k, v, kv = (x.to(cuda) for x in (q, k, v, kv))
     meta = meta.to(cuda)
     # The reference in float32 on float32 copies (its float16 SDPA on CUDA is itself approximate).
@@ -173,3 +198,19 @@ def test_compiled_kernels_on_cuda_match_reference(monkeypatch, dtype, d):
                                 meta.decode_context_lens, d**-0.5, out2, tokens_per_split)
         rows = meta.decode_token_index
         torch.testing.assert_close(out2[rows].float(), expected[rows], **cuda_tol)
+
+
+def test_decode_kv_traffic_script_prints_the_bytes_read_a_group_and_a_query_head():
+    """scripts/decode_kv_traffic.py, run as a user runs it: the K/V one layer's decode reads per shape, with one
+    program a KV head against one a query head (G times as much; ceil(G / 16) programs a KV head past 16)."""
+    run = subprocess.run([sys.executable, "-m", "scripts.decode_kv_traffic", "--batch", "2", "--context", "100"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = {line.split(" | ")[0].strip("| "): line for line in run.stdout.splitlines() if line.startswith("| ")}
+    llama = 8 * 2 * 100 * 2 * 128 * 2  # 8 KV heads x 2 rows x 100 tokens x K and V x 128 x float16
+    assert lines["llama-3-8b"] == f"| llama-3-8b | 32 | 8 | {llama / 1e6:.1f} | {4 * llama / 1e6:.1f} | 4.00x |"
+    assert lines["opt-13b"].endswith("| 1.00x |") and lines["smollm2-135m"].endswith("| 3.00x |")
+    assert lines["falcon-7b"].endswith(f"| {71 / 5:.2f}x |")  # 71 query heads over 5 programs of 16 rows
+    bad = subprocess.run([sys.executable, "-m", "scripts.decode_kv_traffic", "--context", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("--batch and --context must be at least 1")

@@ -17,8 +17,10 @@ compiler, once per process), so no other test module's imports can change it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,6 +124,81 @@ def test_grouped_query_attention_matches_reference(h, h_kv, bs):
     tri.decode_attention(q.contiguous(), kv, 1, rows, meta.decode_block_tables, meta.decode_context_lens, 16**-0.5,
                          split, 16)  # the 41-token context in 3 splits
     torch.testing.assert_close(split[rows], expected[rows], **tol(torch.float32))
+
+
+def decode_batch(h, h_kv, bs, dtype, seed=13):
+    """Decode rows only, contexts 1 to 100 tokens (up to 25 blocks of 4, 7 of 16, 4 of 32; 7 splits of 16), their
+    K/V already in the cache, and the reference's output for them."""
+    seqs = [(0, 1), (3, 1), (15, 1), (16, 1), (40, 1), (66, 1), (99, 1)]
+    q, k, v, kv, meta, tables = make_batch(seqs, h=h, d=16, bs=bs, dtype=dtype, seed=seed, h_kv=h_kv)
+    expected = ref.paged_attention(q, k, v, kv, 1, meta, 16**-0.5)  # writes this step's K/V into kv
+    mb = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (mb - len(t)) for t in tables])
+    lens = torch.tensor([c + n for c, n in seqs])
+    return q, kv, torch.arange(len(seqs)), block_tables, lens, expected
+
+
+@pytest.mark.parametrize(("h", "h_kv", "bs", "group_tile", "dtype"), [
+    (9, 3, 4, None, torch.float32),  # SmolLM2's 9 query heads over 3 KV heads: G = 3 in a 16-row tile
+    (9, 3, 16, None, torch.float32),
+    (8, 2, 16, None, torch.float32),  # G = 4
+    (8, 2, 32, None, torch.float16),
+    (3, 3, 16, None, torch.float32),  # G = 1: one query head a program, 15 padded rows
+    (12, 2, 16, 4, torch.float32),  # G = 6 cut over 2 programs a KV head, the second half padded
+    (9, 3, 16, 1, torch.float32),  # one program a query head
+])
+def test_decode_with_query_head_groups_matches_reference_over_blocks_and_splits(h, h_kv, bs, group_tile, dtype):
+    """One decode program a KV head (and group_tile query heads of it): every query head's output, through
+    shuffled block tables, with the context in one split and in up to 7."""
+    q, kv, rows, block_tables, lens, expected = decode_batch(h, h_kv, bs, dtype)
+    assert q.stride(-1) == 1 and not q.is_contiguous()  # a view of the fused projection, as the model gives it
+    for tokens_per_split in (16, 512):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        tri.decode_attention(q, kv, 1, rows, block_tables, lens, 16**-0.5, out, tokens_per_split, group_tile)
+        torch.testing.assert_close(out, expected, **tol(dtype))
+
+
+@contextlib.contextmanager
+def bytes_loaded_from(x: torch.Tensor):
+    """Inside: the bytes that interpreted kernels load from x's memory (unmasked lanes whose address lies in x),
+    counted at the interpreter's loads; yields a one-element list holding the count."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    lo = x.data_ptr()
+    hi = lo + x.numel() * x.element_size()
+    count = [0]
+    real = builder.create_masked_load
+
+    def load(ptrs, mask, *args):
+        addresses = ptrs.data.astype(np.uint64)
+        lanes = np.broadcast_to(mask.data, addresses.shape) & (addresses >= lo) & (addresses < hi)
+        count[0] += int(lanes.sum()) * x.element_size()
+        return real(ptrs, mask, *args)
+
+    builder.create_masked_load = load
+    try:
+        yield count
+    finally:
+        del builder.create_masked_load
+
+
+@pytest.mark.parametrize(("h", "h_kv", "dtype"), [(9, 3, torch.float32), (8, 2, torch.float16), (4, 4, torch.float32),
+                                                  (12, 2, torch.float32)])
+def test_decode_reads_the_kv_cache_once_per_group(h, h_kv, dtype):
+    """The KV bytes a decode call loads, counted at the interpreter's loads: decode_kv_bytes's figure, and 1/G of
+    the same kernel run one program per query head (group_tile=1), which reads every tile G times."""
+    q, kv, rows, block_tables, lens, expected = decode_batch(h, h_kv, 16, dtype)
+    g = h // h_kv
+    loaded = {}
+    for group_tile in (None, 1):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        with bytes_loaded_from(kv) as count:
+            tri.decode_attention(q, kv, 1, rows, block_tables, lens, 16**-0.5, out, 32, group_tile)  # 4 splits
+        torch.testing.assert_close(out, expected, **tol(dtype))
+        loaded[group_tile] = count[0]
+        assert count[0] == tri.decode_kv_bytes(lens.tolist(), h, h_kv, 16, dtype, group_tile)
+    assert loaded[1] == g * loaded[None] == h * int(lens.sum()) * 2 * 16 * kv.element_size()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
