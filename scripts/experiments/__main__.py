@@ -94,6 +94,18 @@ def note_replaced(path: Path, names: list[str]) -> None:
     path.write_text("\n".join(lines))
 
 
+def check_section_flags(args: argparse.Namespace, names: list[str]) -> None:
+    """The sections' own flags, checked before anything runs: a ValueError saying what is wrong."""
+    if "slo" in names:
+        from scripts.experiments.slo import parse_setups
+
+        parse_setups(args.slo_setups)
+    if "past_capacity" in names:
+        from scripts.experiments.past_capacity import parse_workloads
+
+        parse_workloads(args.past_workloads)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,15 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(FIGURES)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; choose from {FIGURES}")
-    try:  # the sections' own flags, checked before anything runs
-        if "slo" in names:
-            from scripts.experiments.slo import parse_setups
-
-            parse_setups(args.slo_setups)
-        if "past_capacity" in names:
-            from scripts.experiments.past_capacity import parse_workloads
-
-            parse_workloads(args.past_workloads)
+    try:
+        check_section_flags(args, names)
     except ValueError as e:
         ap.error(str(e))
     ctx = Ctx(args)
