@@ -250,7 +250,8 @@ def part_matmul(args) -> dict:
               f"{args.dtype})")
         return {}
     print(f"\n## matmul: the matmuls of a SmolLM2 decode step ({layers} layers' q/k/v, o, gate/up, down, and the "
-          "head), weights packed for oneDNN / plain (MKL's F.linear) (below 1: packed faster)")
+          f"head) in {args.dtype}, weights packed for oneDNN / plain (F.linear: MKL's in float32, oneDNN's in "
+          "bfloat16) (below 1: packed faster)")
     results = {}
     for b in args.batches:
         inputs = {cols: torch.randn(b, cols, generator=g, dtype=dtype) for cols in (e, f)}
