@@ -92,7 +92,8 @@ class Spy:
         return self.op(*args)
 
 
-BF16_PACKS = torch.bfloat16 in cpu_packed_linear.dtypes()  # where torch's oneDNN runs bfloat16 (AVX-512)
+# Where torch's oneDNN runs bfloat16 (AVX-512), by torch's own check: there bfloat16 weights must be packed in it.
+BF16_PACKS = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 # In bfloat16 too the two loops agree bit for bit: they run the same kernels (RMSNorm, rotary, the attention kernel,
@@ -142,6 +143,7 @@ def test_bfloat16_weights_are_packed_in_bfloat16_and_the_loop_runs_in_it(layers_
     the plain weights, fails here), the compiled loop gets them with bfloat16 activations and cache, and gives
     bfloat16 hidden states."""
     monkeypatch.setenv(cpu_packed_linear.ENV_SWITCH, "1")
+    assert torch.bfloat16 in cpu_packed_linear.dtypes()
     stage, cfg = load_stage(tmp_path, "llama_gqa_llama3_rope", torch.bfloat16)
     calls = []
     monkeypatch.setattr(llama, "cpu_decode_llama_layers_op", lambda kv_cache: lambda *a: calls.append(a) or
