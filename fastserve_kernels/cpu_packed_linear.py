@@ -13,8 +13,9 @@ decode step's matmuls on packed weights took 0.64-0.72x MKL's CPU time at 32 row
 thread (`python -m scripts.benchmarks.llama_decode --parts matmul --threads 1`, two runs; docs/benchmarks.md). The
 packed result is not MKL's bit for bit (another order of sums: the same values within float32 rounding), so a
 model uses it in every path or in none (engine/model/llama.py). In bfloat16 (products in bfloat16, sums in float32,
-one rounding to bfloat16) the same step's matmuls took 52.5 ms of CPU at 32 rows against float32's 93.6 ms
-(`--parts matmul --batches 32 --threads 1 --dtype bfloat16`, against the same without --dtype, one run each).
+one rounding to bfloat16) the same step's packed matmuls took 50.5 ms of CPU at 32 rows against float32's 97.3 ms
+(`python -m scripts.benchmarks.llama_decode --threads 1 --repeats 3 --dtype bfloat16`, then without --dtype; on
+avx512_bf16 without AMX), 0.74x the plain bfloat16 weights' time (oneDNN's unpacked matmul).
 What it costs: the packed copy sits beside the plain weight (which the loader fills and the rest of the engine
 reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32, 0.27 GB in
 bfloat16); a model whose copies would take more than half the host's available memory is not packed (fits).
