@@ -170,9 +170,10 @@ def decode_llama_layers_op():
 
 def llama_kernel(name: str, x: torch.Tensor):
     """torch.ops.fastserve_cpu.rms_norm or .rotary (cpu_decode_llama_layers.cpp: the Llama family's element-wise
-    kernels, which its compiled decode loop runs too) where they serve `x` (a float32 or float64 CPU tensor, the
-    kernels built), else None: the caller computes the formula with torch ops."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or decode_attention_op() is None:
+    kernels, which its compiled decode loop runs too) where they serve `x` (a float32, float64 or bfloat16 CPU
+    tensor, the kernels built), else None: the caller computes the formula with torch ops."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.bfloat16)
+            or decode_attention_op() is None):
         return None
     return getattr(torch.ops.fastserve_cpu, name)
 

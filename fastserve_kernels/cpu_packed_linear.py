@@ -1,8 +1,10 @@
-"""Linear weights packed for oneDNN, the CPU's faster float32 matmul.
+"""Linear weights packed for oneDNN, the CPU's faster float32 and bfloat16 matmul.
 
-What it is: `pack(weight)` gives a copy of a [out, in] float32 CPU weight reordered into oneDNN's blocked layout
-(torch.ops.mkldnn._reorder_linear_weight), or None where that does not apply (another device or dtype, a torch
-without oneDNN, FASTSERVE_CPU_PACKED_WEIGHTS=0); `linear(x, packed, bias)` is F.linear against it
+What it is: `pack(weight)` gives a copy of a [out, in] float32 CPU weight, or of a bfloat16 one where torch's oneDNN
+runs bfloat16 on this CPU (torch.ops.mkldnn._is_mkldnn_bf16_supported: AVX-512; avx512_bf16 or AMX do the products
+in hardware), reordered into oneDNN's blocked layout (torch.ops.mkldnn._reorder_linear_weight; the copy keeps the
+weight's dtype), or None where that does not apply (another device or dtype, bfloat16 where oneDNN does not run
+it, a torch without oneDNN, FASTSERVE_CPU_PACKED_WEIGHTS=0); `linear(x, packed, bias)` is F.linear against it
 (torch.ops.mkldnn._linear_pointwise), and the compiled Llama decode loop
 (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp) calls the same op for a packed weight.
 
@@ -10,10 +12,13 @@ Why: F.linear on the CPU runs MKL's sgemm on plain weights. On the project's 2-c
 decode step's matmuls on packed weights took 0.64-0.72x MKL's CPU time at 32 rows and 0.87-0.94x at one row, one
 thread (`python -m scripts.benchmarks.llama_decode --parts matmul --threads 1`, two runs; docs/benchmarks.md). The
 packed result is not MKL's bit for bit (another order of sums: the same values within float32 rounding), so a
-model uses it in every path or in none (engine/model/llama.py).
+model uses it in every path or in none (engine/model/llama.py). In bfloat16 (products in bfloat16, sums in float32,
+one rounding to bfloat16) the same step's packed matmuls took 50.5 ms of CPU at 32 rows against float32's 97.3 ms
+(`python -m scripts.benchmarks.llama_decode --threads 1 --repeats 3 --dtype bfloat16`, then without --dtype; on
+avx512_bf16 without AMX), 0.74x the plain bfloat16 weights' time (oneDNN's unpacked matmul).
 What it costs: the packed copy sits beside the plain weight (which the loader fills and the rest of the engine
-reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32); a model whose
-copies would take more than half the host's available memory is not packed (fits).
+reads), so a model's matmul weights are held twice (SmolLM2-135M: about 0.54 GB more in float32, 0.27 GB in
+bfloat16); a model whose copies would take more than half the host's available memory is not packed (fits).
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and torch.backends.mkldnn.is_available()
 
 
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes pack() packs on this machine: float32, and bfloat16 where torch's oneDNN runs it on this CPU (the
+    check torch makes before it gives a bfloat16 F.linear to oneDNN)."""
+    bf16 = enabled() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
 def applies(weight: torch.Tensor) -> bool:
-    """Whether pack() packs this weight: a 2-d float32 tensor on the CPU, with packing on."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and enabled()
+    """Whether pack() packs this weight: a 2-d CPU tensor of one of dtypes(), with packing on."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and enabled() and weight.dtype in dtypes()
 
 
 def fits(nbytes: int) -> bool:

@@ -236,9 +236,17 @@ def _decode_attention(
     return decode_attention_gathered(q, kv_cache, layer, meta, scale)
 
 
+def _compiled_decode_serves(kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled CPU decode kernel serves this cache: on the CPU, contiguous, float32/64 or bfloat16 (it
+    sums bfloat16 in float; the sparse-op path has no bfloat16)."""
+    return supports_in_place_decode(kv_cache) or (kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                                                  and kv_cache.dtype == torch.bfloat16)
+
+
 def _cpu_decode_op(kv_cache: torch.Tensor):
-    """The compiled CPU decode kernel when it serves this cache (CPU, float32/64, contiguous), else None."""
-    return cpu_decode_extension.decode_attention_op() if supports_in_place_decode(kv_cache) else None
+    """The compiled CPU decode kernel when it serves this cache (CPU, float32/64 or bfloat16, contiguous), else
+    None."""
+    return cpu_decode_extension.decode_attention_op() if _compiled_decode_serves(kv_cache) else None
 
 
 def cpu_decode_layers_op(kv_cache: torch.Tensor):
@@ -248,8 +256,9 @@ def cpu_decode_layers_op(kv_cache: torch.Tensor):
 
 
 def cpu_decode_llama_layers_op(kv_cache: torch.Tensor):
-    """The compiled Llama-family decode-layers loop (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp), likewise."""
-    return cpu_decode_extension.decode_llama_layers_op() if supports_in_place_decode(kv_cache) else None
+    """The compiled Llama-family decode-layers loop (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp) where the
+    compiled decode kernel serves this cache (bfloat16 included: the loop runs in the cache's dtype), else None."""
+    return cpu_decode_extension.decode_llama_layers_op() if _compiled_decode_serves(kv_cache) else None
 
 
 def decode_attention_gathered(

@@ -2,7 +2,8 @@
 fastserve_kernels/cpu_decode_extension.py) against the gathering reference: ragged contexts across block boundaries,
 head dims on and off its AVX-512 path, one sequence (heads split across threads) and many, 1 and 2 threads,
 float32 and float64, every layer of the cache, and the cache write it does in a decode-only batch; with
-grouped-query attention (fewer KV heads in the cache than query heads) too.
+grouped-query attention (fewer KV heads in the cache than query heads) too. In bfloat16 it sums in float32 and
+rounds once: the float32 reference's output on the same values, rounded to bfloat16.
 
 It must build here (g++ and ninja are on the project's machines; `make install` builds it): a test fails,
 and says why, when it does not."""
@@ -54,9 +55,7 @@ def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0, h_kv=None):
     return q, k, v, kv, meta
 
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("lens, h, d, h_kv", [
+SHAPES = [
     ([1, 15, 16, 17, 33, 64, 5, 40, 2], 4, 64, 4),  # block boundaries, many sequences (one per work item)
     ([70], 12, 64, 12),  # one sequence: its heads are split across the threads
     ([3, 31, 48], 2, 80, 2),  # head dim 80 (OPT-2.7b): five AVX-512 registers, an odd one at the end
@@ -65,7 +64,12 @@ def decode_batch(lens, h, d, bs, dtype, layers=3, seed=0, h_kv=None):
     ([1, 15, 16, 17, 33, 5], 8, 64, 2),  # grouped-query attention: 4 query heads a KV head
     ([70], 12, 64, 4),  # one sequence, 3 query heads a KV head: the threads' head groups cut across KV heads
     ([9, 40], 6, 40, 1),  # one KV head for every query head (multi-query), the plain loops
-])
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lens, h, d, h_kv", SHAPES)
 def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, lens, h, d, h_kv):
     bs = 16
     q, _, _, kv, meta = decode_batch(lens, h, d, bs, dtype, h_kv=h_kv)
@@ -76,6 +80,39 @@ def test_kernel_matches_gathered_reference_on_every_layer(op, threads, dtype, le
         want = decode_attention_gathered(q, kv, layer, meta, d**-0.5)
         torch.testing.assert_close(got, want)
     assert torch.equal(kv, before)  # write=False writes nothing
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("lens, h, d, h_kv", SHAPES)
+def test_bfloat16_sums_in_float32_and_rounds_once(op, threads, lens, h, d, h_kv):
+    """A bfloat16 cache and q: the output is the float32 reference's on the same values (every bfloat16 is a
+    float32), rounded to bfloat16: within half a bfloat16 step of it (8 significant bits: at most 2^-8 relative),
+    plus float32 rounding; a kernel that summed in bfloat16 would be off by several steps over contexts of up to
+    100 positions."""
+    q, _, _, kv, meta = decode_batch(lens, h, d, 16, torch.bfloat16, h_kv=h_kv)
+    for layer in range(kv.shape[1]):
+        got = op(q, q, q, kv, layer, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
+                 meta.slot_offsets, d**-0.5, False)
+        assert got.dtype == torch.bfloat16
+        want = decode_attention_gathered(q.float(), kv.float(), layer, meta, d**-0.5)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8 + 1e-5, atol=1e-5)
+        # and mostly it is the rounded reference itself, bit for bit
+        assert (got == want.to(torch.bfloat16)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("own_k", [False, True], ids=["fused-k", "own-k"])
+def test_bfloat16_writes_the_steps_kv_like_write_kv(op, own_k):
+    lens = [1, 16, 17, 47, 9]
+    q, k, v, kv, meta = decode_batch(lens, 4, 64, 16, torch.bfloat16, h_kv=2)
+    if own_k:
+        k = k.contiguous()
+    reference = kv.clone()
+    write_kv(reference, 1, k, v, meta)
+    got = op(q, k, v, kv, 1, meta.decode_block_tables, meta.decode_context_lens, meta.slot_blocks,
+             meta.slot_offsets, 0.125, True)
+    assert torch.equal(kv, reference)
+    want = decode_attention_gathered(q.float(), reference.float(), 1, meta, 0.125)
+    torch.testing.assert_close(got.float(), want, rtol=2**-8 + 1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spread", [1e-3, 30.0, 300.0])

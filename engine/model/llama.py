@@ -13,9 +13,11 @@ architecture has them (Qwen2's q/k/v), lm_head tied to the embeddings or not.
 On the CPU a decode-only batch runs the layers in one compiled call with the
 same ops (fastserve_kernels/csrc/cpu_decode_llama_layers.cpp), the Python loop
 everywhere else; both compute RMSNorm and the rotary embedding with that file's
-kernels, and in float32 with one rank every matmul, the head's included,
-multiplies by a copy of its weight packed for oneDNN
-(fastserve_kernels/cpu_packed_linear.py).
+kernels, and in float32 (and in bfloat16 where torch's oneDNN runs it on the
+CPU) with one rank every matmul, the head's included, multiplies by a copy of
+its weight packed for oneDNN (fastserve_kernels/cpu_packed_linear.py). The
+compiled loop runs in the model's dtype, bfloat16 included, its attention
+summing in float32.
 
 Tensor parallelism: query heads and MLP columns are split across ranks; KV
 heads too when there are at least as many as ranks, else each rank holds the
@@ -133,10 +135,11 @@ class LlamaStage(DecoderStage):
         return super().release_weights()
 
     def _pack_weights(self) -> None:
-        """With one rank, each matmul's weight packed for oneDNN where it applies (float32 on the CPU:
-        fastserve_kernels/cpu_packed_linear.py), once: the Python loop, the compiled decode loop and the head then
-        all multiply by the packed copies, and so agree bit for bit. Not when the copies would take more than half
-        the memory the host has available (cpu_packed_linear.fits): the plain weights serve then."""
+        """With one rank, each matmul's weight packed for oneDNN where it applies (float32, or bfloat16 where
+        oneDNN runs it, on the CPU: fastserve_kernels/cpu_packed_linear.py), once: the Python loop, the compiled
+        decode loop and the head then all multiply by the packed copies, and so agree bit for bit. Not when the
+        copies would take more than half the memory the host has available (cpu_packed_linear.fits): the plain
+        weights serve then."""
         self._packed = True
         linears = [linear for layer in self.layers for linear in _linears(layer)] if self.layout.tp_size == 1 else []
         head = self._head() if self.is_last and linears else None

@@ -7,9 +7,11 @@
 // K and V row is read once, where it lies, and nothing of the size of the context is written. Built at first
 // use by fastserve_kernels/cpu_decode_extension.py (torch's cpp_extension, g++, -march=native); when it cannot be
 // built, fastserve_kernels/cpu_decode_attention.py's sparse-op path serves. Tested against the gathering reference
-// (tests/test_cpu_decode_kernel.py). Two item functions: with AVX-512, float and a head dim of 16 to 128 (every
-// OPT shape's) keep q, the scores of a block and the V accumulators in registers (attend_item_avx512); anything
-// else runs portable loops in the same order of reads (attend_item_portable).
+// (tests/test_cpu_decode_kernel.py). Two item functions: with AVX-512, float or bfloat16 and a head dim of 16 to
+// 128 (every OPT shape's) keep q, the scores of a block and the V accumulators in registers (attend_item_avx512);
+// anything else runs portable loops in the same order of reads (attend_item_portable). Scores, softmax and sums
+// are in at::opmath_type of the dtype (float for float and bfloat16, double for double): a bfloat16 cache's rows are
+// widened to float as they are read, and each output value is rounded to bfloat16 once, at the end.
 //
 // Layout (fastserve_kernels/paged_attention.py): cache [NB, L, 2, Hkv, bs, D], contiguous; one head's bs positions of
 // a block are bs consecutive rows of D, so a block's K for one head is one run of bs * D values.
@@ -19,6 +21,7 @@
 
 #include "cpu_decode_attention.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -43,20 +46,22 @@ inline void fetch_row(const char* p, int64_t bytes) {
 // q0 = h0 % G: (h0 + g) / G - h0 / G. Without grouped-query attention (G = 1) it is g.
 inline int64_t kv_rel(int64_t q0, int64_t g, int64_t group) { return (q0 + g) / group; }
 
-// x . y over n values, and y += a * x, for the portable item function: AVX-512 for float when the head dim is a
-// multiple of 16, plain loops otherwise. (A dot product's lanes are summed once, at the end: summing them per
-// row in scalar code, and prefetching whole blocks at once, each made the first version slower than the
-// sparse torch ops it replaces.)
+// x . y over n values, and y += a * x, for the portable item function, in T's opmath type: AVX-512 for float when
+// the head dim is a multiple of 16, plain loops otherwise. (A dot product's lanes are summed once, at the end:
+// summing them per row in scalar code, and prefetching whole blocks at once, each made the first version slower
+// than the sparse torch ops it replaces.)
 template <typename T>
-inline T dot(const T* __restrict x, const T* __restrict y, int64_t n) {
-  T sum = 0;
-  for (int64_t e = 0; e < n; ++e) sum += x[e] * y[e];
+inline at::opmath_type<T> dot(const T* __restrict x, const T* __restrict y, int64_t n) {
+  using A = at::opmath_type<T>;
+  A sum = 0;
+  for (int64_t e = 0; e < n; ++e) sum += static_cast<A>(x[e]) * static_cast<A>(y[e]);
   return sum;
 }
 
 template <typename T>
-inline void axpy(T a, const T* __restrict x, T* __restrict y, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) y[e] += a * x[e];
+inline void axpy(at::opmath_type<T> a, const T* __restrict x, at::opmath_type<T>* __restrict y, int64_t n) {
+  using A = at::opmath_type<T>;
+  for (int64_t e = 0; e < n; ++e) y[e] += a * static_cast<A>(x[e]);
 }
 
 #ifdef __AVX512F__
@@ -129,42 +134,58 @@ inline __m512 exp_ps(__m512 x) {
 
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 
-// One work item (sequence s, query heads [h0, h0 + heads)) for float with D = 16 * NV: the item's output rows from
+// 16 values of a row as floats, and 16 floats stored as the row's dtype: bfloat16 is float's upper half, so widening
+// is a shift, and narrowing rounds to nearest even, NaN to 0x7FC0 (c10::BFloat16's rounding, bit for bit).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// One work item (sequence s, query heads [h0, h0 + heads)) for C = float or bfloat16 with D = 16 * NV (every sum in
+// float): the item's output rows from
 // its context, block by block. Per block: every head's scores from the K run (q . k, q scaled once; a row's
 // product summed in one register), then per head the online-softmax update on whole registers of scores
 // (16 at a time, vectorised exp) and the V rows summed into NV accumulator registers, so nothing but the
 // cache is read or written per position. scores holds heads * padded_bs floats, acc heads * D, q_scaled D.
 // item_offset is the KV head of query head h0; local head g reads the KV head kv_rel(q0, g, G) heads after it.
-template <int NV>
-void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, const int64_t* table,
-                        int64_t context, int64_t heads, int64_t q0, int64_t group, int64_t bs, int64_t padded_bs,
-                        int64_t head_stride, int64_t v_offset, int64_t block_stride, int64_t item_offset,
-                        float scale, float* out, float* scores, float* acc, float* running_max, float* running_sum,
-                        float* q_scaled) {
+template <int NV, typename C>
+void attend_item_avx512(const C* q, int64_t q_stride_h, const C* cache, const int64_t* table, int64_t context,
+                        int64_t heads, int64_t q0, int64_t group, int64_t bs, int64_t padded_bs, int64_t head_stride,
+                        int64_t v_offset, int64_t block_stride, int64_t item_offset, float scale, C* out,
+                        float* scores, float* acc, float* running_max, float* running_sum, float* q_scaled) {
   constexpr int64_t D = 16 * NV;
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < heads; ++g) {
     for (int i = 0; i < NV; ++i)
-      _mm512_storeu_ps(q_scaled + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(q + g * q_stride_h + 16 * i), sv));
+      _mm512_storeu_ps(q_scaled + g * D + 16 * i, _mm512_mul_ps(load16(q + g * q_stride_h + 16 * i), sv));
     for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, _mm512_setzero_ps());
     running_max[g] = -std::numeric_limits<float>::infinity();
     running_sum[g] = 0.0f;
   }
   const int64_t num_blocks = (context + bs - 1) / bs;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const BlockRuns<float> b(cache, table, j, num_blocks, context, bs, block_stride, item_offset, v_offset);
+    const BlockRuns<C> b(cache, table, j, num_blocks, context, bs, block_stride, item_offset, v_offset);
     const int64_t n = b.n;
     for (int64_t g = 0; g < heads; ++g) {  // K: the run in order
       __m512 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);
       const int64_t kv = kv_rel(q0, g, group) * head_stride;
-      const float* __restrict kb = b.k + kv;
+      const C* __restrict kb = b.k + kv;
       float* __restrict sc = scores + g * padded_bs;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_k) fetch_row(b.next_k + (kv + t * D) * sizeof(float), row_bytes);
-        __m512 p = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + t * D));
-        for (int i = 1; i < NV; ++i) p = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kb + t * D + 16 * i), p);
+        if (b.next_k) fetch_row(b.next_k + (kv + t * D) * sizeof(C), row_bytes);
+        __m512 p = _mm512_mul_ps(qv[0], load16(kb + t * D));
+        for (int i = 1; i < NV; ++i) p = _mm512_fmadd_ps(qv[i], load16(kb + t * D + 16 * i), p);
         sc[t] = _mm512_reduce_add_ps(p);
       }
     }
@@ -189,11 +210,11 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
       const __m512 cv = _mm512_set1_ps(correction);
       for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), cv);
       const int64_t kv = kv_rel(q0, g, group) * head_stride;
-      const float* __restrict vb = b.v + kv;
+      const C* __restrict vb = b.v + kv;
       for (int64_t t = 0; t < n; ++t) {
-        if (b.next_v) fetch_row(b.next_v + (kv + t * D) * sizeof(float), row_bytes);
+        if (b.next_v) fetch_row(b.next_v + (kv + t * D) * sizeof(C), row_bytes);
         const __m512 w = _mm512_set1_ps(sc[t]);
-        for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vb + t * D + 16 * i), a[i]);
+        for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(w, load16(vb + t * D + 16 * i), a[i]);
       }
       for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * D + 16 * i, a[i]);
     }
@@ -201,38 +222,44 @@ void attend_item_avx512(const float* q, int64_t q_stride_h, const float* cache, 
   for (int64_t g = 0; g < heads; ++g) {
     const __m512 inv = _mm512_set1_ps(context > 0 ? 1.0f / running_sum[g] : 0.0f);
     for (int i = 0; i < NV; ++i)
-      _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), inv));
+      store16(out + g * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * i), inv));
   }
 }
 
-// The AVX-512 item function for this head dim, or nullptr (the portable loops serve).
-using AvxItemFn = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*,
-                           float*, float*);
-inline AvxItemFn avx512_item_for(int64_t D) {
+// The AVX-512 item function for this dtype (float or bfloat16) and head dim, or nullptr (the portable loops serve).
+template <typename C>
+using AvxItemFn = void (*)(const C*, int64_t, const C*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int64_t, float, C*, float*, float*, float*, float*,
+                           float*);
+template <typename C>
+inline AvxItemFn<C> avx512_item_for(int64_t D) {
   switch (D) {
-    case 16: return attend_item_avx512<1>;
-    case 32: return attend_item_avx512<2>;
-    case 48: return attend_item_avx512<3>;
-    case 64: return attend_item_avx512<4>;
-    case 80: return attend_item_avx512<5>;
-    case 96: return attend_item_avx512<6>;
-    case 112: return attend_item_avx512<7>;
-    case 128: return attend_item_avx512<8>;
+    case 16: return attend_item_avx512<1, C>;
+    case 32: return attend_item_avx512<2, C>;
+    case 48: return attend_item_avx512<3, C>;
+    case 64: return attend_item_avx512<4, C>;
+    case 80: return attend_item_avx512<5, C>;
+    case 96: return attend_item_avx512<6, C>;
+    case 112: return attend_item_avx512<7, C>;
+    case 128: return attend_item_avx512<8, C>;
     default: return nullptr;
   }
 }
 #endif
 
-// One work item with plain loops (any dtype, any head dim): the same order of reads as the AVX-512 one.
 template <typename T>
+constexpr bool kHasAvxItem = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+
+// One work item with plain loops (any dtype, any head dim; sums in A, T's opmath type): the same order of reads as
+// the AVX-512 one.
+template <typename T, typename A = at::opmath_type<T>>
 void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const int64_t* table, int64_t context,
                           int64_t heads, int64_t q0, int64_t group, int64_t D, int64_t bs, int64_t head_stride,
-                          int64_t v_offset, int64_t block_stride, int64_t item_offset, T scale, T* out, T* scores,
-                          T* acc, T* running_max, T* running_sum) {
-  std::fill(acc, acc + heads * D, T(0));
-  std::fill(running_max, running_max + heads, -std::numeric_limits<T>::infinity());
-  std::fill(running_sum, running_sum + heads, T(0));
+                          int64_t v_offset, int64_t block_stride, int64_t item_offset, A scale, T* out, A* scores,
+                          A* acc, A* running_max, A* running_sum) {
+  std::fill(acc, acc + heads * D, A(0));
+  std::fill(running_max, running_max + heads, -std::numeric_limits<A>::infinity());
+  std::fill(running_sum, running_sum + heads, A(0));
   const int64_t num_blocks = (context + bs - 1) / bs;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t j = 0; j < num_blocks; ++j) {
@@ -242,24 +269,24 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
       const T* __restrict qi = q + g * q_stride_h;
       const int64_t kv = kv_rel(q0, g, group) * head_stride;
       const T* __restrict kb = b.k + kv;
-      T* __restrict sc = scores + g * bs;
+      A* __restrict sc = scores + g * bs;
       for (int64_t t = 0; t < n; ++t) {
         if (b.next_k) fetch_row(b.next_k + (kv + t * D) * sizeof(T), row_bytes);
         sc[t] = dot(qi, kb + t * D, D) * scale;
       }
     }
     for (int64_t g = 0; g < heads; ++g) {  // softmax bookkeeping per head: running max, rescale, weights
-      T* __restrict sc = scores + g * bs;
-      T block_max = sc[0];
+      A* __restrict sc = scores + g * bs;
+      A block_max = sc[0];
       for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
-      const T new_max = std::max(running_max[g], block_max);
-      const T correction = std::exp(running_max[g] - new_max);  // 0 on the first block (exp(-inf))
-      T sum = 0;
+      const A new_max = std::max(running_max[g], block_max);
+      const A correction = std::exp(running_max[g] - new_max);  // 0 on the first block (exp(-inf))
+      A sum = 0;
       for (int64_t t = 0; t < n; ++t) {
         sc[t] = std::exp(sc[t] - new_max);
         sum += sc[t];
       }
-      T* __restrict a = acc + g * D;
+      A* __restrict a = acc + g * D;
       for (int64_t e = 0; e < D; ++e) a[e] *= correction;
       running_max[g] = new_max;
       running_sum[g] = running_sum[g] * correction + sum;
@@ -267,8 +294,8 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
     for (int64_t g = 0; g < heads; ++g) {  // V: the weighted sums, the run read in order
       const int64_t kv = kv_rel(q0, g, group) * head_stride;
       const T* __restrict vb = b.v + kv;
-      const T* __restrict sc = scores + g * bs;
-      T* __restrict a = acc + g * D;
+      const A* __restrict sc = scores + g * bs;
+      A* __restrict a = acc + g * D;
       for (int64_t t = 0; t < n; ++t) {
         if (b.next_v) fetch_row(b.next_v + (kv + t * D) * sizeof(T), row_bytes);
         axpy(sc[t], vb + t * D, a, D);
@@ -276,8 +303,8 @@ void attend_item_portable(const T* q, int64_t q_stride_h, const T* cache, const 
     }
   }
   for (int64_t g = 0; g < heads; ++g) {
-    const T inv = context > 0 ? T(1) / running_sum[g] : T(0);
-    for (int64_t e = 0; e < D; ++e) out[g * D + e] = acc[g * D + e] * inv;
+    const A inv = context > 0 ? A(1) / running_sum[g] : A(0);
+    for (int64_t e = 0; e < D; ++e) out[g * D + e] = static_cast<T>(acc[g * D + e] * inv);
   }
 }
 
@@ -288,7 +315,8 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
                              T* cache, T* out,  // out [S, H, D] contiguous
                              const int64_t* tables, const int64_t* lens, const int64_t* slot_blocks,
                              const int64_t* slot_offsets, int64_t S, int64_t H, int64_t Hkv, int64_t D, int64_t MB,
-                             int64_t bs, int64_t L, int64_t layer, T scale, bool write) {
+                             int64_t bs, int64_t L, int64_t layer, double scale, bool write) {
+  using A = at::opmath_type<T>;  // what scores and sums are in
   const int64_t group = H / Hkv;                       // query heads per KV head
   const int64_t head_stride = bs * D;                  // one head's positions in a block
   const int64_t v_offset = Hkv * head_stride;          // K to V of the same (block, layer)
@@ -304,7 +332,8 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
   const int64_t per_group = (H + groups - 1) / groups;
   const int64_t padded_bs = (bs + 15) / 16 * 16;  // whole registers of scores (the AVX-512 path)
 #ifdef __AVX512F__
-  const AvxItemFn avx_item = std::is_same<T, float>::value ? avx512_item_for(D) : nullptr;
+  AvxItemFn<T> avx_item = nullptr;
+  if constexpr (kHasAvxItem<T>) avx_item = avx512_item_for<T>(D);
 #endif
   // This step's token: its K/V rows (KV heads [k0, k1)) go to (slot block, offset), then it is attended to.
   auto write_rows = [&](int64_t s, int64_t k0, int64_t k1) {
@@ -324,7 +353,7 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
     });
   }
   at::parallel_for(0, S * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> acc(per_group * D), scores(per_group * padded_bs), running_max(per_group),
+    std::vector<A> acc(per_group * D), scores(per_group * padded_bs), running_max(per_group),
         running_sum(per_group), q_scaled(per_group * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / groups, h0 = (item % groups) * per_group, h1 = std::min(H, h0 + per_group);
@@ -336,18 +365,18 @@ void decode_attention_kernel(const T* q, int64_t q_stride_s, int64_t q_stride_h,
       const int64_t item_offset = layer_offset + (h0 / group) * head_stride;
       T* o = out + (s * H + h0) * D;
 #ifdef __AVX512F__
-      if (avx_item != nullptr) {
-        avx_item(reinterpret_cast<const float*>(qs), q_stride_h, reinterpret_cast<const float*>(cache), table,
-                 lens[s], h1 - h0, q0, group, bs, padded_bs, head_stride, v_offset, block_stride, item_offset,
-                 static_cast<float>(scale), reinterpret_cast<float*>(o), reinterpret_cast<float*>(scores.data()),
-                 reinterpret_cast<float*>(acc.data()), reinterpret_cast<float*>(running_max.data()),
-                 reinterpret_cast<float*>(running_sum.data()), reinterpret_cast<float*>(q_scaled.data()));
-        continue;
+      if constexpr (kHasAvxItem<T>) {
+        if (avx_item != nullptr) {
+          avx_item(qs, q_stride_h, cache, table, lens[s], h1 - h0, q0, group, bs, padded_bs, head_stride, v_offset,
+                   block_stride, item_offset, static_cast<float>(scale), o, scores.data(), acc.data(),
+                   running_max.data(), running_sum.data(), q_scaled.data());
+          continue;
+        }
       }
 #endif
       attend_item_portable<T>(qs, q_stride_h, cache, table, lens[s], h1 - h0, q0, group, D, bs, head_stride,
-                              v_offset, block_stride, item_offset, scale, o, scores.data(), acc.data(),
-                              running_max.data(), running_sum.data());
+                              v_offset, block_stride, item_offset, static_cast<A>(scale), o, scores.data(),
+                              acc.data(), running_max.data(), running_sum.data());
     }
   });
 }
@@ -378,14 +407,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(!write || (k.size(0) == S && k.size(1) == Hkv && v.size(0) == S && v.size(1) == Hkv),
               "decode_attention: k and v [S, Hkv, D], Hkv the cache's heads");
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     decode_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k.data_ptr<scalar_t>(),
                                       k.stride(0), k.stride(1), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1),
                                       kv_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
                                       blocks.data_ptr<int64_t>(), offsets.data_ptr<int64_t>(), S, H, Hkv, D,
                                       tables.size(1), kv_cache.size(4), kv_cache.size(1), layer,
-                                      static_cast<scalar_t>(scale), write);
+                                      scale, write);
   });
   return out;
 }

@@ -15,7 +15,10 @@
 //
 // The element-wise kernels compute Hugging Face's formulas (RMSNorm in float32, then cast back and scaled by the
 // weight; x * cos + rotate_half(x) * sin) with the sum of squares in double and the products possibly fused
-// (-march=native): within float32 rounding of transformers, not its bits (tests/test_llama_reference.py).
+// (-march=native): within float32 rounding of transformers, not its bits (tests/test_llama_reference.py). In
+// bfloat16 each product, sum and difference is rounded to bfloat16 (c10::BFloat16's arithmetic), as torch's
+// bfloat16 ops round each op's result; the whole loop runs in the model's dtype, its attention summing in float
+// (cpu_decode_attention.cpp) and its matmuls on weights packed in that dtype.
 //
 // Weights: a flat list, LAYER_TENSORS per layer in the order of `Slot`; a bias the config turns off is None.
 
@@ -60,7 +63,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t rows = x.size(0), e = x.size(1), stride = x.stride(0);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -101,7 +104,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t s = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rotary", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = c.data_ptr<scalar_t>();
     const scalar_t* sp = sn.data_ptr<scalar_t>();

