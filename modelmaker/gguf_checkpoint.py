@@ -8,8 +8,11 @@ quantizers; 1-D tensors stay F32, as llama.cpp keeps norms and biases), and a by
 vocabulary, merges, special tokens and chat template taken from a Hugging Face tokenizer.json, or a
 SentencePiece-style one (SentencePieceVocab: tokenizer.ggml.model "llama", as Llama 2 and Mistral files are
 written: pieces with scores and token types, the 256 <0xNN> byte tokens, no merges). A type the gguf
-package cannot quantize (Q4_K, ...) is filled with seeded random blocks of that type's size: enough to test
-that a reader refuses it. What it is not: a converter for real checkpoints (llama.cpp's is).
+package cannot quantize (it has no K-quant quantizer) is filled with seeded random blocks of that type's size:
+for Q2_K..Q6_K with their float16 super-block scales set to seeded values that give the tensor the standard
+deviation of the values it stands for (a random model with K-quant weights to load; not a quantization of
+those values), for another type random bytes, enough to test that a reader refuses it. What it is not: a
+converter for real checkpoints (llama.cpp's is).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from engine.gguf_checkpoint import ARCHITECTURES, GLOBAL_NAMES, LAYER_NAMES
 _TO_GGUF_ARCH = {hf: arch for arch, hf in ARCHITECTURES.items()}
 _TO_GGUF_GLOBAL = {hf: name for name, hf in GLOBAL_NAMES.items()}
 _TO_GGUF_LAYER = {hf: key for key, hf in LAYER_NAMES.items()}
-QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+QUANTIZABLE = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+               gguf.GGMLQuantizationType.BF16)
+# Byte offsets of a K-quant block's float16 super-block scales (d, and dmin where it has one): ggml's
+# block_q2_K .. block_q6_K
+K_SCALES = {gguf.GGMLQuantizationType.Q2_K: (80, 82), gguf.GGMLQuantizationType.Q3_K: (108,),
+            gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2),
+            gguf.GGMLQuantizationType.Q6_K: (208,)}
 
 
 def gguf_name(name: str) -> str:
@@ -53,7 +62,28 @@ def _tensor_bytes(values: np.ndarray, qtype: gguf.GGMLQuantizationType, seed: in
         return gguf.quants.quantize(values, qtype)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = values.shape
-    return np.random.default_rng(seed).integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block * type_size), dtype=np.uint8)
+    if qtype in K_SCALES:
+        return random_k_blocks(raw, qtype, rng.uniform(-1, 1, (raw.size // type_size, len(K_SCALES[qtype]))),
+                               float(values.std()))
+    return raw
+
+
+def random_k_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, scales: np.ndarray, std: float
+                    ) -> np.ndarray:
+    """K-quant bytes `raw` with each block's float16 d (and dmin) set to `scales` [blocks, 1 or 2] times the
+    factor that makes the dequantized values' standard deviation `std` (the values are linear in d and dmin)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, type_size)
+
+    def put(values: np.ndarray) -> None:
+        for k, offset in enumerate(K_SCALES[qtype]):
+            blocks[:, offset:offset + 2] = values[:, k].astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    put(scales)
+    put(scales * std / float(gguf.quants.dequantize(raw, qtype).std()))
+    return raw
 
 
 # Words whose "▁"-prefixed pieces (and every prefix of them) the default SentencePiece vocabulary holds
