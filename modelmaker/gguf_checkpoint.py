@@ -101,6 +101,7 @@ class SentencePieceVocab:
     scores: tuple[float, ...]
     types: tuple[int, ...]
     add_bos: bool = True
+    add_space_prefix: bool | None = None  # tokenizer.ggml.add_space_prefix; None: not written (llama.cpp: true)
 
     @classmethod
     def from_pieces(cls, pieces: Sequence[str], control: Sequence[str] = (), add_bos: bool = True
@@ -141,6 +142,8 @@ def _add_sentencepiece_tokenizer(writer: gguf.GGUFWriter, vocab: SentencePieceVo
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(vocab.add_bos)
     writer.add_add_eos_token(False)
+    if vocab.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocab.add_space_prefix)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path | SentencePieceVocab, add_bos: bool) -> None:

@@ -101,6 +101,17 @@ def test_add_bos_false_is_honoured(tmp_path):
     assert not ours.add_bos and ours.encode("hello world") == reference(path).encode("hello world")[:2] == [339, 340]
 
 
+def test_add_space_prefix_false_writes_no_space_before_the_text(tmp_path):
+    """tokenizer.ggml.add_space_prefix false (llama.cpp reads it; transformers' GGUF tokenizer does not, so this
+    is checked against llama.cpp's rule, not against transformers): no "▁" before the text, none stripped."""
+    vocab = sentencepiece_vocab()
+    path = spm_gguf(tmp_path, SentencePieceVocab(vocab.tokens, vocab.scores, vocab.types, add_space_prefix=False))
+    ours, index = Tokenizer.from_pretrained(path), vocab.tokens.index
+    ids = ours.encode("hello world", add_special_tokens=False)
+    assert ids[-1] == index("▁world") and index("▁hello") not in ids and ids[0] == index("h")
+    assert ours.decode(ids) == "hello world" and ours.decode(ours.encode(" hello")) == " hello"
+
+
 def test_a_sentencepiece_gguf_serves_with_transformers_logprobs(spm_file):
     cfg = load_model_config(spm_file)
     assert (cfg.architecture, cfg.vocab_size) == ("LlamaForCausalLM", 391)
