@@ -8,22 +8,29 @@ row] for block formats), to its values. Formats, a block being 32 values of a ro
     Q4_0       per block: float16 d, 16 bytes of 4-bit q       x = d * (q - 8)
     Q4_1       per block: float16 d, float16 min m, 16 bytes   x = d * q + m
 
-with a block's low nibbles its first 16 values and its high nibbles the last 16 (ggml's order). The float32
-arithmetic is the gguf package's own (gguf.quants, checked in tests/test_gguf.py). Any other type is a
-CheckpointError naming it. What it is not: reading the file (engine/gguf_checkpoint.py) or running quantized
-matmuls: the model computes in the engine's dtype.
+with a block's low nibbles its first 16 values and its high nibbles the last 16 (ggml's order), in torch; and
+the K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: super-blocks of 256 values, 16 or 8 sub-blocks with their own
+6-bit or 8-bit scales, what a Q4_K_M or Q5_K_M file stores most weights in) and BF16, by the gguf package's
+numpy dequantizer (gguf.quants.dequantize). The float32 arithmetic is the gguf package's own (gguf.quants,
+checked in tests/test_gguf.py and tests/test_gguf_kquants.py). Any other type (Q5_0, Q5_1, the IQ types,
+Q8_K, ...) is a CheckpointError naming it. What it is not: reading the file (engine/gguf_checkpoint.py) or
+running quantized matmuls: the model computes in the engine's dtype.
 """
 
 from __future__ import annotations
 
+import gguf.quants
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.errors import CheckpointError
 
+# The types the gguf package's numpy dequantizer reads here (K-quants, and bfloat16)
+BY_GGUF_PACKAGE = (GGMLQuantizationType.BF16, GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K,
+                   GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 SUPPORTED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
-             GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+             GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, *BY_GGUF_PACKAGE)
 
 
 def _blocks(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:  # [n blocks, bytes of a block] uint8
@@ -49,6 +56,8 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, .
         values = torch.from_numpy(np.array(raw, dtype=np.float32, copy=True))
     elif qtype == GGMLQuantizationType.F16:
         values = torch.from_numpy(np.array(raw, dtype=np.float16, copy=True)).float()
+    elif qtype in BY_GGUF_PACKAGE:
+        values = torch.from_numpy(np.asarray(gguf.quants.dequantize(np.asarray(raw), qtype), dtype=np.float32))
     else:
         blocks = _blocks(raw, qtype)
         if qtype == GGMLQuantizationType.Q8_0:

@@ -101,13 +101,14 @@ def test_a_gguf_file_serves_with_transformers_logprobs(tmp_path, tiny_model_dir,
 
 
 def test_a_quantization_type_it_cannot_read_is_one_line_naming_it(tmp_path, tiny_model_dir):
-    path = gguf_model(tmp_path, tiny_model_dir, "LlamaForCausalLM", qtypes={"down_proj.weight": Q.Q4_K},
-                      intermediate_size=256)  # Q4_K blocks are 256 values
+    path = gguf_model(tmp_path, tiny_model_dir, "LlamaForCausalLM", qtypes={"down_proj.weight": Q.IQ4_XS},
+                      intermediate_size=256)  # IQ4_XS blocks are 256 values
     with pytest.raises(CheckpointError) as err:
         LLM(model=str(path), profile="analytic", num_gpu_blocks_override=64)
     message = str(err.value)
     assert "\n" not in message and "down_proj" not in message and "blk.0.ffn_down.weight" in message, message
-    assert "quantized as Q4_K, which this loader cannot read; it reads F32, F16, Q8_0, Q4_0, Q4_1" in message
+    assert ("quantized as IQ4_XS, which this loader cannot read; it reads F32, F16, Q8_0, Q4_0, Q4_1, BF16, Q2_K, "
+            "Q3_K, Q4_K, Q5_K, Q6_K") in message
 
 
 def test_a_gguf_architecture_or_tokenizer_it_does_not_serve_is_one_line(tmp_path):
