@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism with real worker processes (gloo on CPU): the model against
 transformers' OPT, LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM at tp=2, pp=2 and tp=2 x pp=2
-(KV heads fewer than query heads, and one KV head replicated over the TP ranks); greedy and seeded outputs identical to tp=pp=1;
+(KV heads fewer than query heads, and one KV head replicated over the TP ranks); greedy and seeded
+outputs identical to tp=pp=1;
 offloads, uploads and recompute under TP and PP; a host tier the workers lock in the background;
 the sharded forward of each layer against the unsharded one; a second "node" of workers on
 loopback; clear errors for layouts that cannot work."""
