@@ -1,5 +1,6 @@
 """The `fastserve` command (fastserve/cli.py) as a user types it: the console script the package installs, each
-command for real (`serve MODEL` answering over HTTP, `bench serve` against a fake server, `simulate`, a small
+command for real (`serve MODEL` answering over HTTP with an OPT or a Llama directory, a GGUF file, and a
+--chat-template file, `bench serve` against a fake server, `simulate`, a small
 `compare`, `make-model`, `profile` and `replay`), and every bad command or flag as one line on stderr with exit
 status 2. tests/test_wheel.py runs the same commands from a wheel installed into a fresh virtualenv."""
 
