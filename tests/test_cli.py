@@ -102,8 +102,9 @@ def test_serve_takes_a_gguf_file_as_its_first_argument(tiny_model_dir, tmp_path)
 
 
 # A chat template of our own: every message as "<<role>> content" on a line, then "ANSWER:"; and, asked for (the
-# request's chat_template_kwargs), a reach for Python's classes through the sandbox.
+# request's chat_template_kwargs), a reach for Python's classes through the sandbox, or a peek at one class.
 CUSTOM_TEMPLATE = ("{% if escape %}{{ ''.__class__.__mro__[1].__subclasses__() }}{% endif %}"
+                   "{% if peek %}[{{ ''.__class__ }}]{% endif %}"
                    "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
                    "{% if add_generation_prompt %}ANSWER:{% endif %}")
 
@@ -112,14 +113,17 @@ def test_serve_takes_a_llama_directory_and_renders_its_chat_template_file(llama_
                                                                           tmp_path):
     """`fastserve serve DIR --chat-template FILE` with a random Llama checkpoint directory: the chat prompt is the
     template's text (with the tokenizer's BOS), token for token; a template that reaches for Python's internals
-    is refused by Jinja's sandbox as a 400 naming the unsafe attribute, and the server goes on serving."""
+    is refused by Jinja's sandbox as a 400 naming the unsafe attribute, and the server goes on serving. A lone
+    unsafe attribute renders as nothing, as in transformers' apply_chat_template (the same sandbox): no class
+    name leaks into the prompt."""
     from transformers import AutoTokenizer
 
     model = llama_checkpoint(vocab_size=AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size)
     (tmp_path / "chat.jinja").write_text(CUSTOM_TEMPLATE)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     tokenizer = AutoTokenizer.from_pretrained(model)  # the tiny model's, which the checkpoint's vocabulary fits
-    want = tokenizer("<<system>> Be brief.\n<<user>> Hi there\nANSWER:")["input_ids"]
+    text = "<<system>> Be brief.\n<<user>> Hi there\nANSWER:"
+    want = tokenizer(text)["input_ids"]
     assert want[0] == tokenizer.bos_token_id
     with serving(model, tmp_path, "--chat-template", str(tmp_path / "chat.jinja")) as srv:
         chat = {"messages": messages, "max_tokens": 2, "ignore_eos": True, "prompt_logprobs": 0}
@@ -127,6 +131,9 @@ def test_serve_takes_a_llama_directory_and_renders_its_chat_template_file(llama_
         assert status == 200, body
         assert body["usage"]["prompt_tokens"] == len(want)
         assert [int(t) for lp in body["prompt_logprobs"][1:] for t in lp] == want[1:]
+        status, _, body = post_json(srv.url + "/v1/chat/completions", {**chat, "chat_template_kwargs": {"peek": 1}})
+        assert status == 200, body
+        assert [int(t) for lp in body["prompt_logprobs"][1:] for t in lp] == tokenizer("[]" + text)["input_ids"][1:]
         status, _, body = post_json(srv.url + "/v1/chat/completions", {**chat, "chat_template_kwargs": {"escape": 1}})
         assert status == 400, body
         assert body["error"]["type"] == "invalid_request_error"
