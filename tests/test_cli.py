@@ -1,10 +1,12 @@
 """The `fastserve` command (fastserve/cli.py) as a user types it: the console script the package installs, each
-command for real (`serve MODEL` answering over HTTP, `bench serve` against a fake server, `simulate`, a small
+command for real (`serve MODEL` answering over HTTP with an OPT or a Llama directory, a GGUF file, and a
+--chat-template file, `bench serve` against a fake server, `simulate`, a small
 `compare`, `make-model`, `profile` and `replay`), and every bad command or flag as one line on stderr with exit
 status 2. tests/test_wheel.py runs the same commands from a wheel installed into a fresh virtualenv."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +17,7 @@ import pytest
 
 from fastserve import cli
 from tests.server_fixtures import QUICK_ARGS, REPO, ServerProcess, get_json, post_json
+from tests.test_gguf import gguf_model
 from tests.test_loadgen import FakeServer
 
 FASTSERVE = Path(sys.executable).parent / "fastserve"  # the console script `pip install -e .` wrote
@@ -67,18 +70,76 @@ def test_a_bad_command_or_flag_is_one_line_and_exit_2(tmp_path, args, message):
 
 def test_serve_takes_the_model_as_its_first_argument(tiny_model_dir, tmp_path):
     """`fastserve serve MODEL`, as `vllm serve MODEL`: the model it serves is MODEL, under MODEL's name."""
-    srv = ServerProcess([str(tiny_model_dir), *QUICK_ARGS, "--num-gpu-blocks-override", "64"], tmp_path,
+    with serving(tiny_model_dir, tmp_path):
+        pass
+
+
+@contextlib.contextmanager
+def serving(model: Path, tmp_path: Path, *args: str):
+    """`fastserve serve MODEL ARGS` on a free port (the analytic profile), checked: /v1/models lists MODEL's path
+    and a completion gives the 3 tokens asked for; the server is yielded, then stopped (exit status 0)."""
+    srv = ServerProcess([str(model), *QUICK_ARGS, "--num-gpu-blocks-override", "64", *args], tmp_path,
                         command=[str(FASTSERVE), "serve"])
     try:
         srv.wait_ready(120)
         status, models = get_json(srv.url + "/v1/models")
-        assert status == 200 and [m["id"] for m in models["data"]] == [str(tiny_model_dir)]
-        status, _, body = post_json(srv.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        assert status == 200 and [m["id"] for m in models["data"]] == [str(model)]
+        status, _, body = post_json(srv.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 3,
+                                                                  "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        yield srv
         srv.stop()
-        assert srv.proc.returncode == 0
+        assert srv.proc.returncode == 0, srv.log()
     finally:
         srv.stop()
+
+
+def test_serve_takes_a_gguf_file_as_its_first_argument(tiny_model_dir, tmp_path):
+    """`fastserve serve /path/x.gguf`: a small random Llama GGUF file (quantized weights, the tiny tokenizer in
+    its metadata) is served under its path."""
+    with serving(gguf_model(tmp_path, tiny_model_dir, "LlamaForCausalLM"), tmp_path):
+        pass
+
+
+# A chat template of our own: every message as "<<role>> content" on a line, then "ANSWER:"; and, asked for (the
+# request's chat_template_kwargs), a reach for Python's classes through the sandbox, or a peek at one class.
+CUSTOM_TEMPLATE = ("{% if escape %}{{ ''.__class__.__mro__[1].__subclasses__() }}{% endif %}"
+                   "{% if peek %}[{{ ''.__class__ }}]{% endif %}"
+                   "{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}ANSWER:{% endif %}")
+
+
+def test_serve_takes_a_llama_directory_and_renders_its_chat_template_file(llama_checkpoint, tiny_model_dir,
+                                                                          tmp_path):
+    """`fastserve serve DIR --chat-template FILE` with a random Llama checkpoint directory: the chat prompt is the
+    template's text (with the tokenizer's BOS), token for token; a template that reaches for Python's internals
+    is refused by Jinja's sandbox as a 400 naming the unsafe attribute, and the server goes on serving. A lone
+    unsafe attribute renders as nothing, as in transformers' apply_chat_template (the same sandbox): no class
+    name leaks into the prompt."""
+    from transformers import AutoTokenizer
+
+    model = llama_checkpoint(vocab_size=AutoTokenizer.from_pretrained(tiny_model_dir).vocab_size)
+    (tmp_path / "chat.jinja").write_text(CUSTOM_TEMPLATE)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    tokenizer = AutoTokenizer.from_pretrained(model)  # the tiny model's, which the checkpoint's vocabulary fits
+    text = "<<system>> Be brief.\n<<user>> Hi there\nANSWER:"
+    want = tokenizer(text)["input_ids"]
+    assert want[0] == tokenizer.bos_token_id
+    with serving(model, tmp_path, "--chat-template", str(tmp_path / "chat.jinja")) as srv:
+        chat = {"messages": messages, "max_tokens": 2, "ignore_eos": True, "prompt_logprobs": 0}
+        status, _, body = post_json(srv.url + "/v1/chat/completions", chat)
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens"] == len(want)
+        assert [int(t) for lp in body["prompt_logprobs"][1:] for t in lp] == want[1:]
+        status, _, body = post_json(srv.url + "/v1/chat/completions", {**chat, "chat_template_kwargs": {"peek": 1}})
+        assert status == 200, body
+        assert [int(t) for lp in body["prompt_logprobs"][1:] for t in lp] == tokenizer("[]" + text)["input_ids"][1:]
+        status, _, body = post_json(srv.url + "/v1/chat/completions", {**chat, "chat_template_kwargs": {"escape": 1}})
+        assert status == 400, body
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "access to attribute '__class__' of 'str' object is unsafe" in body["error"]["message"], body
+        status, _, body = post_json(srv.url + "/v1/chat/completions", chat)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
 @pytest.mark.parametrize("model", [[], ["--model", "SmolLM2-135M-Instruct"]])

@@ -23,7 +23,8 @@ def greedy(n: int = 24) -> SamplingParams:
 
 def test_kv_cache_blocks_come_from_the_kv_heads(llama_checkpoint):
     """The CPU budget (DEFAULT_CPU_KV_BYTES) over a block of layers x K/V x KV heads x 16 tokens x head dim x 4
-    bytes: under the same 8 query heads, 2 KV heads hold four times the blocks of 8."""
+    bytes: under the same 8 query heads, 2 KV heads hold four times the blocks of 8; the host tier's blocks are
+    the same bytes."""
     blocks = {}
     for kv_heads in (8, 2):
         with LLM(model=str(llama_checkpoint(num_key_value_heads=kv_heads)), device="cpu", profile="analytic") as llm:
@@ -33,6 +34,11 @@ def test_kv_cache_blocks_come_from_the_kv_heads(llama_checkpoint):
             assert executor.runner.kv_cache.shape[1:] == (LAYERS, 2, kv_heads, BLOCK, HEAD_DIM)
             blocks[kv_heads] = llm.engine.kv.device.num_blocks
             assert blocks[kv_heads] == executor.num_device_blocks == DEFAULT_CPU_KV_BYTES // block_bytes
+            # The host tier: blocks of the same KV heads, as many as --swap-space's GiB hold.
+            host = executor.runner.swapper.host_cache
+            assert host.shape == (int(llm.engine.config.swap_space * 2**30) // block_bytes, LAYERS, 2, kv_heads, BLOCK,
+                                  HEAD_DIM)
+            assert host[0].numel() * host.element_size() == block_bytes
     assert blocks[2] // 4 == blocks[8]
 
 

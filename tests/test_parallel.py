@@ -1,5 +1,7 @@
 """Tensor and pipeline parallelism with real worker processes (gloo on CPU): the model against
-transformers' OPT at tp=2, pp=2 and tp=2 x pp=2; greedy and seeded outputs identical to tp=pp=1;
+transformers' OPT, LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM at tp=2, pp=2 and tp=2 x pp=2
+(KV heads fewer than query heads, and one KV head replicated over the TP ranks); greedy and seeded
+outputs identical to tp=pp=1;
 offloads, uploads and recompute under TP and PP; a host tier the workers lock in the background;
 the sharded forward of each layer against the unsharded one; a second "node" of workers on
 loopback; clear errors for layouts that cannot work."""
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from transformers import OPTForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -31,10 +35,12 @@ from engine.model_runner import ModelRunner
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from tests.conftest import SMALL_POST_LN, SMALL_PRE_LN, settle_kv_copies
 from tests.test_kv_policies_live import PROMPTS, greedy
+from tests.test_llama_reference import ARCHITECTURES, TRAITS
 from tests.test_model_reference import check_position, hf_logprobs, run_staggered
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (tp, pp)
 LAYOUT_IDS = ["tp2", "pp2", "tp2xpp2"]
+DEFAULT_LLAMA_LAYOUTS = {("LlamaForCausalLM", "tp2xpp2"), ("Qwen2ForCausalLM", "pp2"), ("MistralForCausalLM", "tp2")}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -69,9 +75,31 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
 @pytest.mark.parametrize("shape", [SMALL_PRE_LN, SMALL_POST_LN], ids=["pre-ln", "post-ln-project-in-out"])
 @pytest.mark.parametrize(("tp", "pp"), LAYOUTS, ids=LAYOUT_IDS)
 def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_checkpoint):
-    model_dir = small_checkpoint(shape)
+    check_parallel_against_transformers_and_tp1(small_checkpoint(shape), shape["vocab_size"], tp, pp)
+
+
+# The Llama family (each architecture with its TRAITS), 8 query heads over 2 KV heads: one layout per architecture
+# in the default run, the rest slow; and 1 KV head under TP 2, which each rank holds (replicated).
+LLAMA_CASES = [pytest.param(arch, 2, tp, pp, id=f"{arch}-kv-heads-2-{layout}",
+                            marks=[] if (arch, layout) in DEFAULT_LLAMA_LAYOUTS else [pytest.mark.slow])
+               for arch in ARCHITECTURES for (tp, pp), layout in zip(LAYOUTS, LAYOUT_IDS)]
+LLAMA_CASES.append(pytest.param("LlamaForCausalLM", 1, 2, 1, id="LlamaForCausalLM-kv-heads-1-tp2",
+                                marks=pytest.mark.slow))
+
+
+@pytest.mark.parametrize(("architecture", "kv_heads", "tp", "pp"), LLAMA_CASES)
+def test_llama_family_parallel_logprobs_match_transformers_and_tp1(architecture, kv_heads, tp, pp, llama_checkpoint):
+    model_dir = llama_checkpoint(architecture, num_key_value_heads=kv_heads, **TRAITS[architecture])
+    check_parallel_against_transformers_and_tp1(model_dir, 512, tp, pp, getattr(transformers, architecture))
+
+
+def check_parallel_against_transformers_and_tp1(model_dir, vocab_size: int, tp: int, pp: int,
+                                                model_class=OPTForCausalLM) -> None:
+    """Five greedy requests arriving over four steps on tp x pp worker processes: every prompt and output logprob
+    (with its top 5) within TOL of transformers' `model_class`, greedy ids equal to tp = pp = 1's; then seeded
+    sampling and penalties give tp = pp = 1's tokens; the workers end with the engine."""
     g = torch.Generator().manual_seed(1)
-    prompt = lambda n: torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+    prompt = lambda n: torch.randint(3, vocab_size, (n,), generator=g).tolist()  # noqa: E731
     params = SamplingParams(temperature=0, max_tokens=7, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     arrivals = {
         0: [("a", prompt(13), params), ("b", prompt(5), params)],
@@ -92,7 +120,7 @@ def test_parallel_logprobs_match_transformers_and_tp1(shape, tp, pp, small_check
             comp = out.outputs[0]
             assert comp.token_ids == expected_greedy[rid].outputs[0].token_ids, f"{rid}: greedy differs from tp=pp=1"
             full = out.prompt_token_ids + comp.token_ids
-            ref = hf_logprobs(model_dir, full)
+            ref = hf_logprobs(model_dir, full, model_class)
             p = len(out.prompt_token_ids)
             for pos in range(1, p):
                 check_position(out.prompt_logprobs[pos], ref[pos - 1], full[pos], f"{rid} prompt pos {pos}")
