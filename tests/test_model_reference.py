@@ -29,8 +29,15 @@ def hf_logprobs(model_dir, token_ids: list[int], model_class=OPTForCausalLM) -> 
     where = dict(pretrained_model_name_or_path=model_dir.parent, gguf_file=model_dir.name) if model_dir.suffix == (
         ".gguf") else dict(pretrained_model_name_or_path=model_dir)
     model = model_class.from_pretrained(**where, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+    # One thread: these small forwards take milliseconds so, and up to a second each with threads that wait on
+    # one another while other processes hold the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_staggered(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]):
@@ -68,20 +75,30 @@ def check_mixed_batches_against_transformers(model_dir, vocab_size: int, model_c
     done = run_staggered(engine, arrivals)
     assert sorted(done) == ["a", "b", "c", "d", "e"]
     for rid, out in done.items():
-        comp = out.outputs[0]
-        assert len(comp.token_ids) == 7
-        full = out.prompt_token_ids + comp.token_ids
-        ref = hf_logprobs(model_dir, full, model_class)
-        p = len(out.prompt_token_ids)
-        # Prefill: every prompt token's logprob and top-5 alternatives.
+        assert len(out.outputs[0].token_ids) == 7
+        check_output_against_transformers(out, model_dir, model_class, rid)
+
+
+def check_output_against_transformers(out, model_dir, model_class, rid: str, prompt_logprobs: bool = True) -> None:
+    """One finished greedy request (logprobs=5, and prompt_logprobs=5 unless prompt_logprobs is False) against
+    transformers' `model_class` on the same checkpoint: every prompt token's logprob and every generated token's,
+    with their top-5 alternatives, within TOL, and each generated token is transformers' greedy choice."""
+    comp = out.outputs[0]
+    full = out.prompt_token_ids + comp.token_ids
+    ref = hf_logprobs(model_dir, full, model_class)
+    p = len(out.prompt_token_ids)
+    # Prefill: every prompt token's logprob and top-5 alternatives.
+    if prompt_logprobs:
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == p, f"{rid}: prompt logprobs missing"
         assert out.prompt_logprobs[0] is None
         for pos in range(1, p):
             check_position(out.prompt_logprobs[pos], ref[pos - 1], full[pos], f"{rid} prompt pos {pos}")
-        # Decode: every generated token, which is also HF's greedy choice.
-        for j, tok in enumerate(comp.token_ids):
-            row = ref[p + j - 1]
-            assert tok == int(row.argmax()), f"{rid} step {j}: greedy token differs from transformers"
-            check_position(comp.logprobs[j], row, tok, f"{rid} step {j}")
+    # Decode: every generated token, which is also HF's greedy choice.
+    assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids), f"{rid}: logprobs missing"
+    for j, tok in enumerate(comp.token_ids):
+        row = ref[p + j - 1]
+        assert tok == int(row.argmax()), f"{rid} step {j}: greedy token differs from transformers"
+        check_position(comp.logprobs[j], row, tok, f"{rid} step {j}")
 
 
 def check_position(got: dict[int, float], ref_row: torch.Tensor, token: int, where: str) -> None:

@@ -26,8 +26,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_kernels.py (TRITON_INTERPRET=1)"
 
+import transformers  # noqa: E402
 import triton  # noqa: E402, F401  (a test requirement: its absence is a failure, not a skip)
-from transformers import LlamaForCausalLM, OPTForCausalLM  # noqa: E402
+from transformers import OPTForCausalLM  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -36,6 +37,7 @@ from fastserve_kernels import paged_attention as ref  # noqa: E402
 from fastserve_kernels import triton_attention as tri  # noqa: E402
 from tests.conftest import SMALL_PRE_LN  # noqa: E402
 from tests.paged_batches import make_batch, tol  # noqa: E402
+from tests.test_llama_reference import ROPE, TRAITS  # noqa: E402
 from tests.test_model_reference import hf_logprobs, run_staggered  # noqa: E402
 
 
@@ -275,12 +277,17 @@ def test_engine_chunked_prefill_on_triton_kernels_matches_transformers(small_che
     check_chunked_prefill_on_triton(small_checkpoint(SMALL_PRE_LN), SMALL_PRE_LN["vocab_size"], OPTForCausalLM)
 
 
-def test_llama_with_grouped_query_attention_on_triton_kernels_matches_transformers(llama_checkpoint):
-    """The same with a LlamaForCausalLM of 2 KV heads under 8 query heads, Llama 3's rope scaling: the kernels
-    write and read the 2 KV heads a query head group shares."""
-    model_dir = llama_checkpoint(rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32))
-    check_chunked_prefill_on_triton(model_dir, 512, LlamaForCausalLM)
+@pytest.mark.parametrize(("architecture", "kv_heads", "rope"), [
+    ("LlamaForCausalLM", 2, "rope-llama3"), ("Qwen2ForCausalLM", 2, "rope-off"),
+    ("MistralForCausalLM", 2, "rope-llama3"), ("LlamaForCausalLM", 8, "rope-off")],
+    ids=["llama-kv-heads-2-of-8-rope-llama3", "qwen2-kv-heads-2-of-8", "mistral-kv-heads-2-of-8-rope-llama3",
+         "llama-kv-heads-8-of-8"])
+def test_llama_family_on_triton_kernels_matches_transformers(llama_checkpoint, architecture, kv_heads, rope):
+    """The same with the Llama family (tests/test_llama_reference.py's TRAITS: Qwen2's q/k/v biases and tied
+    embeddings, Mistral's head_dim of 16): 2 KV heads under 8 query heads, the kernels writing and reading the KV
+    heads a query head group shares, with Llama 3's rope scaling and without; and a KV head per query head."""
+    model_dir = llama_checkpoint(architecture, num_key_value_heads=kv_heads, **TRAITS[architecture], **ROPE[rope])
+    check_chunked_prefill_on_triton(model_dir, 512, getattr(transformers, architecture))
 
 
 def check_chunked_prefill_on_triton(model_dir, vocab_size: int, model_class) -> None:
