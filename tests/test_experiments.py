@@ -492,13 +492,16 @@ def test_run_point_with_kv_tracking_reports_the_usage_beside_the_same_metrics():
     assert len(tracked["kv_series"]) == 400 and max(n for _, n in tracked["kv_series"]) == tracked["kv_run_peak_blocks"]
 
 
-@pytest.mark.parametrize("flags, message", [(["--only", "slo", "--slo-setups", "opt-13b:azure"], "--slo-setups"),
+@pytest.mark.parametrize("flags, message", [(["--only", "slo", "--slo-setups", "opt-13b:azure"],
+                                             "unknown --slo-setups"),
                                             (["--only", "past_capacity", "--past-workloads", "fig14-3"],
-                                             "--past-workloads")])
+                                             "unknown --past-workloads"),
+                                            (["--only", "capacity", "--steady-goal-seeds", "0"],
+                                             "argument --steady-goal-seeds: must be at least 1, got 0")])
 def test_a_bad_section_flag_is_a_one_line_error_before_anything_runs(flags, message, tmp_path, capsys):
     from scripts.experiments.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*flags, "--out", str(tmp_path / "doc.md")])
-    assert exit_.value.code == 2 and f"error: unknown {message}" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "doc.md").exists()
