@@ -268,12 +268,12 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     """Burstiness and profiler error are in the key only when set: a plain setup's cached results keep their key."""
     from dataclasses import asdict
 
-    from scripts.experiments.steady_state import Runner, Setup, setup_key
+    from scripts.experiments.steady_state import REPO, Runner, Setup, file_hash, setup_key
 
     plain = asdict(Setup())
     for name in ("burstiness", "profiler_error", "planner_ranking", "synthetic", "arrivals", "track_kv"):
         del plain[name]
-    assert setup_key(Setup()) == plain
+    assert setup_key(Setup()) == plain | {"profile": file_hash(REPO / "profiles/sim/opt-13b-a100-40gb-x1.json")}
     assert setup_key(Setup(burstiness=0.5))["burstiness"] == 0.5
     assert setup_key(Setup(profiler_error=(1.2, 0.8)))["profiler_error"] == (1.2, 0.8)
     assert setup_key(Setup(track_kv=True))["track_kv"] is True
@@ -281,6 +281,66 @@ def test_setup_fields_at_their_defaults_leave_the_cache_key_as_it_was(tmp_path):
     keys = {runner._key(s, "fcfs", 1.0, 0) for s in (Setup(), Setup(burstiness=0.5), Setup(profiler_error=(1.2, 1.0)),
                                                       Setup(planner_ranking="lru"), Setup(track_kv=True))}
     assert len(keys) == 5
+
+
+def test_the_profile_is_in_the_key_except_under_a_version_that_hashed_every_profile(tmp_path):
+    """Versions of 16 digits hashed profiles/sim whole: their keys are as they were written, with no profile."""
+    import hashlib
+    import json
+
+    from scripts.experiments.steady_state import Runner, Setup, setup_key
+
+    assert setup_key(Setup(scale="opt-66b"))["profile"] != setup_key(Setup())["profile"]
+    old = Runner(jobs=1, cache=tmp_path, version="9b9cafca5f385877")
+    legacy = {k: v for k, v in setup_key(Setup()).items() if k != "profile"}
+    text = json.dumps([legacy, "fcfs", 1.0, 0, old.version], sort_keys=True, default=str)
+    assert old._key(Setup(), "fcfs", 1.0, 0).name == hashlib.sha256(text.encode()).hexdigest()[:24] + ".json"
+    new = Runner(jobs=1, cache=tmp_path, version="0" * 20)
+    text = json.dumps([setup_key(Setup()), "fcfs", 1.0, 0, new.version], sort_keys=True, default=str)
+    assert new._key(Setup(), "fcfs", 1.0, 0).name == hashlib.sha256(text.encode()).hexdigest()[:24] + ".json"
+
+
+def test_the_code_version_hashes_the_modules_a_simulation_imports_and_no_other(tmp_path):
+    from scripts.experiments.steady_state import code_version
+
+    files = {"scheduler/__init__.py": "",
+             "scheduler/a.py": "from memory import b\n\ndef f():\n    import engine.lazy\n",
+             "memory/__init__.py": "", "memory/b.py": "from . import c\n", "memory/c.py": "X = 1\n",
+             "engine/__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.typed\n",
+             "engine/lazy.py": "", "engine/typed.py": "", "engine/unrelated.py": "", "engine/run.py": "",
+             "scripts/entry.py": "import os\nimport scheduler.a\n\ndef run():\n    from engine import run\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    entry = tmp_path / "scripts/entry.py"
+    before = code_version(entry, tmp_path)
+    for name in ("engine/unrelated.py", "engine/lazy.py", "engine/typed.py"):  # not imported, or only in functions
+        (tmp_path / name).write_text("Y = 2\n")  # of other modules, or for type checkers
+        assert code_version(entry, tmp_path) == before, name
+    for name in ("scheduler/a.py", "memory/c.py", "engine/__init__.py", "engine/run.py", "scripts/entry.py"):
+        (tmp_path / name).write_text((tmp_path / name).read_text() + "# changed\n")
+        assert code_version(entry, tmp_path) != before, name
+        before = code_version(entry, tmp_path)
+
+
+def test_the_code_version_covers_every_module_a_simulation_loads(tmp_path):
+    """A real (small) run in a fresh interpreter: each module of scheduler/, memory/, engine/ it loaded is hashed."""
+    import json
+    import subprocess
+    import sys
+
+    from scripts.experiments.steady_state import REPO, simulation_files
+
+    csv = tmp_path / "lengths.csv"
+    csv.write_text("input_tokens,output_tokens\n" + "".join(f"{10 + i % 50},{5 + i % 70}\n" for i in range(100)))
+    code = ("import json, sys\nfrom scripts.experiments.steady_state import Setup, run_point\n"
+            f"run_point(Setup(n=60, dataset_path={str(csv)!r}, track_kv=True), 'skip-join-mlfq', 5.0, 0)\n"
+            "print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items()"
+            " if n.split('.')[0] in ('scheduler', 'memory', 'engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    loaded = {Path(f) for f in json.loads(out.stdout.splitlines()[-1])}
+    assert loaded and loaded <= set(simulation_files())
+    assert REPO / "engine/loader.py" not in simulation_files()
 
 
 def test_a_bursty_setup_draws_gamma_arrivals_of_the_same_requests(tmp_path):
@@ -432,13 +492,16 @@ def test_run_point_with_kv_tracking_reports_the_usage_beside_the_same_metrics():
     assert len(tracked["kv_series"]) == 400 and max(n for _, n in tracked["kv_series"]) == tracked["kv_run_peak_blocks"]
 
 
-@pytest.mark.parametrize("flags, message", [(["--only", "slo", "--slo-setups", "opt-13b:azure"], "--slo-setups"),
+@pytest.mark.parametrize("flags, message", [(["--only", "slo", "--slo-setups", "opt-13b:azure"],
+                                             "unknown --slo-setups"),
                                             (["--only", "past_capacity", "--past-workloads", "fig14-3"],
-                                             "--past-workloads")])
+                                             "unknown --past-workloads"),
+                                            (["--only", "capacity", "--steady-goal-seeds", "0"],
+                                             "argument --steady-goal-seeds: must be at least 1, got 0")])
 def test_a_bad_section_flag_is_a_one_line_error_before_anything_runs(flags, message, tmp_path, capsys):
     from scripts.experiments.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*flags, "--out", str(tmp_path / "doc.md")])
-    assert exit_.value.code == 2 and f"error: unknown {message}" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "doc.md").exists()

@@ -106,6 +106,14 @@ def check_section_flags(args: argparse.Namespace, names: list[str]) -> None:
         parse_workloads(args.past_workloads)
 
 
+def at_least_one(text: str) -> int:
+    """A count flag's type: an integer of 1 or more."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-seeds", type=int, default=5, help="seeds of the capacity section's main table")
     ap.add_argument("--steady-goal-prompts", type=int, default=10000, help="requests per point of the capacity "
                     "section's goal rows (0.9C and 0.95C)")
+    ap.add_argument("--steady-goal-seeds", type=at_least_one, default=5, help="seeds of its goal rows")
     ap.add_argument("--steady-other-seeds", type=int, default=3, help="seeds of its other setups (0: not run)")
     ap.add_argument("--llama-seeds", type=int, default=3, help="seeds of the capacity_llama section's tables")
     ap.add_argument("--curve-seeds", type=int, default=3, help="seeds of Fig. 12 and 13 (steady state)")

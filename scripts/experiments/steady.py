@@ -1,9 +1,9 @@
 """The section of `make experiments` measured the way every comparison should be (docs/scheduling.md, "How policies
 are compared"; steady_state.py): skip-join MLFQ against FCFS and the bounded SRPT oracle at 0.5x to 1.0x of FCFS's
 sustained capacity C, steady state, seeds with 95% intervals; the goal rows (0.9C and 0.95C) again with
---steady-goal-prompts requests a point; and the other setups (Alpaca, the 80GB profile, OPT-66B on 4 GPUs, OPT-175B
-on 16). Past C there is no steady state (a queue grows without bound, and a mean over N requests depends on N):
-the past_capacity section measures that by time.
+--steady-goal-prompts requests a point and --steady-goal-seeds seeds; and the other setups (Alpaca, the 80GB
+profile, OPT-66B on 4 GPUs, OPT-175B on 16). Past C there is no steady state (a queue grows without bound, and a
+mean over N requests depends on N): the past_capacity section measures that by time.
 
 Runs are cached on disk by their parameters and the code (.cache/steady/), so a second regeneration is fast.
 """
@@ -26,7 +26,8 @@ OTHER_SETUPS = (("opt-13b", "alpaca"), ("opt-13b-80gb", "sharegpt"), ("opt-66b",
 
 def goal_rows(runner: Runner, ctx: Ctx, cap: float, seeds: range) -> tuple[list[str], dict]:
     """The goal rows: skip-join and the bounded oracle at GOAL_LOADS with --steady-goal-prompts requests a point, at
-    the C of the main table; their lines, and {load: (mean ratio, P95 ratio)} (Stats)."""
+    the C of the main table, over SEEDS (--steady-goal-seeds); their lines, and {load: (mean ratio, P95 ratio)}
+    (Stats)."""
     n = ctx.args.steady_goal_prompts
     setup = Setup("opt-13b", "sharegpt", n)
     data = table(runner, setup, GOAL_LOADS, (SUBJECT, ORACLE), seeds, cap)
@@ -47,7 +48,17 @@ def goal_rows(runner: Runner, ctx: Ctx, cap: float, seeds: range) -> tuple[list[
                      f"{fmt(ratios[0])} {verdicts[0]} ({GOALS['mean_per_token_s']:g}) | "
                      f"{fmt(stat(s['p95_per_token_s']))} | {fmt(stat(o['p95_per_token_s']))} | {fmt(ratios[1])} "
                      f"{verdicts[1]} ({GOALS['p95_per_token_s']:g}) |")
+    lines += ["", f"Per seed ({', '.join(str(s) for s in seeds)}):"]
+    for load in GOAL_LOADS:
+        s, o = data[(load, SUBJECT)], data[(load, ORACLE)]
+        lines.append(f"{load:g}C: mean / srpt {per_seed(found[load][0].values)}; P95 / srpt "
+                     f"{per_seed(found[load][1].values)}; skip-join P95 {per_seed(s['p95_per_token_s'], 4)} s, "
+                     f"srpt P95 {per_seed(o['p95_per_token_s'], 4)} s.")
     return lines, found
+
+
+def per_seed(values, digits: int = 3) -> str:
+    return ", ".join(f"{v:.{digits}g}" for v in values)
 
 
 def section_capacity(ctx: Ctx) -> str:
@@ -57,10 +68,11 @@ def section_capacity(ctx: Ctx) -> str:
     main = Setup("opt-13b", "sharegpt", ctx.args.steady_prompts)
     cap = capacity(runner, main, range(3))
     data = table(runner, main, LOADS, POLICIES, seeds, cap["C"])
-    goals, _ = goal_rows(runner, ctx, cap["C"], seeds)
+    goals, _ = goal_rows(runner, ctx, cap["C"], range(ctx.args.steady_goal_seeds))
     lines = ["## Skip-join at capacity: steady state, in units of FCFS's capacity, beside the SRPT oracle", "",
              f"`{ctx.cmd('capacity')} --steady-prompts {ctx.args.steady_prompts} --steady-seeds "
-             f"{ctx.args.steady_seeds} --steady-goal-prompts {ctx.args.steady_goal_prompts} --steady-other-seeds "
+             f"{ctx.args.steady_seeds} --steady-goal-prompts {ctx.args.steady_goal_prompts} --steady-goal-seeds "
+             f"{ctx.args.steady_goal_seeds} --steady-other-seeds "
              f"{ctx.args.steady_other_seeds}` (scripts/experiments/steady_state.py; {ctx.args.steady_prompts} "
              f"requests a point, the middle 80% of arrivals counted, {len(seeds)} seeds, mean ± 95% interval, ratios "
              "paired per seed). OPT-13B, A100 40GB roofline profile, ShareGPT lengths through vLLM's length filter, "

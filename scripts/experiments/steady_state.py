@@ -389,8 +389,10 @@ _KEY_DEFAULTS = {"burstiness": 1.0, "profiler_error": (1.0, 1.0), "planner_ranki
 
 
 def setup_key(setup: Setup) -> dict:
-    """The setup's fields as the cache key names them."""
-    return {k: v for k, v in asdict(setup).items() if not (k in _KEY_DEFAULTS and v == _KEY_DEFAULTS[k])}
+    """The setup's fields as the cache key names them, with "profile": a hash of its scale's profile file (what the
+    simulated machine costs iterations by; code_version leaves profiles/sim out)."""
+    key = {k: v for k, v in asdict(setup).items() if not (k in _KEY_DEFAULTS and v == _KEY_DEFAULTS[k])}
+    return key | {"profile": file_hash(REPO / SCALES[setup.scale][1])}
 
 
 # -- the cache and the pool ----------------------------------------------------------------------------------------
@@ -411,7 +413,10 @@ class Runner:
         self.wall = 0.0
 
     def _key(self, setup: Setup, policy: str, rate: float, seed: int, *extra, fn: Callable = run_point) -> Path:
-        key = [setup_key(setup), policy, round(rate, 9), seed, self.version]
+        skey = setup_key(setup)
+        if len(self.version) == 16:  # a version of 16 digits hashed all of profiles/sim: its keys name no profile
+            del skey["profile"]
+        key = [skey, policy, round(rate, 9), seed, self.version]
         if fn is not run_point:
             key += [fn.__name__, list(extra), file_hash(Path(inspect.getfile(fn)))]
         text = json.dumps(key, sort_keys=True, default=str)
@@ -447,15 +452,64 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
-def code_version() -> str:
-    """A hash of the code a simulation runs (scheduler/, memory/, engine/, profiles/sim): the cache key's part."""
+SIM_PACKAGES = ("scheduler", "memory", "engine")
+
+
+def simulation_files(entry: Path = Path(__file__), root: Path = REPO) -> list[Path]:
+    """The source files a simulation runs: `entry` and the modules of SIM_PACKAGES that importing it loads, with
+    the ones its functions import (run_point's), found from the import statements rather than by importing (the
+    answer does not depend on what the caller imported). The other files' imports inside functions are left out:
+    in those packages they load the real executors and the offline LLM, which a simulation does not run."""
+    found: set[Path] = {entry}
+    todo = [entry]
+    while todo:
+        path = todo.pop()
+        for name in _imports(path, root, in_functions=path == entry):
+            parts = name.split(".")
+            if parts[0] not in SIM_PACKAGES:
+                continue
+            for i in range(1, len(parts) + 1):  # the packages on the way, then the module
+                base = root.joinpath(*parts[:i])
+                for file in (base / "__init__.py", base.with_suffix(".py")):
+                    if file.is_file() and file not in found:
+                        found.add(file)
+                        todo.append(file)
+    return sorted(found)
+
+
+def _imports(path: Path, root: Path, in_functions: bool) -> set[str]:
+    """The dotted names `path`'s import statements name (`from a import b` names a and a.b: b may be a module); those
+    under `if TYPE_CHECKING:` left out, and those in function bodies unless `in_functions`."""
+    import ast
+
+    package = path.parent.relative_to(root).parts
+    names: set[str] = set()
+
+    def visit(nodes: list) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join([*package[:len(package) + 1 - node.level], node.module or ""] if node.level
+                                else [node.module or ""]).strip(".")
+                names.add(base)
+                names.update(f"{base}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif in_functions or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(list(ast.iter_child_nodes(node)))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return names
+
+
+def code_version(entry: Path = Path(__file__), root: Path = REPO) -> str:
+    """A hash of the code a simulation runs (simulation_files; the profile is in each point's key, setup_key): the
+    cache key's part. 20 hex digits; the versions of 16 hashed all of scheduler/, memory/, engine/ and profiles/sim."""
     h = hashlib.sha256()
-    for folder in ("scheduler", "memory", "engine", "profiles/sim"):
-        for path in sorted((REPO / folder).rglob("*")):
-            if path.suffix in (".py", ".json"):
-                h.update(path.read_bytes())
-    h.update(Path(__file__).read_bytes())
-    return h.hexdigest()[:16]
+    for path in simulation_files(entry, root):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:20]
 
 
 # -- capacity ---------------------------------------------------------------------------------------------------
