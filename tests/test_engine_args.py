@@ -20,6 +20,7 @@ PROFILES = REPO / "profiles" / "sim"
 # Engine settings a command names otherwise: simulate's --model also takes a shape name and its --profile is
 # required; compare sets the scheduling policy per run (--policies).
 OWN_FLAGS = {"serve": set(), "simulate": {"model", "profile"}, "compare": {"scheduling_policy"}}
+OWN_DEFAULTS = {"compare": compare.ORDER_MATTERS}  # compare's servers run in a setting where order matters
 PARSERS = {"serve": server.build_parser, "simulate": simulate.build_parser, "compare": compare.build_parser}
 ATTRIBUTES = ("option_strings", "default", "help", "choices", "nargs", "const", "required", "metavar")
 
@@ -29,9 +30,13 @@ def engine_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action
     return {a.dest: a for a in parser._actions if a.dest in FIELDS and a.option_strings[:1] == [engine_flag(a.dest)]}
 
 
-def differences(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> list[str]:
-    """How the engine flags of `parser` differ from add_engine_args' own (fields in `skip` left out)."""
-    want, got = engine_actions(_reference()), engine_actions(parser)
+def differences(parser: argparse.ArgumentParser, skip: set[str] = frozenset(),
+                defaults: dict | None = None) -> list[str]:
+    """How the engine flags of `parser` differ from add_engine_args' own (fields in `skip` left out; `defaults`:
+    the defaults `parser` is meant to set otherwise)."""
+    reference = _reference()
+    reference.set_defaults(**(defaults or {}))
+    want, got = engine_actions(reference), engine_actions(parser)
     out = []
     for name in FIELDS.keys() - skip:
         if name not in got:
@@ -53,7 +58,7 @@ def _reference() -> argparse.ArgumentParser:
 
 @pytest.mark.parametrize("command", PARSERS)
 def test_every_engine_setting_has_the_same_flag_default_and_help_in(command):
-    assert differences(PARSERS[command](), OWN_FLAGS[command]) == []
+    assert differences(PARSERS[command](), OWN_FLAGS[command], OWN_DEFAULTS.get(command)) == []
 
 
 def test_the_commands_own_names_for_engine_settings():
@@ -102,17 +107,21 @@ def test_compare_passes_the_engine_flags_given_to_every_server_after_those_after
     args = compare.build_parser().parse_args(["--sweep", "1", "--max-num-seqs", "8", "--no-enable-prefix-caching",
                                               "--kv-overcommit", "none", "--seed", "3"])
     flags = compare.server_flags(args, ["--max-num-seqs", "4", "--api-key", "k"])
-    # compare's servers serve the built-in tiny model unless a model is named (server.py alone serves SmolLM2)
-    assert flags == ["--model", "tiny-opt", "--max-num-seqs", "4", "--api-key", "k", "--max-num-seqs", "8",
+    # compare's servers serve the built-in tiny model unless a model is named (server.py alone serves SmolLM2), in
+    # its bounded setting (ORDER_MATTERS) but for the settings typed
+    setting = ["--num-gpu-blocks-override", "1024", "--num-host-blocks-override", "8192"]
+    assert flags == ["--model", "tiny-opt", *setting, "--max-num-seqs", "4", "--api-key", "k", "--max-num-seqs", "8",
                      "--no-enable-prefix-caching", "--kv-overcommit", "none", "--seed", "3"]
     engine_config, server_config = server._configs(server.build_parser().parse_args(flags))
-    assert engine_config == EngineConfig(model="tiny-opt", max_num_seqs=8, enable_prefix_caching=False, seed=3)
+    assert engine_config == EngineConfig(model="tiny-opt", max_num_seqs=8, enable_prefix_caching=False, seed=3,
+                                         num_gpu_blocks_override=1024, num_host_blocks_override=8192)
     assert server_config.api_key == "k" and server_config.served_model_names == ("tiny-opt",)
     no_flags = compare.build_parser().parse_args(["--sweep", "1"])
-    assert compare.server_flags(no_flags, []) == ["--model", "tiny-opt"]
-    assert compare.server_flags(no_flags, ["/models/opt-1.3b"]) == ["/models/opt-1.3b"]  # the positional MODEL
+    setting = ["--max-num-seqs", "16", *setting]
+    assert compare.server_flags(no_flags, []) == ["--model", "tiny-opt", *setting]
+    assert compare.server_flags(no_flags, ["/models/opt-1.3b"]) == [*setting, "/models/opt-1.3b"]  # positional MODEL
     named = compare.build_parser().parse_args(["--sweep", "1", "--model", "/models/opt-1.3b"])
-    assert compare.server_flags(named, []) == ["--model", "/models/opt-1.3b"]
+    assert compare.server_flags(named, []) == [*setting, "--model", "/models/opt-1.3b"]
 
 
 def test_compare_refuses_a_scheduling_policy_flag_before_starting_anything(tmp_path, capsys):
