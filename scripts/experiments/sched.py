@@ -56,17 +56,11 @@ def section_enst_ablation(ctx: Ctx) -> str:
                          f"{stat(d['offloads']).mean:.0f} | {stat(d['uploads']).mean:.0f} | {100 * misses:.1f}% | "
                          f"{stat(d['thrash']).mean:.0f} |")
             print(f"  ablation {load:g}C {kind:7} mean {stat(d['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
-              "at 1.0x of 2.8 req/s, every one counted, one seed, with the old cost model and the paper's overload "
-              "rules (no admission bound on the started jobs' KV), where the host tier was used most; it read ENST "
-              "0.119, LRU 0.127 (+7%), random 0.122 (+3%) s/token, with 16,713 of 16,734 uploads swap misses. "
-              "Offloads, uploads and thrash are per run (mean over seeds). Why the ranking moves nothing now: "
-              "under today's admission (new jobs start only while the started jobs' KV fits both tiers) and the "
-              "watermark of 2026-12-03, nearly every upload is still the scheduler's own pick (the swap-miss "
-              "column), so the planner's order decides only which idle job it offloads, and a random order's "
-              "extra offloads and thrash cost no latency because each copy takes less than a step "
-              "(docs/benchmarks.md, \"KV policies\"). The old run's +3-7% was one seed of a "
-              "short trace.", "",
+    lines += ["", "Offloads, uploads and thrash are per run (mean over seeds). Nearly every upload is the scheduler's "
+              "own pick (the swap-miss column; new jobs start only while the started jobs' KV fits both tiers), so "
+              "the planner's order decides only which idle job it offloads, and a random order's extra offloads and "
+              "thrash cost no latency where each copy takes less than a step (docs/benchmarks.md, \"KV policies\").",
+              "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
