@@ -259,18 +259,7 @@ def section_kv_steady(ctx: Ctx) -> str:
                                                               pro[f"mean_per_token_s_out{lo}"])])))
                      for lo, _ in buckets]
             lines.append(f"| {load:g}C | {kv} | " + " | ".join(cells) + " |")
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
-              "a point, every one counted, one seed, at 0.75x, 1.0x and 1.5x of 2.8 req/s, with the old cost model "
-              "and the defaults of its day, and read ShareGPT without vLLM's length filter, clipping prompts to "
-              "2,047 tokens (23-30 such requests a run, each with one output token, set apart in its table). It "
-              "compared proactive with the non-blocking reactive baseline and recompute only, and read reactive / "
-              "proactive mean 1.01x at 0.75x, 0.57x at 1.0x and 0.77x at 1.5x (0.90x and 0.87x without the clipped "
-              "prompts): proactive behind at and past capacity, most for the shortest outputs (1-7 tokens: 4.48 "
-              "against 0.83 s/token at 1.0x), which were mostly the clipped prompts. Why it reads differently now: "
-              "vLLM's filter drops those prompts; the proactive watermark counts only the blocks the batch adds "
-              "(since 2026-12-03), so proactive no longer parks jobs the scheduler wants back; and the paper's "
-              "blocking baseline is in the table, which proactive beats most on the long outputs, whose jobs are "
-              "swapped most.", "",
+    lines += ["",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
