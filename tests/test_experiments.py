@@ -42,10 +42,10 @@ def test_throughput_at_slo_edges():
 def test_fig13_bisection_narrows_every_bracket_to_the_resolution():
     """Fig. 13's goodput searches (scripts/experiments/latency_curves.py) bisect to 2%: after the steps, every
     bracket of the grid (and the one below its lowest point) is narrower than that; one step fewer is not."""
-    from scripts.experiments.latency_curves import LOADS, RESOLUTION, bisection_steps
+    from scripts.experiments.latency_curves import GOODPUT_GRID, RESOLUTION, bisection_steps
 
-    steps = bisection_steps(LOADS[1:], RESOLUTION)
-    widest = max([4.0] + [b / a for a, b in zip(LOADS[1:], LOADS[2:])])
+    steps = bisection_steps(GOODPUT_GRID, RESOLUTION)
+    widest = max([4.0] + [b / a for a, b in zip(GOODPUT_GRID, GOODPUT_GRID[1:])])
     assert widest ** (0.5 ** steps) <= 1 + RESOLUTION < widest ** (0.5 ** (steps - 1))
     assert bisection_steps((1.0, 1.01), 0.02) == bisection_steps((1.0, 4.0), 0.02) == 7  # below the grid: x4
     # the search itself stops within the resolution on a curve that crosses the limit between grid points

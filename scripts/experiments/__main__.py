@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-seeds", type=int, default=3, help="seeds of the slo section")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--io-total", type=int, default=1024)
-    ap.add_argument("--io-load", type=float, default=1.5)
+    ap.add_argument("--io-load", type=float, default=0.9, help="Fig. 14's load, x C (at most 1.0: steady state)")
     ap.add_argument("--io-spread", type=float, default=0.5, help="Fig. 14: lengths uniform over [1 - s, 1 + s] x "
                                                                   "their mean")
     ap.add_argument("--no-live", action="store_true", help="skip the live measurements")

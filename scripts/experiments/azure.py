@@ -64,14 +64,8 @@ def section_azure(ctx: Ctx) -> str:
     lines += ["", "Azure / Poisson, mean per-token latency (paired per seed): "
               + "; ".join(f"{load:g}C fcfs {fmt(_over(data, load, 'fcfs'))}, skip-join "
                           f"{fmt(_over(data, load, 'skip-join-mlfq'))}" for load in AZURE_LOADS) + ".", "",
-              "What changed since this section's previous version: it ran the first 1,500 "
-              "requests of the trace, every one counted, one seed, at 0.75x and 1.0x of 2.8 req/s, with ShareGPT "
-              "read without vLLM's length filter (prompts clipped to 2,048 tokens), the old cost model and the "
-              "defaults of its day; it read FCFS / skip-join 1.99x at 0.75x and 1.58x at 1.0x under the Azure "
-              "arrivals (Poisson 1.26x and 2.26x), and its window's gaps had a CV of 1.19. Why it reads "
-              "differently now: in windows of 3,000 requests the conversation trace's gaps are nearly Poisson "
-              "(the CVs above), so at steady state the two arrival processes give the same latencies within the "
-              "seeds' spread; the old run's gap was a 1,500-request transient of one seed.", "",
+              f"In windows of {n:,} requests the conversation trace's gaps are nearly Poisson (the CVs above), so at "
+              "steady state the two arrival processes give the same latencies within the seeds' spread.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]

@@ -4,8 +4,7 @@ FCFS's sustained capacity on that mix (FCFS unchunked), steady state, 3,000 requ
 intervals. Two tables: the token budget (--max-num-batched-tokens) against P99 / median ITL, the short requests'
 latency and the served rate at 0.8C, skip-join MLFQ; and its goals at --chunked-budget: skip-join chunked
 against skip-join unchunked and FCFS chunked (P99 / median ITL, the short requests' mean per-token latency and P99
-TTFT). (Throughput at saturation is not in it: a run offered 1.5C crashed before memory/kv_manager.py's fix of
-3548f13 and was not rerun; docs/benchmarks.md, "Chunked prefill", has measurements of it.)
+TTFT). (Throughput at saturation is not in it; docs/benchmarks.md, "Chunked prefill", has measurements of it.)
 
 Every point names enable_chunked_prefill (and the budget) explicitly, so the section measures the same thing
 whatever the engine's defaults are.
@@ -21,13 +20,6 @@ from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio
 LONG_SHARE = 0.1
 LOAD = 0.8
 BUDGETS = (256, 512, 1024, 2048)
-# History, written down once: the version of the first published runs, and what changed after them.
-FIRST_VERSION = "8d49217d27cf961b"
-FIRST_NOTE = ("These runs (simulation code version 8d49217d27cf961b, 2026-12-03) predate the KV manager fix of "
-              "3548f13: a chunked job coming back from the host with more blocks than its tokens need (it was picked "
-              "for a chunk while its upload started, then offloaded again) could be admitted without room for all "
-              "of them and crash the run; every run here finished without reaching that, but a regeneration at "
-              "later code recomputes them.")
 
 
 def mix_setup(prompts: int, budget: int | None) -> Setup:
@@ -97,8 +89,6 @@ def section_chunked(ctx: Ctx) -> str:
         verdict = "met" if st.mean + (st.half if st.half == st.half else 0) < limit else (
             "met on the mean, not the interval" if st.mean < limit else "NOT met")
         lines.append(f"| {text} | {fmt(st)} | {'<' if limit == 1.0 else '<='} {limit:g} | {verdict} |")
-    if runner.version == FIRST_VERSION:
-        lines += ["", FIRST_NOTE]
     lines += ["", f"Unchunked skip-join's P99 / median ITL for comparison: "
               f"{fmt(ratio_stat(sj0['p99_itl_s'], sj0['median_itl_s']))}.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "

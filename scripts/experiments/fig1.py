@@ -13,13 +13,9 @@ from scripts.experiments.common import Ctx, _errorbar, _plt, _save
 from scripts.experiments.latency_curves import CAPACITY_SEEDS, DATASETS, _setup
 from scripts.experiments.steady_state import Runner, capacity, fmt, stat, table
 
-LOADS = (0.25, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0)  # x C; all among Fig. 12's
-# The previous version of this section (2026-12-01), written down once, not computed: its rates (req/s), as
-# multiples of FCFS's throughput at the 0.3 s/token mean-latency SLO of its day, and the queueing shares it read.
-PREVIOUS = {"ShareGPT": {"base": 17.45, "loads": (0.25, 0.5, 0.8, 1.0, 1.25, 1.5),
-                         "shares": (17.8, 57.0, 63.4, 69.0, 76.2, 80.6)},
-            "Alpaca": {"base": 41.50, "loads": (0.25, 0.5, 0.8, 1.0, 1.25, 1.5),
-                       "shares": (0.9, 1.0, 4.2, 24.1, 43.4, 55.0)}}
+# x C; all among Fig. 12's or the capacity section's. Past C there is no steady state: the queue, and with it the
+# queueing share, grows for as long as the overload lasts (the past_capacity section measures that region by time).
+LOADS = (0.25, 0.5, 0.8, 0.9, 0.95, 1.0)
 
 
 def _pct(values: list[float]) -> str:
@@ -69,42 +65,20 @@ def section_fig1(ctx: Ctx) -> str:
     ax.grid(alpha=0.3)
     _save(fig, ctx.figdir / "fig1_queueing_share.png")
     below = [load for load in LOADS if load < 1.0]
-    past = [load for load in LOADS if load > 1.0]
     at = lambda load: ", ".join(f"{_pct(shares[ds][load])} ({ds})" for ds in DATASETS)  # noqa: E731
-    top_below = max(100 * stat(shares[ds][load]).mean for ds in DATASETS for load in below)
+    top_below = max(100 * stat(shares[ds][load]).mean for ds in DATASETS for load in below if load <= 0.8)
     spread = "; ".join(f"{ds} {min(caps[ds]['per_seed']):.3f}-{max(caps[ds]['per_seed']):.3f} req/s" for ds in DATASETS)
     knee = "; ".join(f"{ds} " + ", ".join(f"{100 * v:.1f}%" for v in shares[ds][1.0]) for ds in DATASETS)
-    lines += ["", f"Below capacity (up to {below[-1]:g}C) the queueing share is at most {top_below:.1f}% (the mean "
-              f"over seeds): a job joins the running batch within an iteration or a few. At 1.0C, on the knee, it is "
-              f"{at(1.0)}, and the seeds differ most there (per seed: {knee}): the capacities measured per seed "
-              f"({spread}) straddle C, and whether a trace's arrivals outrun FCFS for long depends on its draw. Past "
-              f"capacity it is {at(past[0])} at {past[0]:g}C and "
-              f"{at(past[-1])} at {past[-1]:g}C. "
-              "Past C the queue grows for as long as the overload lasts, so those shares depend on the trace's "
-              f"length ({ctx.args.steady_prompts:,} requests here) and rise with it: queueing takes over once "
-              "FCFS saturates, because head-of-line jobs with long outputs hold the batch slots and the KV memory "
-              "while the rest wait. The paper measures up to ~90% on vLLM with real workloads.", "",
-              _changed(caps, ctx.args.steady_prompts), "",
+    lines += ["", f"Up to 0.8C the queueing share is at most {top_below:.1f}% (the mean over seeds): a job joins the "
+              f"running batch within an iteration or a few. It is {at(0.9)} at 0.9C and {at(0.95)} at 0.95C. At "
+              f"1.0C, on the knee, it is {at(1.0)}, and the seeds differ most there (per seed: {knee}): the "
+              f"capacities measured per seed ({spread}) straddle C, and whether a trace's arrivals outrun FCFS for "
+              "long depends on its draw. Past C there is no steady state: the queue grows for as long as the overload "
+              "lasts, so a queueing share there depends on the trace's length, and queueing takes over as FCFS "
+              "saturates, head-of-line jobs with long outputs holding the batch slots and the KV memory while the "
+              "rest wait (the past_capacity section measures that region by time). The paper measures up to ~90% "
+              "on vLLM with real workloads, past capacity.", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.1f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.1f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)
-
-
-def _changed(caps: dict, n: int) -> str:
-    """What the previous version measured, its rates put in today's units (x C measured now)."""
-    parts = []
-    for ds, old in PREVIOUS.items():
-        rates = [old["base"] * load for load in old["loads"]]
-        parts.append(f"{ds} {rates[0]:.1f}-{rates[-1]:.1f} req/s ({old['loads'][0]:g}-{old['loads'][-1]:g}x its "
-                     f"SLO rate of {old['base']:.2f} req/s; {rates[0] / caps[ds]['C']:.2f}-"
-                     f"{rates[-1] / caps[ds]['C']:.2f}x today's C), shares {old['shares'][0]:.1f}% to "
-                     f"{old['shares'][-1]:.1f}%")
-    return ("What changed since this section's previous version (2026-12-01): it ran one seed of short traces "
-            "(max(300 ShareGPT / 600 Alpaca, rate x 20 s) requests, at most 2,000, every request counted) at "
-            "multiples of FCFS's throughput at the 0.3 s/token mean-latency SLO, under the old cost model (each "
-            "prompt of an iteration priced as a full pass over the weights) and the defaults of its day: "
-            + "; ".join(parts) + ". Such an SLO rate, read off a trace that drains a 20-second burst, is not a "
-            "sustained rate, and the shares it measured were those of a burst draining. Now the loads are multiples "
-            f"of the capacity C measured at steady state, and the share counts the middle 80% of a {n:,}-request "
-            "trace.")

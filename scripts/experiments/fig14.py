@@ -1,6 +1,6 @@
 """Fig. 14: the policies over input:output length ratios (fixed mean total length), measured the steady-state way
-(steady_state.py, Setup.synthetic): FCFS's capacity measured for each ratio, every policy at --io-load x
-that capacity, 3,000 requests a point, the middle 80% of arrivals counted, seeds with 95% intervals, the SRPT
+(steady_state.py, Setup.synthetic): FCFS's capacity measured for each ratio, every policy at --io-load (at most
+1.0) x that capacity, 3,000 requests a point, the middle 80% of arrivals counted, seeds with 95% intervals, the SRPT
 oracle beside them.
 """
 
@@ -26,6 +26,8 @@ def io_setup(ctx: Ctx, ratio: float) -> Setup:
 def section_fig14(ctx: Ctx) -> str:
     plt = _plt()
     total, load, spread = ctx.args.io_total, ctx.args.io_load, ctx.args.io_spread
+    if load > 1.0:
+        raise ValueError(f"--io-load {load:g}: at most 1.0 (x C); past capacity there is no steady state")
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
     t0 = time.perf_counter()
@@ -41,7 +43,8 @@ def section_fig14(ctx: Ctx) -> str:
         trace, _ = trace_for(setup, 1.0, 0)
         lens[r] = (sum(p for _, p, _ in trace) / len(trace), sum(o for _, _, o in trace) / len(trace))
         print(f"  fig14 ratio {r}: C {caps[r]['C']:.3f}", flush=True)
-    lines = ["## Fig. 14: policies over input:output ratios", "", f"Command: `{ctx.cmd('fig14')}`", "",
+    lines = ["## Fig. 14: policies over input:output ratios", "",
+             f"Command: `{ctx.cmd('fig14')} --io-load {load:g} --curve-seeds {len(seeds)}`", "",
              "![fig14](figures/fig14_io_ratio.png)", "",
              f"OPT-13B on one A100 40GB (roofline profile), the engine's defaults, synthetic lengths whose mean total "
              f"is {total} tokens, split input:output = r:1 (fastserve/bench/workload.py synthetic_lengths io_ratio), "
@@ -103,19 +106,9 @@ def section_fig14(ctx: Ctx) -> str:
               + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in moded.items()) + "). It is off by default: it learns "
               "from the jobs that finished, which past capacity are the short ones, so a heavy tail can read as "
               "alike (docs/scheduling.md, \"Skip-join MLFQ\", alike-lengths mode).", "",
-              "What changed since this section's previous version: it ran 120 requests a "
-              "ratio, every one counted, one seed, at 1.5x a capacity estimated from the profile (not measured), "
-              "with the old cost model and the defaults of its day (alpha 0.3 s, the paper's prefill ladder); it "
-              "read FCFS / skip-join 0.52-0.95x (skip-join behind FCFS in every row) and FCFS or fixed priority "
-              "best in every row. The lengths of a row spread only 0.5x-1.5x around their mean, far from ShareGPT's "
-              "heavy tail, so the service a job has received says little about what it has left; least attained "
-              "service (every MLFQ) preempts it for newer jobs, which delays both. The run of 2026-12-05 added the "
-              "gittins column; every other column is the same to the last digit as the 2026-12-04 run (code version "
-              "23dc38d2b61ca33e): the rule that came with it (a fresh job waits behind a started one that waits "
-              "for KV) is off for the other policies. The run of 2026-12-06 added the column of skip-join's "
-              "opt-in alike-lengths mode; every other column, the default skip-join's included (1.48, 1.74, 2.72, "
-              "6.64, 23.7, 56.4 s/token), reads as the previous run's to the digits printed (the mode is off unless "
-              "asked for).", "",
+              "Past capacity there is no steady state (the queue grows for as long as the overload lasts, so a "
+              "mean over a run depends on its length): the past_capacity section measures these workloads there by "
+              "time (fig14-R: output tokens per second at 1.5C and 2C, FCFS against skip-join).", "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]

@@ -9,10 +9,6 @@ from scripts.experiments.common import MAIN, REPO, SCALES, Ctx, _ms, _plt, _save
 
 LENS = (1, 16, 64, 256, 1024)
 BATCH, CONTEXT = 16, 128  # the running batch a prompt joins: 16 decoding jobs of context 128 (in the quick grid)
-# The previous version of this section (2026-12-01), written down once, not computed: (t_init, t_dec) in ms by s.
-PREVIOUS = {"tiny": {1: (3.7, 2.9), 16: (5.1, 2.9), 64: (8.1, 2.9), 256: (25.5, 2.9), 1024: (102.0, 3.2)},
-            "opt-13b": {1: (24.4, 24.4), 16: (24.4, 24.4), 64: (24.5, 24.5), 256: (43.2, 24.6),
-                        1024: (172.3, 25.2)}}
 
 
 def joining(cost, s: int) -> float:
@@ -39,13 +35,11 @@ def section_fig5(ctx: Ctx) -> str:
              "t_dec(b, c) - F(b), scheduler/cost_model.py).", "",
              f"| profile | s | t_init(s) | t_dec(1, s) | ratio | joining {BATCH} decodes |",
              "|---|---|---|---|---|---|"]
-    measured = {}
     for ax, (name, path) in zip(axes, profiles.items()):
         cost = ProfiledCostModel.from_json(path)
         ti = [cost.t_init(s) for s in lens]
         td = [cost.t_dec(1, s) for s in lens]
         tj = [joining(cost, s) for s in lens]
-        measured["tiny" if name.startswith("tiny") else "opt-13b"] = dict(zip(lens, zip(ti, td)))
         ax.plot(lens, [1e3 * x for x in ti], marker="o", label="first iteration t_init(s)")
         ax.plot(lens, [1e3 * x for x in td], marker="s", label="decode t_dec(1, s)")
         ax.plot(lens, [1e3 * x for x in tj], marker="^", ls=":", label=f"added to {BATCH} decodes")
@@ -67,22 +61,5 @@ def section_fig5(ctx: Ctx) -> str:
               f"In a running batch a prompt costs less than alone: at OPT-13B scale a {lens[1]}-token prompt adds "
               f"{_ms(joining(c13, lens[1]))} to {BATCH} decodes (alone, {_ms(c13.t_init(lens[1]))}: the pass over "
               f"the weights, which the batch pays once) and a {lens[-1]}-token one "
-              f"{_ms(joining(c13, lens[-1]))} ({_ms(c13.t_init(lens[-1]))} alone).", "", _changed(measured), ""]
+              f"{_ms(joining(c13, lens[-1]))} ({_ms(c13.t_init(lens[-1]))} alone).", ""]
     return "\n".join(lines)
-
-
-def _changed(measured: dict) -> str:
-    """What changed from the previous version's numbers (PREVIOUS), from today's."""
-    opt = measured["opt-13b"]
-    moved = max(abs(1e3 * v - old) for s, pair in PREVIOUS["opt-13b"].items() for v, old in zip(opt[s], pair))
-    same = moved < 0.05 + 1e-9  # the table's 0.1 ms rounding
-    tiny, old = measured["tiny"][LENS[-1]], PREVIOUS["tiny"][LENS[-1]]
-    return ("What changed since this section's previous version (2026-12-01): the cost model now prices an iteration "
-            "as the engine runs it, one forward pass over all its tokens (the joining column, new), where it priced "
-            "each prompt of an iteration as a full pass of its own. "
-            + ("OPT-13B's t_init and t_dec alone are the same to 0.1 ms (the profile's prefill and decode tables did "
-               "not change; it gained the forward table F(n))." if same else
-               f"OPT-13B's t_init and t_dec alone moved by up to {moved:.1f} ms (profiles/sim/ was re-derived).")
-            + f" The tiny model's profile is a fresh measurement on this CPU, which is shared with other work, so it "
-            f"varies from run to run: its {LENS[-1]}-token first iteration took {_ms(tiny[0])} against a decode "
-            f"step's {_ms(tiny[1])} ({old[0]:.1f} ms and {old[1]:.1f} ms before).")

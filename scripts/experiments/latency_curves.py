@@ -3,8 +3,10 @@ and 20x the light-load latency, per phase), OPT-13B, FCFS (vLLM's order) against
 ShareGPT and Alpaca, measured the way every comparison is (docs/scheduling.md, "How policies are compared";
 steady_state.py): loads in units of FCFS's sustained capacity C, 3,000 requests a point, the requests
 arriving in the middle 80% of the trace counted, seeds with 95% intervals, and Fig. 13's loads searched by
-bisection to 2%. Both read the same runs (steady_state.Runner caches them on disk, shared with the capacity
-section, whose loads are a subset of these).
+bisection to 2%. Fig. 12's latencies stop at 1.0C: past C there is no steady state (the queue grows for as long as
+the overload lasts, so a P95 over the run depends on its length); past C it reads by time, the output tokens per
+second at 1.5C and 2C against FCFS's (measures.collapse). Both read the same runs (steady_state.Runner caches them
+on disk, shared with the capacity section and Fig. 1).
 """
 
 from __future__ import annotations
@@ -14,32 +16,24 @@ import statistics
 import time
 
 from scripts.experiments.common import MAIN, Ctx, SLOSearch, _errorbar, _ms, _plt, _save, throughput_at_slo
+from scripts.experiments.measures import COLLAPSE_LOADS, collapse
+from scripts.experiments.past_capacity import ratio_cell
 from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 CURVE_POLICIES = ("fcfs", "skip-join-mlfq")  # the paper's Fig. 12/13: vLLM against FastServe
 DATASETS = {"ShareGPT": "sharegpt", "Alpaca": "alpaca"}
 CAPACITY_SEEDS = {"ShareGPT": 3, "Alpaca": 2}  # as the capacity section measures C (so its cached runs serve here)
 LIGHT = 0.1  # light load, x C: FCFS's P95s there are the SLOs' base (the policies do not differ there)
-LOADS = (LIGHT, 0.25, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0)  # x C; includes the capacity section's loads
+LOADS = (LIGHT, 0.25, 0.5, 0.8, 0.9, 0.95, 1.0)  # x C: Fig. 12's curves; the capacity section's loads among them
+# Fig. 13's searches start from these (x C): a goodput is the highest load whose steady-state run is within the SLO,
+# past C too (measures.py's throughput at the SLO).
+GOODPUT_GRID = (0.25, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0)
 SLO_MULTIPLES = (5, 10, 20)
 RESOLUTION = 0.02  # Fig. 13's searches stop once the bracket's loads are within 2% of each other
 # metric of steady_state.windowed_metrics -> what it measures (the per-token latency, and the two phases)
 METRICS = {"p95_per_token_s": "per-token latency (e2e / output tokens)",
            "p95_ttft_s": "prefill phase: time to first token",
            "p95_tpot_s": "decode phase: time per output token after the first"}
-# The previous version of these sections, written down once, not computed.
-CHANGED_12 = ("What changed since this section's previous version: it swept fixed request rates with short traces "
-              "(max(300 ShareGPT / 600 Alpaca, rate x 20 s) requests, at most 2,000, every request counted, one "
-              "seed) under the defaults of its day (the paper's prefill ladder, alpha 0.3 s, `--kv-overcommit 4`). "
-              "Past capacity such a trace measures how a 20-second burst drains, not a steady state: it read "
-              "FCFS / skip-join P95 ratios of 1.7-5.05x on ShareGPT from 4 to 32 req/s (1.3x to 11x capacity), and "
-              "0.64-0.87x on Alpaca past its knee. The ratios now are measured per seed on 3,000-request traces at "
-              "the same loads for both policies.")
-CHANGED_13 = ("What changed since this section's previous version: it read the goodputs off the short-trace sweep "
-              "of Fig. 12 by interpolating between fixed rates (a grid of 1.3-2x steps) with one seed, and put "
-              "skip-join's per-token goodput at 1.71-3.86x FCFS's on ShareGPT (19.5 and 30.9 req/s, 6.6-10x "
-              "capacity, at 10x and 20x: bursts that drained before the trace ended) and 0.94-0.98x on Alpaca. Now "
-              "each goodput is a bisection to 2% over 3,000-request steady-state traces, the P95 a mean over seeds.")
 
 
 def _setup(ds: str, ctx: Ctx) -> Setup:
@@ -107,9 +101,34 @@ def section_fig12(ctx: Ctx) -> str:
         summary.append(f"{ds}: largest fcfs / skip-join {fmt(ratios[best])} at {best:g}C, smallest "
                        f"{fmt(ratios[worst])} at {worst:g}C")
     _save(fig, ctx.figdir / "fig12_p95_latency.png")
-    lines += ["Over the loads: " + "; ".join(summary) + ". The paper's Fig. 12 shows FastServe's P95 below vLLM's "
-              "across its rates.", "", CHANGED_12, ""]
+    lines += ["Up to 1.0C: " + "; ".join(summary) + ". The paper's Fig. 12 shows FastServe's P95 below vLLM's "
+              "across its rates, most of them past capacity.", "", *_past_capacity(ctx, cur), ""]
+    runner = cur["runner"]
+    lines += [f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
+              f"{(time.perf_counter() - cur['t0']) / 60:.0f} min wall; the rest came from the cache), simulation "
+              f"code version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)
+
+
+def _past_capacity(ctx: Ctx, cur: dict) -> list[str]:
+    """Fig. 12 past C, by time: output tokens per second in the counted window, skip-join against FCFS."""
+    runner, seeds = cur["runner"], range(ctx.args.curve_seeds)
+    lines = ["**Past capacity, by time.** Past C there is no steady state: the queue grows for as long as the "
+             "overload lasts, so a P95 over a run depends on its length. What a policy does there reads by time: the "
+             "output tokens per second inside the counted window (every output token of any request made in it, "
+             "over its length: measures.collapse), skip-join's paired per seed with FCFS's (short-first policies "
+             "finish more, smaller requests, so requests per second would flatter them); the past_capacity section "
+             "has throughput at the SLO, goodput and a burst.", "",
+             "| dataset | load | req/s | fcfs output tokens/s | skip-join-mlfq | skip-join / fcfs |",
+             "|---|---|---|---|---|---|"]
+    for ds in DATASETS:
+        c = cur["C"][ds]["C"]
+        tokens = collapse(runner, _setup(ds, ctx), CURVE_POLICIES, seeds, c)
+        for load in COLLAPSE_LOADS:
+            f, sj = tokens[(load, "fcfs")], tokens[(load, "skip-join-mlfq")]
+            lines.append(f"| {ds} | {load:g}C | {load * c:.2f} | {fmt(f['tokens_per_s'], 4)} | "
+                         f"{fmt(sj['tokens_per_s'], 4)} | {ratio_cell(sj['vs_ref'], 4)} |")
+    return lines
 
 
 def goodput(runner: Runner, setup: Setup, policy: str, seeds: range, cap: float, metric: str,
@@ -120,7 +139,7 @@ def goodput(runner: Runner, setup: Setup, policy: str, seeds: range, cap: float,
     def latency_at(load: float) -> float:
         return statistics.fmean(table(runner, setup, [load], [policy], seeds, cap)[(load, policy)][metric])
 
-    grid = LOADS[1:]  # from 0.25C: the light load is the SLO's base, within every SLO by construction
+    grid = GOODPUT_GRID  # from 0.25C: the light load is the SLO's base, within every SLO by construction
     return throughput_at_slo(latency_at, grid, limit, bisection_steps(grid, RESOLUTION), RESOLUTION)
 
 
@@ -143,9 +162,11 @@ def section_fig13(ctx: Ctx) -> str:
              "for each of three P95 latencies (the per-token latency, the prefill phase's time to first token and "
              "the decode phase's time per output token after the first), the SLO is k x that same P95 measured "
              f"under FCFS at light load ({LIGHT:g}C; the policies do not differ there), and the goodput is the "
-             "highest load whose P95 (the mean over seeds) stays within it: the loads of Fig. 12, then bisection "
-             f"of the bracket until its ends are within {RESOLUTION:.0%}. `+`: every load up to "
-             f"{LOADS[-1]:g}C was within the SLO.", "",
+             "highest load whose P95 (the mean over seeds) stays within it at steady state: the loads "
+             f"{', '.join(f'{x:g}C' for x in GOODPUT_GRID)}, then bisection of the bracket until its ends are within "
+             f"{RESOLUTION:.0%}. `+`: every load up to {GOODPUT_GRID[-1]:g}C was within the SLO. A load past 1.0C "
+             "that passes is a run of this many requests past FCFS's capacity: it passes for this trace length "
+             "and may fail for a longer one (the past_capacity section measures that region by time).", "",
              "| dataset | P95 of | light load | SLO | " + " | ".join(f"{p} (x C)" for p in CURVE_POLICIES)
              + " | skip-join / fcfs |", "|---|---|---|---|" + "---|" * (len(CURVE_POLICIES) + 1)]
     fig, axes = plt.subplots(1, len(DATASETS), figsize=(9, 3.2))
@@ -191,8 +212,8 @@ def section_fig13(ctx: Ctx) -> str:
               f"{_ms(tpot['fcfs'])}), while its queueing lands in the time to first token. Skip-join MLFQ starts "
               "jobs sooner (a shorter TTFT) and pays with preemptions between tokens (its decode-phase P95 reaches "
               f"{_ms(tpot['skip-join-mlfq'])}). The per-token latency (e2e / tokens) adds both, which is what the "
-              "paper's SLO counts.", "", CHANGED_13, "",
-              f"Fig. 12 and 13: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
+              "paper's SLO counts.", "",
+              f"Fig. 12 and 13 together: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - cur['t0']) / 60:.0f} min wall; the rest came from the cache), simulation "
               f"code version {runner.version} (scripts/experiments/steady_state.py, code_version).", ""]
     return "\n".join(lines)

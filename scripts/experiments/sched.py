@@ -3,8 +3,9 @@ ranking (registered in __init__.py; each takes its Ctx):
 
 - enst_ablation: what ENST ranking buys the proactive planner over LRU/FIFO
   and random ranking, with the thrash count of each;
-- alpha: sensitivity to the starvation threshold (steady state, steady_state.py);
-- robustness: profiler error (t_init, t_dec off by 20%) and bursty arrivals;
+- alpha: sensitivity to the starvation threshold (steady state up to C; past C, a burst: measures.bursts);
+- robustness: profiler error (t_init, t_dec off by 20%) and bursty arrivals (steady state at C; past C, output
+  tokens per second: measures.collapse);
 - kv_steady: proactive vs both reactive baselines and recompute at steady load below, at and past capacity,
   with the requests split by output length.
 Every one is measured the steady-state way (steady_state.py).
@@ -17,6 +18,8 @@ import time
 
 from scripts.experiments.common import MAIN, Ctx
 from scripts.experiments.fig15 import kv_setup
+from scripts.experiments.measures import BurstShape, bursts, collapse
+from scripts.experiments.past_capacity import ratio_cell
 from scripts.experiments.steady_state import OUTPUT_BUCKETS, Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
 # -- ENST ranking ablation ------------------------------------------------------------------------------------------
@@ -56,17 +59,11 @@ def section_enst_ablation(ctx: Ctx) -> str:
                          f"{stat(d['offloads']).mean:.0f} | {stat(d['uploads']).mean:.0f} | {100 * misses:.1f}% | "
                          f"{stat(d['thrash']).mean:.0f} |")
             print(f"  ablation {load:g}C {kind:7} mean {stat(d['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
-              "at 1.0x of 2.8 req/s, every one counted, one seed, with the old cost model and the paper's overload "
-              "rules (no admission bound on the started jobs' KV), where the host tier was used most; it read ENST "
-              "0.119, LRU 0.127 (+7%), random 0.122 (+3%) s/token, with 16,713 of 16,734 uploads swap misses. "
-              "Offloads, uploads and thrash are per run (mean over seeds). Why the ranking moves nothing now: "
-              "under today's admission (new jobs start only while the started jobs' KV fits both tiers) and the "
-              "watermark of 2026-12-03, nearly every upload is still the scheduler's own pick (the swap-miss "
-              "column), so the planner's order decides only which idle job it offloads, and a random order's "
-              "extra offloads and thrash cost no latency because each copy takes less than a step "
-              "(docs/benchmarks.md, \"KV policies\"). The old run's +3-7% was one seed of a "
-              "short trace.", "",
+    lines += ["", "Offloads, uploads and thrash are per run (mean over seeds). Nearly every upload is the scheduler's "
+              "own pick (the swap-miss column; new jobs start only while the started jobs' KV fits both tiers), so "
+              "the planner's order decides only which idle job it offloads, and a random order's extra offloads and "
+              "thrash cost no latency where each copy takes less than a step (docs/benchmarks.md, \"KV policies\").",
+              "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
@@ -74,7 +71,7 @@ def section_enst_ablation(ctx: Ctx) -> str:
 
 
 ALPHAS = (None, 0.1, 0.3, 1.0, 3.0)  # None: the default (no alpha; age promotion bounds waits)
-ALPHA_LOADS = (0.8, 1.25)  # x C
+ALPHA_LOADS = (0.8, 1.0)  # x C, steady state; past C, a burst (measures.BurstShape: 1.5C, then 0.5C until drained)
 
 
 def section_alpha(ctx: Ctx) -> str:
@@ -82,8 +79,10 @@ def section_alpha(ctx: Ctx) -> str:
     (scripts/experiments/steady_state.py; the runs at alpha None are Fig. 12's)."""
     runner = Runner(jobs=ctx.args.steady_jobs)
     seeds = range(ctx.args.curve_seeds)
+    t0 = time.perf_counter()
     cap = capacity(runner, Setup(MAIN, "sharegpt", ctx.args.steady_prompts), range(3))
-    lines = ["## Sensitivity to alpha (the starvation threshold)", "", f"Command: `{ctx.cmd('alpha')}`", "",
+    lines = ["## Sensitivity to alpha (the starvation threshold)", "",
+             f"Command: `{ctx.cmd('alpha')} --burst-seconds {ctx.args.burst_seconds:g}`", "",
              f"OPT-13B on one A100 40GB (roofline profile), skip-join MLFQ with the engine's defaults but alpha, "
              f"proactive KV, ShareGPT lengths through vLLM's length filter, {ctx.args.steady_prompts} requests a "
              f"point, the middle 80% of arrivals counted, {len(seeds)} seeds (mean ± 95% interval), loads in units "
@@ -104,18 +103,37 @@ def section_alpha(ctx: Ctx) -> str:
                          f"{fmt(stat(d['mean_per_token_s']))} | {fmt(stat(d['p95_per_token_s']))} | "
                          f"{fmt(stat(d['p99_per_token_s']))} | {fmt(stat(d['max_e2e_s']))} | " + " | ".join(vs) + " |")
             print(f"  alpha {load:g}C {alpha}: mean {stat(d['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests a point (every request "
-              "counted, one seed) at 0.75x and 1.25x of 2.8 req/s under the defaults of its day (alpha 0.3 s, "
-              "`--kv-overcommit 4`), where alpha was the only bound on waits; it read 1.16-1.32 s/token at 1.25x "
-              "across alphas (0.044-0.050 at 0.75x).", "",
-              f"This section: {runner.runs} simulations run now, simulation code version {runner.version}.", ""]
+    shape = BurstShape(seconds=ctx.args.burst_seconds)
+    lines += ["", f"**Past capacity, a burst** (no steady state there: the queue grows for as long as the overload "
+              f"lasts, so a mean over a run depends on its length): {shape.seconds:g} virtual seconds of Poisson "
+              f"arrivals at {shape.high:g}C, then {shape.low:g}C until the queue drains, every request counted, the "
+              f"run cut at {shape.limit * shape.seconds / 60:g} minutes (a request unfinished there at its age; "
+              "measures.run_burst, as the past_capacity section's burst). Drain time: from the burst's end to the "
+              "drain.", "",
+              "| alpha s | requests | mean s/token | P95 s/token | P99 TTFT s | drain s | unfinished at the cut | "
+              "mean / default | P95 / default |", "|---|---|---|---|---|---|---|---|---|"]
+    base = None
+    for alpha in ALPHAS:
+        setup = Setup(MAIN, "sharegpt", ctx.args.steady_prompts,
+                      () if alpha is None else (("starvation_threshold", alpha),))
+        b = bursts(runner, setup, ["skip-join-mlfq"], seeds, cap["C"], shape)["skip-join-mlfq"]
+        base = base or b
+        vs = [fmt(ratio_stat(b[m].values, base[m].values)) for m in ("mean_per_token_s", "p95_per_token_s")]
+        lines.append(f"| {'none (default)' if alpha is None else alpha} | {fmt(b['requests'], 4)} | "
+                     f"{fmt(b['mean_per_token_s'])} | {fmt(b['p95_per_token_s'])} | {fmt(b['p99_ttft_s'])} | "
+                     f"{fmt(b['drain_s'])} | {fmt(b['unfinished'])} | " + " | ".join(vs) + " |")
+        print(f"  alpha burst {alpha}: mean {b['mean_per_token_s']}", flush=True)
+    lines += ["", f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
+              f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
+              f"version {runner.version}.", ""]
     return "\n".join(lines)
 
 
 # -- what the paper did not test: profiler error, bursty arrivals ----------------------------------------------------
 PROFILER_ERRORS = ((1.0, 1.0), (0.8, 0.8), (1.2, 1.2), (0.8, 1.2), (1.2, 0.8))  # (t_init, t_dec) as the scheduler reads
 BURSTINESS = (1.0, 0.5, 0.25)  # gamma arrivals: coefficient of variation 1, 1.4, 2
-ROBUSTNESS_LOADS = (1.0, 1.5)  # x C (below capacity no case differs: the previous version read the same at 0.75x)
+ROBUSTNESS_LOADS = (1.0,)  # x C, steady state (below capacity no case differs)
+ROBUSTNESS_PAST = (1.5,)  # x C: past capacity, by time (output tokens per second, measures.collapse)
 
 
 def section_robustness(ctx: Ctx) -> str:
@@ -165,20 +183,38 @@ def section_robustness(ctx: Ctx) -> str:
                          f"{fmt(ratio_stat(sj['served_rate'], f['served_rate']), 4)} |")
             print(f"  burst {load:g}C {burst}: fcfs {stat(f['mean_per_token_s'])} skip-join "
                   f"{stat(sj['mean_per_token_s'])}", flush=True)
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
-              "a point, every one counted, one seed, at 0.75x and 1.0x of 2.8 req/s, with the old cost model, no "
-              "length filter and the defaults of its day (alpha 0.3 s, `--kv-overcommit 4`). It read skip-join / "
-              "FCFS mean 0.80x at 0.75x and 0.44x at 1.0x with Poisson arrivals, 0.45-0.49x at 0.75x and 0.79-0.81x "
-              "at 1.0x with bursts, and profiler errors moved skip-join's mean by -32%..+3% at 1.0x (one seed). "
-              "Why it reads differently now: one seed of a 1,500-request trace at capacity is mostly that trace's "
-              "noise (at 1.0C the seeds' intervals here span 2-3x); a profile off by 20% shifts every quantum and "
-              "the skip-join entry queue by the same factor, so the order of jobs, which is what the scheduler "
-              "decides, barely moves. Bursts widen the intervals at and past capacity but leave skip-join's lead "
-              "over FCFS where it was.", "",
+    lines += ["", *_robustness_past(runner, n, seeds, c), "",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
     return "\n".join(lines)
+
+
+def _robustness_past(runner: Runner, n: int, seeds: range, c: float) -> list[str]:
+    """The robustness cases past capacity, by time: output tokens per second in the counted window
+    (measures.collapse), each profiler error against the exact profile and skip-join against FCFS per burstiness."""
+    lines = ["**Past capacity, by time** (no steady state there: the queue grows for as long as the overload lasts, "
+             "so a mean over a run depends on its length): the output tokens per second inside the counted window "
+             "(every output token of any request made in it, over its length: measures.collapse), paired per seed.",
+             "", "| load | t_init x | t_dec x | skip-join output tokens/s | / exact profile |", "|---|---|---|---|---|"]
+    for load in ROBUSTNESS_PAST:
+        exact = None
+        for err in PROFILER_ERRORS:
+            d = collapse(runner, Setup(MAIN, "sharegpt", n, profiler_error=err), ["skip-join-mlfq"], seeds, c,
+                         (load,))[(load, "skip-join-mlfq")]["tokens_per_s"]
+            exact = exact or d
+            vs = None if err == PROFILER_ERRORS[0] else ratio_stat(d.values, exact.values)
+            lines.append(f"| {load:g}C | {err[0]:g} | {err[1]:g} | {fmt(d, 4)} | {ratio_cell(vs, 4)} |")
+    lines += ["", "| load | burstiness | FCFS output tokens/s | skip-join | skip-join / FCFS |",
+              "|---|---|---|---|---|"]
+    for load in ROBUSTNESS_PAST:
+        for burst in BURSTINESS:
+            t = collapse(runner, Setup(MAIN, "sharegpt", n, burstiness=burst), ["fcfs", "skip-join-mlfq"], seeds, c,
+                         (load,))
+            f, sj = t[(load, "fcfs")], t[(load, "skip-join-mlfq")]
+            lines.append(f"| {load:g}C | {burst:g} | {fmt(f['tokens_per_s'], 4)} | {fmt(sj['tokens_per_s'], 4)} | "
+                         f"{ratio_cell(sj['vs_ref'], 4)} |")
+    return lines
 
 
 KV_LOADS = (0.8, 1.0, 1.5)  # x C
@@ -223,18 +259,7 @@ def section_kv_steady(ctx: Ctx) -> str:
                                                               pro[f"mean_per_token_s_out{lo}"])])))
                      for lo, _ in buckets]
             lines.append(f"| {load:g}C | {kv} | " + " | ".join(cells) + " |")
-    lines += ["", "What changed since this section's previous version: it ran 1,500 requests "
-              "a point, every one counted, one seed, at 0.75x, 1.0x and 1.5x of 2.8 req/s, with the old cost model "
-              "and the defaults of its day, and read ShareGPT without vLLM's length filter, clipping prompts to "
-              "2,047 tokens (23-30 such requests a run, each with one output token, set apart in its table). It "
-              "compared proactive with the non-blocking reactive baseline and recompute only, and read reactive / "
-              "proactive mean 1.01x at 0.75x, 0.57x at 1.0x and 0.77x at 1.5x (0.90x and 0.87x without the clipped "
-              "prompts): proactive behind at and past capacity, most for the shortest outputs (1-7 tokens: 4.48 "
-              "against 0.83 s/token at 1.0x), which were mostly the clipped prompts. Why it reads differently now: "
-              "vLLM's filter drops those prompts; the proactive watermark counts only the blocks the batch adds "
-              "(since 2026-12-03), so proactive no longer parks jobs the scheduler wants back; and the paper's "
-              "blocking baseline is in the table, which proactive beats most on the long outputs, whose jobs are "
-              "swapped most.", "",
+    lines += ["",
               f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
               f"{(time.perf_counter() - t0) / 60:.0f} min wall; the rest came from the cache), simulation code "
               f"version {runner.version}.", ""]
