@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.executor.base import ExecutorDeadError
 from engine.executor.messages import StepJobs, StepMessage
-from engine.executor.multiproc import check_layout, port_free
+from engine.executor.multiproc import check_layout, free_port, port_free
 from engine.host_tier import TEST_LOCK_ENV
 from engine.kv_cache import DEFAULT_CPU_KV_BYTES
 from engine.loader import load_model_stage
@@ -323,9 +323,7 @@ def test_a_second_node_of_workers_joins_over_loopback(tiny_model_dir, tmp_path):
     """tp 2 x pp 2 over two "nodes": the controller starts ranks 0-1, engine.executor.node starts ranks 2-3
     from a torchrun-style environment; greedy output equals tp = pp = 1."""
     key = os.urandom(16).hex()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the engine's own pick: p and p + 1 free
     env = dict(os.environ, FASTSERVE_CLUSTER_KEY=key, PYTHONPATH=str(REPO))
     os.environ["FASTSERVE_CLUSTER_KEY"] = key
     built: list = []
