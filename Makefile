@@ -42,10 +42,14 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-## test: lint + the test suite (slow tests excluded; see test-slow; the third-party clients: see test-clients)
+## test: lint + the test suite (slow tests excluded; see test-slow; the third-party clients: see test-clients), in
+## TEST_WORKERS processes (pytest-xdist; 2, one per core here: much of the suite waits on servers and worker
+## processes; TEST_WORKERS=0 runs it in one), each test file's tests in one process
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow and not cuda" --ignore=tests/clients --durations=20 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not cuda" --ignore=tests/clients \
+		--durations=20 $(ARGS)
 
 ## test-clients: guidellm, lm-eval, langchain-openai and litellm (installed first, versions pinned in
 ## requirements-clients.txt) run against a live server.py with the built-in tiny model, and lm-eval, guidellm and
