@@ -43,7 +43,7 @@ def load_stage(tmp_path, overrides: dict, dtype: torch.dtype):
                             "auto", 0), cfg
 
 
-def batch(cfg: OPTConfig, seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+def batch(cfg, seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     """A cache of random K/V over shuffled blocks, and the flat inputs of a batch of (cached, new) pairs."""
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-(cached + new) // BS) for cached, new in seqs]
@@ -59,13 +59,14 @@ def batch(cfg: OPTConfig, seqs: list[tuple[int, int]], dtype: torch.dtype, seed:
     return ids, positions, kv, meta
 
 
-def run_both(stage, ids, positions, kv, meta, monkeypatch):
-    """(hidden, cache) after the stage's forward as it runs, and after the Python loop alone."""
+def run_both(stage, ids, positions, kv, meta, monkeypatch, model=opt, op_getter: str = "cpu_decode_layers_op"):
+    """(hidden, cache) after the stage's forward as it runs, and after the Python loop alone (the model module's
+    getter of the compiled loop answering None)."""
     kv_python = kv.clone()
     with torch.inference_mode():
         out = stage(ids, positions, kv, meta)
         with monkeypatch.context() as m:
-            m.setattr(opt, "cpu_decode_layers_op", lambda kv_cache: None)
+            m.setattr(model, op_getter, lambda kv_cache: None)
             out_python = stage(ids, positions, kv_python, meta)
     return out, kv, out_python, kv_python
 

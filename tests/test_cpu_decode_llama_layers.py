@@ -16,18 +16,17 @@ import pytest
 import torch
 
 import engine.model.llama as llama
-from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model_stage
 from engine.model.llama_config import LlamaConfig
 from engine.model.registry import load_model_config
 from engine.model.rotary import Rotary
 from engine.parallel import ParallelLayout, TensorParallelGroup
 from fastserve_kernels import cpu_decode_extension, cpu_packed_linear
-from fastserve_kernels.paged_attention import AttentionMetadata
 from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
+from tests.test_cpu_decode_layers import BS, batch
+from tests.test_cpu_decode_layers import run_both as run_both_loops
 from tests.test_llama_reference import LLAMA3_SCALING
 
-BS = 4
 VARIANTS = {  # 8 query heads over 2 KV heads (llama_config's defaults) unless said
     "llama_gqa_llama3_rope": ("LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)),
     "qwen2_gqa_qkv_bias_linear_rope": ("Qwen2ForCausalLM", dict(rope_scaling=dict(rope_type="linear", factor=4.0),
@@ -54,29 +53,9 @@ def load_stage(tmp_path, variant: str, dtype: torch.dtype):
                             "auto", 0), cfg
 
 
-def batch(cfg, seqs: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
-    """A cache of random K/V over shuffled blocks, and the flat inputs of a batch of (cached, new) pairs."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-(cached + new) // BS) for cached, new in seqs]
-    perm = torch.randperm(sum(blocks) + 3, generator=g).tolist()
-    tables = [[perm.pop() for _ in range(n)] for n in blocks]
-    kv = allocate_kv_cache(sum(blocks) + 3, cfg, ParallelLayout(), BS, dtype, torch.device("cpu"))
-    kv.copy_(torch.randn(kv.shape, generator=g, dtype=dtype))
-    meta = AttentionMetadata.for_sequences(seqs, tables, BS)
-    ids = torch.randint(4, cfg.vocab_size, (sum(new for _, new in seqs),), generator=g)
-    positions = torch.cat([torch.arange(cached, cached + new) for cached, new in seqs])
-    return ids, positions, kv, meta
-
-
 def run_both(stage, ids, positions, kv, meta, monkeypatch):
     """(hidden, cache) after the stage's forward as it runs, and after the Python loop alone."""
-    kv_python = kv.clone()
-    with torch.inference_mode():
-        out = stage(ids, positions, kv, meta)
-        with monkeypatch.context() as m:
-            m.setattr(llama, "cpu_decode_llama_layers_op", lambda kv_cache: None)
-            out_python = stage(ids, positions, kv_python, meta)
-    return out, kv, out_python, kv_python
+    return run_both_loops(stage, ids, positions, kv, meta, monkeypatch, llama, "cpu_decode_llama_layers_op")
 
 
 def rope_config(**overrides):
