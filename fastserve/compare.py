@@ -48,6 +48,7 @@ import numpy as np
 
 from engine.args import add_engine_args, engine_args_given, engine_argv
 from engine.model_names import TINY_OPT
+from fastserve.bench.intervals import paired_ratios
 from fastserve.bench.loadgen import build_parser as loadgen_parser
 from fastserve.bench.loadgen import jsonable
 from fastserve.bench.metrics import rate_at_slo
@@ -57,31 +58,6 @@ POLICIES = ("fcfs", "fixed-priority", "mlfq", "skip-join-mlfq")
 # The setting every server runs in unless told otherwise: a bounded batch, so that order matters.
 ORDER_MATTERS = {"max_num_seqs": 16, "num_gpu_blocks_override": 1024, "num_host_blocks_override": 8192}
 WINDOW = (0.1, 0.9)  # the counted requests: those arriving in the middle 80% of a run's arrival span
-# Student's t, 97.5% quantile, by degrees of freedom (the 95% two-sided interval); 1.96 beyond 30
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-         20: 2.086, 25: 2.060, 30: 2.042}
-
-
-def t_975(df: int) -> float:
-    """Student's t 97.5% quantile for df degrees of freedom (the table's entry at or below df; 1.96 past 30)."""
-    if df > 30:
-        return 1.96
-    return T_975[max(k for k in T_975 if k <= df)]
-
-
-def interval(values: Sequence[float]) -> dict:
-    """{"mean", "half", "low", "high", "values"}: the mean and the 95% Student-t interval of the values (half-width
-    nan for fewer than two)."""
-    values = list(values)
-    mean = statistics.fmean(values) if values else math.nan
-    half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
-    return {"mean": mean, "half": half, "low": mean - half, "high": mean + half, "values": values}
-
-
-def paired_ratios(num: Sequence[float], den: Sequence[float]) -> dict:
-    """interval() of num[i] / den[i], pairs of the same seed (a pair with a non-positive or nan den is left out)."""
-    return interval([a / b for a, b in zip(num, den) if b > 0])
 
 
 def window_metrics(run: dict) -> dict:

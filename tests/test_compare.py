@@ -15,6 +15,7 @@ import pytest
 
 from engine.model_names import TINY_OPT
 from fastserve import compare
+from fastserve.bench import intervals
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,14 +95,14 @@ def test_capacity_each_seed_measures_c_again_before_each_seeds_pair(tiny_model_d
 
 
 def test_interval_is_the_student_t_95_percent_interval():
-    r = compare.interval([1.0, 2.0, 3.0])  # sd 1, 2 degrees of freedom: t = 4.303
+    r = intervals.interval([1.0, 2.0, 3.0])  # sd 1, 2 degrees of freedom: t = 4.303
     assert r["mean"] == 2.0 and r["half"] == pytest.approx(4.303 / math.sqrt(3))
     assert (r["low"], r["high"]) == pytest.approx((2 - 4.303 / math.sqrt(3), 2 + 4.303 / math.sqrt(3)))
-    five = compare.interval([1.8, 2.2, 1.5, 2.5, 2.0])  # 4 degrees of freedom: t = 2.776
+    five = intervals.interval([1.8, 2.2, 1.5, 2.5, 2.0])  # 4 degrees of freedom: t = 2.776
     assert five["half"] == pytest.approx(2.776 * statistics.stdev([1.8, 2.2, 1.5, 2.5, 2.0]) / math.sqrt(5))
-    assert math.isnan(compare.interval([1.5])["half"])  # one seed: no interval
-    assert compare.t_975(22) == 2.086 and compare.t_975(40) == 1.96  # past the table's rows: the row below; 1.96
-    paired = compare.paired_ratios([0.3, 0.2, 0.1], [0.1, 0.1, 0.0])  # a zero denominator is left out
+    assert math.isnan(intervals.interval([1.5])["half"])  # one seed: no interval
+    assert intervals.t_975(22) == 2.086 and intervals.t_975(40) == 1.96  # past the table's rows: the row below; 1.96
+    paired = intervals.paired_ratios([0.3, 0.2, 0.1], [0.1, 0.1, 0.0])  # a zero denominator is left out
     assert paired["values"] == pytest.approx([3.0, 2.0]) and paired["mean"] == pytest.approx(2.5)
     assert paired["half"] == pytest.approx(12.706 * statistics.stdev([3.0, 2.0]) / math.sqrt(2))
 

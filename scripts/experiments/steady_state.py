@@ -38,6 +38,7 @@ from pathlib import Path
 
 from engine.simulation import quantile, stall_share  # the project's one quantile rule; copy stalls
 from fastserve.bench.arrivals import speedup_for_rate
+from fastserve.bench.intervals import t_975
 from fastserve.bench.workload import LengthFilter, filter_line, load_workload
 from scripts.experiments.common import SCALES, KVUsageTracker, phase_latencies  # SCALES: name -> (shape, profile)
 
@@ -52,7 +53,6 @@ ARRIVAL_TRACES = {"azure-conv": REPO.parent / "shared" / "datasets" / "azure_llm
 # 2023's conversation and code services.
 TRACE_WORKLOADS = {"azure-conv": ARRIVAL_TRACES["azure-conv"],
                    "azure-code": ARRIVAL_TRACES["azure-conv"].with_name("AzureLLMInferenceTrace_code.csv")}
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 MIN_REQUESTS = 3000
 WINDOW = (0.1, 0.9)  # the middle 80% of the arrival span
 # The SLO of the measures past capacity (scripts/experiments/measures.py): per-token latency <= SLO_DECODES x a decode
@@ -118,7 +118,7 @@ def stat(values: Sequence[float]) -> Stat:
     mean = statistics.fmean(values)
     if len(values) < 2:
         return Stat(mean, math.nan, values)
-    return Stat(mean, T_975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values)), values)
+    return Stat(mean, t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)), values)
 
 
 def fmt(s: Stat, digits: int = 3, unit: str = "") -> str:
