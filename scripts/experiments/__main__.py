@@ -1,7 +1,7 @@
 """Regenerate docs/experiments.md and its figures (docs/figures/*.png): the FastServe paper's experiments,
 simulated at the paper's scale with roofline profiles, plus a small live measurement.
 
-    python -m scripts.experiments                       # everything (~10 min on 2 shared cores)
+    python -m scripts.experiments                       # everything (hours on 2 cores: each section names its time)
     python -m scripts.experiments --only fig5,fig14     # some figures; prints their sections, keeps the doc
     python -m scripts.experiments --no-live --num-prompts 200
 
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             "estimates from datasheet numbers, not measurements**: we have none of these GPUs. Absolute numbers "
             "therefore differ from the paper's; the comparisons between policies on the same profile and trace "
             "are what these runs show. The live section measures the real engine on this CPU.", "",
-            f"Settings shared by all runs unless a section says otherwise: seed {args.seed}, max_num_seqs "
-            f"{args.max_num_seqs}, block size 16, float16 KV, starvation threshold 0.3 s, proactive KV policy.", ""]
+            f"Settings shared by all runs unless a section says otherwise: the engine's defaults (docs/scheduling.md), "
+            f"seed {args.seed}, max_num_seqs {args.max_num_seqs}, block size 16, float16 KV, proactive KV policy.", ""]
     args.out.write_text("\n".join(head) + "\n" + "\n".join(parts[k] for k in FIGURES if k in parts))
     print(f"wrote {args.out} in {wall:.0f} s")
     return 0
