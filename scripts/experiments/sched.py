@@ -77,7 +77,8 @@ def _ablation_past(runner: Runner, n: int, seeds: range, c: float) -> list[str]:
     lines = ["**Past capacity, by time** (no steady state there: the queue grows for as long as the overload lasts, "
              "so a mean over a run depends on its length): the output tokens per second inside the counted window "
              "(measures.collapse), paired per seed, and the upload stall: the share of the executor's time that no "
-             "step ran because a request waited for a KV upload.", "",
+             "step ran because a request waited for a KV upload (0 where another job was always ready to run "
+             "while an upload was in flight).", "",
              "| load | ranking | output tokens/s | / ENST | upload stall share |", "|---|---|---|---|---|"]
     for load in ABLATION_PAST:
         enst = None
