@@ -136,12 +136,13 @@ class EngineConfig:
     mlfq_ladder: str = setting(
         "service", "MLFQ quanta: 'service' covers a job's whole service, decode included; 'prefill' stops at the "
                    "longest prompt's first iteration (the paper's); scheduler/policy.py", choices=MLFQ_LADDERS)
-    # Off by default: the lengths it learns from are those that finished, and past capacity those are the short ones,
-    # so a heavy tail can read as alike (Azure's 2023 conversation lengths at 1.5x capacity: one seed of two 2.7x
-    # worse; docs/scheduling.md, "Skip-join MLFQ", alike-lengths mode).
+    # Off by default: not yet measured against the default on goodput and a burst (docs/scheduling.md, "Skip-join
+    # MLFQ", alike-lengths mode). It counts running jobs as censored lengths, since past capacity the jobs that
+    # finished are the short ones.
     adapt_to_alike_lengths: bool = setting(
-        False, "skip-join, opt-in: once the output lengths of finished jobs say a started job is the nearer to "
-               "finishing (alike lengths), no job sinks and a started job runs to completion first "
+        False, "skip-join, opt-in: once the output lengths of finished jobs (running ones counted as censored) "
+               "say a started job is the nearer to finishing (alike lengths), no job sinks and a started job runs to "
+               "completion first "
                "(scheduler/skip_join_mlfq.py, set_alike_lengths); off: the service ladder always (the paper's)")
     reserved_blocks: int = setting(0, "device KV blocks kept free for bursts of new jobs")
     kv_overcommit: float | None = setting(

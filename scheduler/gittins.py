@@ -20,7 +20,10 @@ Rule, on the engine's clock, every cost profiled:
   the weights, 20-50 decode shares for a 20-token prompt on OPT-13B, which ranked fresh jobs below started
   ones; on Alpaca at 2x capacity one seed of three then read 1.8x skip-join's mean, new jobs waiting at the
   door: P99 TTFT 22 s. docs/scheduling.md, "Gittins".)
-- The output length L (tokens, >= 1) has the empirical distribution of the last HISTORY finished jobs. A job
+- The output length L (tokens, >= 1) has the distribution of the last HISTORY finished jobs, with every started
+  job still held counted as censored: it says only L > g, g its tokens so far (Kaplan-Meier, length_pmf). Past
+  capacity the short jobs finish first and the long ones wait half done, so the finished lengths alone read the
+  distribution short (the censoring bias); with no started job held it is their empirical distribution. A job
   that has generated g tokens has the index
       G = max over thresholds t > g (lengths seen) of
           E[1{L <= t} / L | L > g]  /  (P + d * E[min(L, t) - max(g, 1) | L > g])
@@ -63,15 +66,70 @@ DECODE_CONTEXT = 512  # the context length at which the decode share d is priced
 RERANK_BLOCK = 1024  # fresh jobs re-ranked per array operation at a refresh
 
 
-class LearnedIndex:
-    """The Gittins index over the empirical distribution of a sample of output lengths, work priced at a decode
-    share d per token (the module docstring's formula)."""
+TAIL_MASS = 1e-4  # the constant-hazard tail past the longest job seen is followed until this much mass is left
+TAIL_SPACING = 1.15  # its mass is gathered on lengths spaced this factor apart (a few dozen points, not thousands)
 
-    def __init__(self, lengths: np.ndarray, d: float, rows: Sequence[int] | None = None) -> None:
+
+def length_pmf(lengths: np.ndarray, censored: np.ndarray | None = None) -> np.ndarray:
+    """P(L = k) for k = 0..K, from finished jobs' output `lengths` (>= 1) and, where given, `censored`: the tokens
+    generated so far by jobs not finished, each saying only L > g (those with g = 0 say nothing).
+
+    Without censored jobs, the empirical distribution. With them, the Kaplan-Meier estimate: the hazard at k is the
+    jobs finished at k over the jobs at risk there (finished at k or later, or censored at g >= k), S(k) the product
+    of (1 - hazard) up to k. Nothing says how the mass S left past the longest job seen ends, so it ends at the
+    constant hazard the observed range had on average (its finished jobs over its tokens at risk): a geometric tail,
+    neither rising nor falling, gathered on lengths TAIL_SPACING apart until TAIL_MASS is left (the rest on the last).
+    Putting that mass on the longest job seen instead (Efron's tail) reads a heavy tail under heavy censoring as
+    alike lengths: every job left would finish there."""
+    if censored is not None:
+        censored = censored[censored >= 1]
+    if censored is None or not len(censored):
+        return np.bincount(lengths).astype(np.float64) / len(lengths)
+    lmax = max(int(lengths.max()) if len(lengths) else 0, int(censored.max()))
+    events = np.bincount(lengths, minlength=lmax + 1).astype(np.float64)
+    at_risk = events[::-1].cumsum()[::-1] + np.bincount(censored, minlength=lmax + 1)[::-1].cumsum()[::-1]
+    hazard = np.divide(events, at_risk, out=np.zeros(lmax + 1), where=at_risk > 0)
+    surv = np.cumprod(1.0 - hazard)  # S(k) = P(L > k)
+    pmf = -np.diff(np.concatenate(([1.0], surv)))  # P(L = k) = S(k - 1) - S(k)
+    left = surv[lmax]
+    if left <= TAIL_MASS:
+        pmf[lmax] += left
+        return pmf
+    rate = min(1.0, events[1:].sum() / at_risk[1:].sum())  # finished per token at risk over the observed range
+    # Tail points lmax + e for e on a grid TAIL_SPACING apart; each takes the geometric mass of (previous, e].
+    span = int(np.ceil(np.log(TAIL_MASS / left) / np.log1p(-rate))) if rate < 1.0 else 1
+    ends, e = [], 1
+    while e < span:
+        ends.append(e)
+        e = max(e + 1, int(e * TAIL_SPACING))
+    ends.append(span)
+    beyond = left * (1.0 - rate) ** np.array(ends, dtype=np.float64)  # P(L > lmax + e)
+    mass = -np.diff(np.concatenate(([left], beyond)))
+    mass[-1] += beyond[-1]
+    tail = np.zeros(lmax + span + 1)
+    tail[:lmax + 1] = pmf
+    tail[lmax + np.array(ends)] = mass
+    return tail
+
+
+def median_length(lengths: np.ndarray, censored: np.ndarray | None = None) -> int:
+    """The median output length: of the finished lengths with no censored job (as np.median, rounded down), else of
+    length_pmf's estimate (the first k whose cumulative probability reaches 1/2)."""
+    if censored is None or not len(censored[censored >= 1]):
+        return int(np.median(lengths))
+    return int(np.searchsorted(np.cumsum(length_pmf(lengths, censored)), 0.5 - 1e-12))
+
+
+class LearnedIndex:
+    """The Gittins index over the distribution of output lengths (length_pmf: finished jobs, and censored ones
+    where given), work priced at a decode share d per token (the module docstring's formula)."""
+
+    def __init__(self, lengths: np.ndarray, d: float, rows: Sequence[int] | None = None,
+                 censored: np.ndarray | None = None) -> None:
         """rows: the g whose started-job index the table holds (None: every g; the others are left 0)."""
         self.d = d
-        lmax = int(lengths.max())
-        counts = np.bincount(lengths, minlength=lmax + 1).astype(np.float64) / len(lengths)
+        counts = length_pmf(lengths, censored)
+        lmax = len(counts) - 1
         surv = 1.0 - np.cumsum(counts)  # S(k) = P(L > k), k = 0..lmax
         surv[surv < 1e-12] = 0.0
         # What finishing a job of length l is worth: 1 / l, so the index orders for mean per-token latency (the
@@ -129,14 +187,16 @@ class LearnedIndex:
         return self.growth(median) > 1.0
 
 
-def index_growth(lengths: Sequence[int]) -> float:
+def index_growth(lengths: Sequence[int], censored: Sequence[int] = ()) -> float:
     """Over these output lengths, the Gittins index of a job halfway through (at the median length) over that of a
     job with one token out: above 1 where a started job is the nearer to finishing (alike lengths: 2-3 for lengths
     uniform over 0.5-1.5x their mean), below 1 on heavy tails (ShareGPT 0.08, Alpaca 0.10, the Azure 2023 traces
-    0.6-1.0). Two rows of the index, not its whole table."""
-    arr = np.asarray(lengths, dtype=np.int64)
-    median, lmax = int(np.median(arr)), int(arr.max())
-    return LearnedIndex(arr, 1.0, rows=(1, min(median, lmax - 1))).growth(median)
+    0.6-1.0). `censored`: the tokens so far of started jobs not finished (length_pmf). Two rows of the index, not
+    its whole table."""
+    arr, cen = np.asarray(lengths, dtype=np.int64), np.asarray(censored, dtype=np.int64)
+    median = median_length(arr, cen)
+    pmf = length_pmf(arr, cen)
+    return LearnedIndex(arr, 1.0, rows=(1, min(median, len(pmf) - 2)), censored=cen).growth(median)
 
 
 class GittinsPolicy(AgePromotedPolicy):
@@ -200,12 +260,17 @@ class GittinsPolicy(AgePromotedPolicy):
 
     def _refresh(self) -> None:
         lengths = np.asarray(self._lengths, dtype=np.int64)
-        learned = self._learned = LearnedIndex(lengths, self._d)
+        censored = self.censored_lengths()
+        learned = self._learned = LearnedIndex(lengths, self._d, censored=censored)
         self._table_list = learned.table_list
         # The batch rule follows the index: where a job halfway through (the median length) outranks one that has
         # just started, started jobs are the nearer to finishing, and their room comes before a new job's.
-        self.fresh_waits_for_started = learned.rises_with_service(int(np.median(lengths)))
+        self.fresh_waits_for_started = learned.rises_with_service(median_length(lengths, censored))
         self._rerank()
+
+    def censored_lengths(self) -> np.ndarray:
+        """The tokens generated so far by every started job held (not finished: each says only L > g)."""
+        return np.fromiter((j.num_generated for j in self._seq if j.num_generated and not j.finished), dtype=np.int64)
 
     def _rerank(self) -> None:
         """Every job's index moved: re-sort the fresh list now, the started list at the next tick."""

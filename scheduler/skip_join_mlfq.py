@@ -58,7 +58,8 @@ Rule, on the engine's clock, with every time a *profiled* cost:
   docs/experiments.md, "Past capacity"). Both change nothing while every job
   fits the batch.
 - Alike-lengths mode (adapt_to_alike_lengths; off by default, and never for
-  naive MLFQ): from the output lengths of the last HISTORY finished jobs,
+  naive MLFQ): from the output lengths of the last HISTORY finished jobs
+  and the started jobs held, censored (scheduler.gittins.length_pmf),
   once the Gittins index they give a job at the median length is ALIKE_ON x
   that at one token out (alike lengths: a started job is the nearer to
   finishing), no job is demoted, started jobs move to Q1 (keeping their
@@ -156,8 +157,9 @@ ALIKE_MIN_HISTORY = 256
 # The mode turns on where the learned Gittins index of a job at the median length is at least ALIKE_ON x that of a
 # job with one token out (scheduler.gittins.index_growth), and off again at ALIKE_OFF or below (between: as it was).
 # On random 256-length samples the Azure 2023 traces read up to 1.55 (their whole traces 0.6-1.0) and lengths uniform
-# over 0.5-1.5x a mean of 16-817 tokens 2.0-11. The finished lengths are censored, though: past capacity the short
-# jobs finish first, and the shortest third of a heavy tail reads as alike (why the mode is opt-in: engine/config.py).
+# over 0.5-1.5x a mean of 16-817 tokens 2.0-11. Past capacity the short jobs finish first, and the finished lengths
+# alone read the shortest third of a heavy tail as alike: the started jobs still held count too, as censored
+# (Kaplan-Meier: scheduler.gittins.length_pmf). The mode stays opt-in (engine/config.py).
 ALIKE_ON, ALIKE_OFF = 2.0, 1.0
 
 class _Band:
@@ -326,7 +328,9 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
         if len(lengths) >= ALIKE_MIN_HISTORY and (self._since_check >= REFRESH_EVERY
                                                   or len(lengths) == ALIKE_MIN_HISTORY):
             self._since_check = 0
-            growth = index_growth(lengths)
+            # Started jobs still held (the one finishing now aside) count as censored: L > their tokens so far.
+            censored = [j.num_generated for j in self._band_of if j.num_generated and not j.finished]
+            growth = index_growth(lengths, censored)
             self.set_alike_lengths(growth >= ALIKE_ON if not self.alike_lengths else growth > ALIKE_OFF)
 
     def set_alike_lengths(self, on: bool) -> None:

@@ -1,16 +1,19 @@
 """The Gittins-index policy (scheduler/gittins.py): its index against a hand computation, the order it learns from
 finished jobs (least attained service on a heavy tail, run-to-completion on alike lengths), that it reads no job's
-own output length, that a fresh job waits behind a started one that waits for KV, and age promotion.
+own output length, that a fresh job waits behind a started one that waits for KV, age promotion, and the
+distribution it learns with the started jobs counted as censored (Kaplan-Meier, a constant-hazard tail).
 
 Costs (tests/scheduler_sim.make_cost): t_init(L) = L / 8 s, t_dec = 1 s at any batch size.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from scheduler import GittinsPolicy, Job, PolicyName, SchedulerConfig, make_policy
-from scheduler.gittins import MIN_HISTORY
+from scheduler.gittins import MIN_HISTORY, index_growth, length_pmf, median_length
+from scheduler.skip_join_mlfq import ALIKE_OFF, ALIKE_ON
 from tests.scheduler_sim import FakeKV, make_cost
 
 COST = make_cost()
@@ -213,3 +216,61 @@ def test_a_step_is_charged_once() -> None:
     batch = p.schedule(0.0, FakeKV(num_blocks=100)).batch
     p.on_step_done(batch, 1.5, 1.5)
     assert batch == [j] and j.service_total == 1.5
+
+
+# -- learning from censored jobs: the started jobs still held say L > g ------------------------------------------
+def test_without_censored_jobs_the_distribution_is_the_finished_lengths() -> None:
+    lengths = np.array([3, 1, 3, 7])
+    assert length_pmf(lengths).tolist() == [0, 0.25, 0, 0.5, 0, 0, 0, 0.25]
+    assert length_pmf(lengths, np.array([0, 0])).tolist() == length_pmf(lengths).tolist()  # g = 0 says nothing
+
+
+def test_kaplan_meier_by_hand() -> None:
+    """Finished at 1, 2, 3; one job still running with 2 tokens out. At 1: 4 at risk, 1 ends (S = 3/4); at 2: 3
+    at risk (the running job among them), 1 ends (S = 1/2); at 3: 1 at risk, it ends (S = 0). Without the running
+    job each length would read 1/3."""
+    assert np.allclose(length_pmf(np.array([1, 2, 3]), np.array([2])), [0, 0.25, 0.25, 0.5])
+
+
+def test_the_mass_past_the_longest_job_seen_ends_at_the_observed_hazard() -> None:
+    """Two jobs finished at 1, two still running at 4: S(4) = 1/2 is left. Over 1..4, 2 jobs finished in 10 tokens
+    at risk: 0.2 a token, so P(L = 4 + e) = 0.5 x 0.8^(e - 1) x 0.2 (on the first points, one token apart)."""
+    pmf = length_pmf(np.array([1, 1]), np.array([4, 4]))
+    assert pmf[1] == 0.5 and pmf[2:5].sum() == 0
+    assert np.allclose(pmf[5:8], [0.1, 0.08, 0.064])
+    assert abs(pmf.sum() - 1) < 1e-12 and abs(pmf[5:].sum() - 0.5) < 1e-12
+
+
+def _observed(lengths: np.ndarray, horizon: float, seed: int) -> tuple[list[int], list[int]]:
+    """Jobs started uniformly over the last `horizon` decode steps, one token a step: (the lengths of those finished,
+    the tokens so far of those running): what a server past capacity sees of them."""
+    age = np.random.default_rng(seed).uniform(0, horizon, len(lengths)).astype(int)
+    done = lengths <= age
+    return lengths[done].tolist(), np.minimum(age, lengths - 1)[~done].tolist()
+
+
+def test_censored_jobs_undo_the_bias_of_the_finished_lengths() -> None:
+    """Heavy tail (ShareGPT-like lognormal) seen over 30 steps: the finished alone are its shortest jobs and read as
+    lengths that do not fall with service (index growth above 1); counting the running jobs, it reads heavy, as the
+    whole sample does. Alike lengths (80-120) seen long enough read alike either way."""
+    rng = np.random.default_rng(1)
+    heavy = np.maximum(1, rng.lognormal(5.0, 1.2, 3000).astype(int))
+    done, running = _observed(heavy, 30, 2)
+    assert index_growth(done) > ALIKE_OFF  # the bias
+    assert index_growth(done, running) <= ALIKE_OFF and index_growth(heavy.tolist()) <= ALIKE_OFF
+    assert abs(median_length(*map(np.array, _observed(heavy, 300, 3))) / np.median(heavy) - 1) < 0.05
+    alike = rng.integers(80, 121, 3000)
+    assert index_growth(*_observed(alike, 300, 4)) >= ALIKE_ON
+
+
+def test_the_policy_counts_its_started_jobs_as_censored() -> None:
+    """Jobs held with 200 tokens out say lengths reach past 200, though every finished job had 10."""
+    p = policy(max_num_seqs=64)
+    for i in range(8):
+        p.add(job(f"long{i}", generated=200), 0.0)
+    learn(p, [10] * MIN_HISTORY)
+    assert p._learned is not None and len(p._learned.table) > 201
+    assert p.censored_lengths().tolist() == [200] * 8
+    bare = policy()
+    learn(bare, [10] * MIN_HISTORY)
+    assert len(bare._learned.table) == 11

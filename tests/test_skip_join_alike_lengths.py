@@ -46,7 +46,7 @@ def test_the_mode_is_read_from_256_finished_jobs_on_at_a_growth_of_2_off_at_1(mo
     """The index growth of the finished lengths (stubbed here) is first read when 256 jobs have finished, then
     every 128: the mode turns on at 2 or more and off again at 1 or less."""
     reading = [2.0]
-    monkeypatch.setattr("scheduler.skip_join_mlfq.index_growth", lambda lengths: reading[0])
+    monkeypatch.setattr("scheduler.skip_join_mlfq.index_growth", lambda lengths, censored=(): reading[0])
     early = policy()
     finish(early, [5] * 255)
     assert not early.alike_lengths
@@ -218,3 +218,18 @@ def test_in_the_mode_a_started_job_keeps_its_place_ahead_of_fresh_q1_jobs_that_c
         runs[alike] = order
     assert runs[True] == ["a", "a", "a", "a"]
     assert runs[False][:3] == ["a", "a", "b"]  # the ladder: a sinks once it has had its 1 s quantum twice over
+
+
+def test_started_jobs_still_held_count_as_censored_lengths() -> None:
+    """256 finished jobs of 80-120 tokens read alike; 300 jobs held with 500 tokens out say the lengths reach far
+    past them (L > 500), and with them counted the mode stays off."""
+    bare = policy()
+    finish(bare, ALIKE[:ALIKE_MIN_HISTORY])
+    assert bare.alike_lengths
+    p = policy()
+    for i in range(300):
+        j = Job(f"long{i}", 8, 4096, 0.0)
+        p.add(j, 0.0)
+        j.num_generated, j.num_computed, j.first_scheduled_time = 500, 507, 0.0
+    finish(p, ALIKE[:ALIKE_MIN_HISTORY])
+    assert not p.alike_lengths and p.num_mode_changes == 0

@@ -97,15 +97,15 @@ def section_fig14(ctx: Ctx) -> str:
               f"{100 * (GOAL - 1):.0f}% in {sum(v.mean <= GOAL for v in learned.values())} of {len(IO_RATIOS)} "
               "rows (" + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in learned.items()) + ").", "",
               f"Skip-join with its alike-lengths mode (`--adapt-to-alike-lengths`, opt-in; scheduler/skip_join_mlfq.py:"
-              " once the Gittins index learned from the last 2,000 finished lengths, 256 at least, is at least 2x "
+              " once the Gittins index learned from the last 2,000 finished lengths (256 at least) and the "
+              "started jobs held, counted as censored, is at least 2x "
               "higher at the median length than at one token out, no job is demoted, a started job moves to Q1 "
               "keeping its place and runs to completion ahead of the fresh jobs after it, and a fresh job waits "
               "behind a started one that "
               "waits for KV) against the same best: within "
               f"{100 * (GOAL - 1):.0f}% in {sum(v.mean <= GOAL for v in moded.values())} of {len(IO_RATIOS)} rows ("
-              + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in moded.items()) + "). It is off by default: it learns "
-              "from the jobs that finished, which past capacity are the short ones, so a heavy tail can read as "
-              "alike (docs/scheduling.md, \"Skip-join MLFQ\", alike-lengths mode).", "",
+              + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in moded.items()) + "). It is off by "
+              "default (docs/scheduling.md, \"Skip-join MLFQ\", alike-lengths mode).", "",
               "Past capacity there is no steady state (the queue grows for as long as the overload lasts, so a "
               "mean over a run depends on its length): the past_capacity section measures these workloads there by "
               "time (fig14-R: output tokens per second at 1.5C and 2C, FCFS against skip-join).", "",
