@@ -148,7 +148,7 @@ class EngineConfig:
     kv_overcommit: float | None = setting(
         None, "overload admission: a job with no KV starts only while the KV of the started jobs (device + host) "
               "plus its own fits in this many device caches, and never more than both tiers; 'none' (the "
-              "default): both tiers less an eighth of the device (the room started jobs grow into), no limit "
+              "default): both tiers less an eighth of both (the room started jobs grow into), no limit "
               "without a host tier (engine/engine.py, _make_kv_manager)")
     profile: str | None = setting(None, "'analytic' or a job-profile JSON (`fastserve profile`) (default: a "
                                         "stored matching profile, else one measured at start)")

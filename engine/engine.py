@@ -44,8 +44,18 @@ from scheduler.policy import ScheduleDecision
 
 log = logging.getLogger(__name__)
 # Overload admission with a host tier and no --kv-overcommit: the started jobs may hold both tiers less
-# 1/KV_GROWTH_RESERVE of the device, the room they grow into as they decode.
+# 1/KV_GROWTH_RESERVE of both, the room they grow into as they decode.
 KV_GROWTH_RESERVE = 8
+
+
+def admission_limit(device_blocks: int, host_blocks: int) -> int:
+    """The KV blocks the started jobs may hold (device and host) before a job with no KV waits, with a host tier and
+    no --kv-overcommit: both tiers less an eighth of both. Past that every eviction drops a context that must be
+    recomputed (memory/kv_manager.py, "Overload admission"). The eighth is the room the started jobs grow into as
+    they decode: past capacity they are hundreds, most on the host (an eighth of the device alone let prompt-heavy
+    work overflow into drops: docs/kv-cache.md, "Admission")."""
+    both = device_blocks + host_blocks
+    return max(1, both - both // KV_GROWTH_RESERVE)
 
 Prompt = str | list[int]
 
@@ -204,10 +214,7 @@ class Engine:
         if cfg.kv_overcommit is not None:
             limit = min(int(cfg.kv_overcommit * ex.num_device_blocks), ex.num_device_blocks + num_host)
         elif num_host:
-            # Never start more than both tiers hold: past that every eviction drops a context that must be
-            # recomputed (memory/kv_manager.py, "Overload admission"). An eighth of the device is left for the
-            # started jobs to grow into.
-            limit = max(1, ex.num_device_blocks + num_host - ex.num_device_blocks // KV_GROWTH_RESERVE)
+            limit = admission_limit(ex.num_device_blocks, num_host)
         return KVManager(ex.num_device_blocks, ex.block_size, num_host, policy, cfg.reserved_blocks, transfers,
                          now=self.clock.now, max_started_blocks=limit)
 

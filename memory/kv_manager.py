@@ -33,7 +33,7 @@ the set of started jobs, each holding KV, grows without bound; once it outgrows 
 and every promotion rebuilds a whole context. So a job with no KV anywhere (new, or dropped) starts only while the
 KV of every started job plus its own stays within `max_started_blocks` (device and host together; None = no
 limit, the paper's behaviour); beyond it, it waits where it is in the policy's order. The engine's default with a
-host tier is both tiers less an eighth of the device (room for the started jobs to grow as they decode), so
+host tier is both tiers less an eighth of both (room for the started jobs to grow as they decode), so
 admission binds only where drops would begin; `--kv-overcommit N` sets N device caches instead (engine/engine.py,
 _make_kv_manager).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from engine.engine import KV_GROWTH_RESERVE
+from engine.engine import admission_limit
 from scripts.experiments.common import MAIN, REPO, SCALES, Ctx, _plt, _save, kv_capacity
 from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for, window
 
@@ -30,7 +30,7 @@ def section_fig8(ctx: Ctx) -> str:
     gb = block / 1e9  # GB per block
     big = int(DEVICE_X * device_bytes // block)  # room for every job's KV: the demand, not the capped use
     host = int(json.loads((REPO / SCALES[MAIN][1]).read_text())["capacity"]["host_kv_bytes"] // block)
-    bound = big + host - big // KV_GROWTH_RESERVE  # the engine's admission bound (engine.py, no --kv-overcommit)
+    bound = admission_limit(big, host)  # the engine's admission bound (no --kv-overcommit)
     setup = Setup(MAIN, "sharegpt", ctx.args.steady_prompts, (("num_device_blocks", big),), track_kv=True)
     cap = capacity(runner, setup, range(CAPACITY_SEEDS), CAPACITY_START)
     data = table(runner, setup, LOADS, POLICIES, seeds, cap["C"])
@@ -114,7 +114,7 @@ def _reading(data: dict, gb: float, big: int, bound: int) -> str:
              if top.mean > big * gb else "")
     parts.append(f"There MLFQ's KV {where}reaches {top.mean / (bound * gb):.0%} of the admission bound "
                  f"({bound * gb:.0f} GB: new jobs start while the started jobs' KV fits both tiers less an eighth of "
-                 f"the device), while FCFS holds only its running batch's KV ({fmt(peak(high, 'fcfs'))} GB). The MLFQs "
+                 f"both), while FCFS holds only its running batch's KV ({fmt(peak(high, 'fcfs'))} GB). The MLFQs "
                  "preempt jobs that keep their KV while others start, so more jobs hold memory at once: the pressure "
                  "proactive offloading relieves (paper Fig. 8 shows the effect qualitatively, past capacity). MLFQ's "
                  f"mean per-token latency there is {fmt(stat(data[(high, 'mlfq')]['mean_per_token_s']))} s, FCFS's "

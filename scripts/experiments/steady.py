@@ -77,7 +77,7 @@ def section_capacity(ctx: Ctx) -> str:
              f"requests a point, the middle 80% of arrivals counted, {len(seeds)} seeds, mean ± 95% interval, ratios "
              "paired per seed). OPT-13B, A100 40GB roofline profile, ShareGPT lengths through vLLM's length filter, "
              "the engine's defaults (the service ladder, age promotion 3, no alpha; new jobs start while the started "
-             "jobs' KV fits both tiers less an eighth of the device; skip-join MLFQ's docstring). The oracle `srpt` "
+             "jobs' KV fits both tiers less an eighth of both; skip-join MLFQ's docstring). The oracle `srpt` "
              "knows every output length and keeps the defaults' age promotion (the bounded oracle). Loads stop at "
              "1.0C: past capacity there is no steady state (the queue grows without bound and a mean over N requests "
              "depends on N); the past_capacity section measures that region by time (throughput at the SLO, "
