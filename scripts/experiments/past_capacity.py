@@ -37,6 +37,7 @@ from scripts.experiments.steady_state import (
     Stat,
     capacity,
     fmt,
+    ratio_stat,
     slo_seconds,
 )
 
@@ -193,13 +194,18 @@ def section_past_capacity(ctx: Ctx) -> str:
               f"{shape.low:g}C until the queue drains (the first step after the burst that holds every request in "
               "the engine); then no more arrivals. Every request sent counts; the run is cut at "
               f"{shape.limit * shape.seconds / 60:g} minutes, a request unfinished there at its age (per token: its "
-              "age over its output length). Drain time: from the burst's end to the drain.", "",
-              "| policy | requests | mean s/token | P95 s/token | P99 TTFT s | drain s | unfinished at the cut | "
-              "lost | upload stall share | swap-wait share |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "age over its output length). Drain time: from the burst's end to the drain. Ratios to FCFS paired "
+              "per seed (goals for skip-join: mean <= 0.5x, drain <= 1.05x, none lost).", "",
+              "| policy | requests | mean s/token | / FCFS | P95 s/token | P99 TTFT s | drain s | / FCFS | "
+              "unfinished at the cut | lost | upload stall share | swap-wait share |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fcfs = burst["fcfs"]
     for p in POLICIES:
         b = burst[p]
-        lines.append(f"| {p} | {fmt(b['requests'], 4)} | {fmt(b['mean_per_token_s'])} | "
-                     f"{fmt(b['p95_per_token_s'])} | {fmt(b['p99_ttft_s'])} | {fmt(b['drain_s'])} | "
+        vs = [("-" if p == "fcfs" else ratio_cell(ratio_stat(b[m].values, fcfs[m].values)))
+              for m in ("mean_per_token_s", "drain_s")]
+        lines.append(f"| {p} | {fmt(b['requests'], 4)} | {fmt(b['mean_per_token_s'])} | {vs[0]} | "
+                     f"{fmt(b['p95_per_token_s'])} | {fmt(b['p99_ttft_s'])} | {fmt(b['drain_s'])} | {vs[1]} | "
                      f"{fmt(b['unfinished'])} | {b['lost'].mean:g} | {fmt(b['upload_stall_share'])} | "
                      f"{fmt(b['swap_wait_share'])} |")
     lines += ["", f"This section: {runner.runs} simulations run now ({runner.wall / 60:.0f} min of simulation, "
