@@ -92,7 +92,8 @@ def section_fig14(ctx: Ctx) -> str:
               f"within: {', '.join(f'{r:g}' for r in met) or 'none'}). Best policy per ratio: "
               + ", ".join(f"{r:g}: {b}" for r, (b, _) in verdicts.items()) + ".", "",
               f"The learned order (`--scheduling-policy {LEARNED}`, opt-in; scheduler/gittins.py: a Gittins index over "
-              "the output lengths the server has finished, so it runs least attained service on heavy tails and "
+              "the output lengths the server has finished, its running jobs counted as censored, so it runs least "
+              "attained service on heavy tails and "
               "lets a started job finish on lengths like these) against the best of the four baselines: within "
               f"{100 * (GOAL - 1):.0f}% in {sum(v.mean <= GOAL for v in learned.values())} of {len(IO_RATIOS)} "
               "rows (" + ", ".join(f"{r:g}: {v.mean:.3f}x" for r, v in learned.items()) + ").", "",
