@@ -36,6 +36,7 @@ from engine.profiles import load_cost_model
 from engine.request import RequestState, SequenceState
 from engine.sampling_params import SamplingParams, check_cache_salt
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, sequence_end_ids
+from memory.admission import admission_limit
 from memory.kv_manager import KVManager, blocks_needed
 from memory.kv_policy import KVPolicy
 from scheduler import Job, ProfiledCostModel, SchedulerConfig, make_policy, step_charges
@@ -43,19 +44,6 @@ from scheduler.cost_model import chunk_budget
 from scheduler.policy import ScheduleDecision
 
 log = logging.getLogger(__name__)
-# Overload admission with a host tier and no --kv-overcommit: the started jobs may hold both tiers less
-# 1/KV_GROWTH_RESERVE of both, the room they grow into as they decode.
-KV_GROWTH_RESERVE = 8
-
-
-def admission_limit(device_blocks: int, host_blocks: int) -> int:
-    """The KV blocks the started jobs may hold (device and host) before a job with no KV waits, with a host tier and
-    no --kv-overcommit: both tiers less an eighth of both. Past that every eviction drops a context that must be
-    recomputed (memory/kv_manager.py, "Overload admission"). The eighth is the room the started jobs grow into as
-    they decode: past capacity they are hundreds, most on the host (an eighth of the device alone let prompt-heavy
-    work overflow into drops: docs/kv-cache.md, "Admission")."""
-    both = device_blocks + host_blocks
-    return max(1, both - both // KV_GROWTH_RESERVE)
 
 Prompt = str | list[int]
 

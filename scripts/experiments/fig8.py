@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from engine.engine import admission_limit
+from memory.admission import admission_limit
 from scripts.experiments.common import MAIN, REPO, SCALES, Ctx, _plt, _save, kv_capacity
 from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, ratio_stat, stat, table, trace_for, window
 
