@@ -18,7 +18,7 @@ from scripts.experiments.common import MAIN, REPO, SCALES, SLO_S, Ctx, tiny_prof
 # in compare's setting (a batch of at most 16). The simulator is no guide here: with the tiny model it reads the
 # knee too high (the engine's per-iteration work, the HTTP server and the load generator share the two cores; no
 # profile measures them).
-LIVE_RATES = {"ShareGPT": "1,2,4", "Alpaca": "4,8,16"}
+LIVE_RATES = {"ShareGPT": "2,4,8", "Alpaca": "16,32,64"}
 
 
 def section_live_slo(ctx: Ctx) -> str:
