@@ -22,10 +22,15 @@ from tests.server_fixtures import (
     wait_idle,
 )
 
+# FCFS: under skip-join a short request that waited preempts the long first one, runs its 8 tokens and leaves,
+# and a request arriving after that finds the waiting queue empty again, so how many fit would depend on how fast
+# the nine arrive. FCFS never preempts the first: the one that waits waits until it ends.
+OVERLOAD_ARGS = (*RESTRICTED_ARGS, "--scheduling-policy", "fcfs")
+
 
 @pytest.fixture(scope="module")
 def restricted(request, tiny_model_dir):
-    srv = shared_server(request, tiny_model_dir, RESTRICTED_ARGS)
+    srv = shared_server(request, tiny_model_dir, OVERLOAD_ARGS)
     yield srv
     wait_idle(srv.url)
 
@@ -34,7 +39,7 @@ FIRST_TOKENS = 1500  # the tiny model's context is 2,048
 
 
 def test_full_queue_is_503_with_retry_after_and_accepted_work_completes(restricted):
-    """--max-num-seqs 1 --max-queued-requests 1, 10 requests: the first runs (the one batch slot),
+    """--max-num-seqs 1 --max-queued-requests 1 (FCFS), 10 requests: the first runs (the one batch slot),
     then 9 arrive at once: exactly one fits the waiting queue (1), so 10 - 1 running - 1 waiting = 8 get
     503. (The first is sent alone and is streaming before the others arrive: were all ten sent at the
     same instant, whether it had been scheduled yet would decide whether 1 or 2 fit. It is long enough,
