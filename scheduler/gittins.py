@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -112,23 +112,28 @@ def length_pmf(lengths: np.ndarray, censored: np.ndarray | None = None) -> np.nd
     return tail
 
 
-def median_length(lengths: np.ndarray, censored: np.ndarray | None = None) -> int:
+def median_length(lengths: np.ndarray, censored: np.ndarray | None = None, pmf: np.ndarray | None = None) -> int:
     """The median output length: of the finished lengths with no censored job (as np.median, rounded down), else of
-    length_pmf's estimate (the first k whose cumulative probability reaches 1/2)."""
+    length_pmf's estimate (the first k whose cumulative probability reaches 1/2; `pmf`: that estimate, if made)."""
     if censored is None or not len(censored[censored >= 1]):
         return int(np.median(lengths))
-    return int(np.searchsorted(np.cumsum(length_pmf(lengths, censored)), 0.5 - 1e-12))
+    if pmf is None:
+        pmf = length_pmf(lengths, censored)
+    return int(np.searchsorted(np.cumsum(pmf), 0.5 - 1e-12))
+
+
+def censored_lengths(jobs: Iterable[Job]) -> np.ndarray:
+    """The tokens generated so far by the started jobs among `jobs` that have not finished: each says only L > g."""
+    return np.fromiter((j.num_generated for j in jobs if j.num_generated and not j.finished), dtype=np.int64)
 
 
 class LearnedIndex:
-    """The Gittins index over the distribution of output lengths (length_pmf: finished jobs, and censored ones
-    where given), work priced at a decode share d per token (the module docstring's formula)."""
+    """The Gittins index over a distribution of output lengths (`counts`: P(L = k) for k = 0..lmax, length_pmf's),
+    work priced at a decode share d per token (the module docstring's formula)."""
 
-    def __init__(self, lengths: np.ndarray, d: float, rows: Sequence[int] | None = None,
-                 censored: np.ndarray | None = None) -> None:
+    def __init__(self, counts: np.ndarray, d: float, rows: Sequence[int] | None = None) -> None:
         """rows: the g whose started-job index the table holds (None: every g; the others are left 0)."""
         self.d = d
-        counts = length_pmf(lengths, censored)
         lmax = len(counts) - 1
         surv = 1.0 - np.cumsum(counts)  # S(k) = P(L > k), k = 0..lmax
         surv[surv < 1e-12] = 0.0
@@ -194,9 +199,9 @@ def index_growth(lengths: Sequence[int], censored: Sequence[int] = ()) -> float:
     0.6-1.0). `censored`: the tokens so far of started jobs not finished (length_pmf). Two rows of the index, not
     its whole table."""
     arr, cen = np.asarray(lengths, dtype=np.int64), np.asarray(censored, dtype=np.int64)
-    median = median_length(arr, cen)
     pmf = length_pmf(arr, cen)
-    return LearnedIndex(arr, 1.0, rows=(1, min(median, len(pmf) - 2)), censored=cen).growth(median)
+    median = median_length(arr, cen, pmf)
+    return LearnedIndex(pmf, 1.0, rows=(1, min(median, len(pmf) - 2))).growth(median)
 
 
 class GittinsPolicy(AgePromotedPolicy):
@@ -261,16 +266,17 @@ class GittinsPolicy(AgePromotedPolicy):
     def _refresh(self) -> None:
         lengths = np.asarray(self._lengths, dtype=np.int64)
         censored = self.censored_lengths()
-        learned = self._learned = LearnedIndex(lengths, self._d, censored=censored)
+        pmf = length_pmf(lengths, censored)
+        learned = self._learned = LearnedIndex(pmf, self._d)
         self._table_list = learned.table_list
         # The batch rule follows the index: where a job halfway through (the median length) outranks one that has
         # just started, started jobs are the nearer to finishing, and their room comes before a new job's.
-        self.fresh_waits_for_started = learned.rises_with_service(median_length(lengths, censored))
+        self.fresh_waits_for_started = learned.rises_with_service(median_length(lengths, censored, pmf))
         self._rerank()
 
     def censored_lengths(self) -> np.ndarray:
         """The tokens generated so far by every started job held (not finished: each says only L > g)."""
-        return np.fromiter((j.num_generated for j in self._seq if j.num_generated and not j.finished), dtype=np.int64)
+        return censored_lengths(self._seq)
 
     def _rerank(self) -> None:
         """Every job's index moved: re-sort the fresh list now, the started list at the next tick."""

@@ -119,7 +119,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import filterfalse
 
-from scheduler.gittins import HISTORY, REFRESH_EVERY, index_growth
+from scheduler.gittins import HISTORY, REFRESH_EVERY, censored_lengths, index_growth
 from scheduler.job import Job
 from scheduler.policy import CostModel, PolicyName, SchedulerConfig, charged
 from scheduler.priority_policy import NEVER, Gate, PriorityPolicy
@@ -329,8 +329,7 @@ class SkipJoinMLFQPolicy(PriorityPolicy):
                                                   or len(lengths) == ALIKE_MIN_HISTORY):
             self._since_check = 0
             # Started jobs still held (the one finishing now aside) count as censored: L > their tokens so far.
-            censored = [j.num_generated for j in self._band_of if j.num_generated and not j.finished]
-            growth = index_growth(lengths, censored)
+            growth = index_growth(lengths, censored_lengths(self._band_of))
             self.set_alike_lengths(growth >= ALIKE_ON if not self.alike_lengths else growth > ALIKE_OFF)
 
     def set_alike_lengths(self, on: bool) -> None:
