@@ -9,7 +9,7 @@ import time
 
 from fastserve.bench.arrivals import interarrival_cv
 from scripts.experiments.common import MAIN, Ctx
-from scripts.experiments.measures import collapse
+from scripts.experiments.measures import PAST_BY_TIME, collapse
 from scripts.experiments.past_capacity import ratio_cell
 from scripts.experiments.steady_state import (
     ARRIVAL_TRACES,
@@ -85,8 +85,7 @@ def _over(data: dict, load: float, policy: str):
 def _past(runner: Runner, poisson: Setup, azure: Setup, seeds: range, c: float) -> list[str]:
     """Past capacity, by time: output tokens per second in the counted window (measures.collapse), skip-join
     against FCFS under each arrival process."""
-    lines = ["**Past capacity, by time** (no steady state there: the queue grows for as long as the overload lasts, "
-             "so a mean over a run depends on its length): the output tokens per second inside the counted window "
+    lines = [PAST_BY_TIME + " "
              "(measures.collapse), paired per seed.", "",
              "| load | arrivals | FCFS output tokens/s | skip-join | skip-join / FCFS |", "|---|---|---|---|---|"]
     for load in AZURE_PAST:

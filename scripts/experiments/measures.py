@@ -43,6 +43,10 @@ JUDGES: dict[str, Callable[[dict], bool]] = {  # a run_point result -> whether i
     "goodput": lambda r: r["slo_attainment"] >= GOODPUT_SHARE,
 }
 COLLAPSE_LOADS = (1.5, 2.0)
+# How a section opens its table of output tokens per second past capacity (each adds how it counts them).
+PAST_BY_TIME = ("**Past capacity, by time** (no steady state there: the queue grows for as long as the overload "
+                "lasts, so a mean over a run depends on its length): the output tokens per second inside the counted "
+                "window")
 
 
 # -- the highest load that passes ---------------------------------------------------------------------------------

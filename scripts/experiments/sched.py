@@ -18,7 +18,7 @@ import time
 
 from scripts.experiments.common import MAIN, Ctx
 from scripts.experiments.fig15 import kv_setup
-from scripts.experiments.measures import BurstShape, bursts, collapse
+from scripts.experiments.measures import PAST_BY_TIME, BurstShape, bursts, collapse
 from scripts.experiments.past_capacity import ratio_cell
 from scripts.experiments.steady_state import OUTPUT_BUCKETS, Runner, Setup, capacity, fmt, ratio_stat, stat, table
 
@@ -74,8 +74,7 @@ def section_enst_ablation(ctx: Ctx) -> str:
 def _ablation_past(runner: Runner, n: int, seeds: range, c: float) -> list[str]:
     """The rankings past capacity, by time: output tokens per second in the counted window against ENST's, and the
     share of the executor's time that steps waited for KV uploads (measures.collapse)."""
-    lines = ["**Past capacity, by time** (no steady state there: the queue grows for as long as the overload lasts, "
-             "so a mean over a run depends on its length): the output tokens per second inside the counted window "
+    lines = [PAST_BY_TIME + " "
              "(measures.collapse), paired per seed, and the upload stall: the share of the executor's time that no "
              "step ran because a request waited for a KV upload (0 where another job was always ready to run "
              "while an upload was in flight).", "",
@@ -215,8 +214,7 @@ def section_robustness(ctx: Ctx) -> str:
 def _robustness_past(runner: Runner, n: int, seeds: range, c: float) -> list[str]:
     """The robustness cases past capacity, by time: output tokens per second in the counted window
     (measures.collapse), each profiler error against the exact profile and skip-join against FCFS per burstiness."""
-    lines = ["**Past capacity, by time** (no steady state there: the queue grows for as long as the overload lasts, "
-             "so a mean over a run depends on its length): the output tokens per second inside the counted window "
+    lines = [PAST_BY_TIME + " "
              "(every output token of any request made in it, over its length: measures.collapse), paired per seed.",
              "", "| load | t_init x | t_dec x | skip-join output tokens/s | / exact profile |", "|---|---|---|---|---|"]
     for load in ROBUSTNESS_PAST:
