@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-prompts", type=int, default=10000, help="requests per point of the slo section's searches "
                     "(= --past-prompts: its OPT-13B ShareGPT runs are past_capacity's)")
     ap.add_argument("--slo-seeds", type=int, default=3, help="seeds of the slo section")
+    ap.add_argument("--slo-other-seeds", type=int, default=None, help="seeds of the slo section's setups other "
+                    "than the headline (OPT-13B A100-40GB ShareGPT); default --slo-seeds")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--io-total", type=int, default=1024)
     ap.add_argument("--io-load", type=float, default=0.9, help="Fig. 14's load, x C (at most 1.0: steady state)")

@@ -65,11 +65,16 @@ def layout(scale: str) -> str:
             + (f" x pipeline parallel {pp}" if pp > 1 else ""))
 
 
+def seeds_of(args, setup: tuple[str, str]) -> int:
+    """The seeds of a setup: --slo-seeds for the headline, --slo-other-seeds (default: the same) for the others."""
+    return args.slo_seeds if setup == HEADLINE or args.slo_other_seeds is None else args.slo_other_seeds
+
+
 def measure(ctx: Ctx, runner: Runner, scale: str, dataset: str) -> dict:
     a = ctx.args
     setup = setup_for(ctx, scale, dataset, a.slo_prompts)
-    seeds = range(a.slo_seeds)
-    cap = capacity(runner, setup, range(min(3, a.slo_seeds)), CAPACITY_START.get((scale, dataset)))
+    seeds = range(seeds_of(a, (scale, dataset)))
+    cap = capacity(runner, setup, range(min(3, len(seeds))), CAPACITY_START.get((scale, dataset)))
     found = highest_loads(runner, setup, POLICIES, seeds, cap["C"], resolution=a.past_resolution)
     print(f"  slo {scale} {dataset}: C {cap['C']:.3f} ({runner.runs} simulations so far)", flush=True)
     return {"cap": cap, "slo": slo_seconds(setup), "found": found, "fcfs": load_stats(found, cap["C"]),
@@ -97,12 +102,17 @@ def section_slo(ctx: Ctx) -> str:
     t0 = time.perf_counter()
     chosen = parse_setups(a.slo_setups)
     rows = {sd: measure(ctx, runner, *sd) for sd in chosen}
-    flags = f"--slo-setups {a.slo_setups} --slo-prompts {a.slo_prompts} --slo-seeds {a.slo_seeds} " \
+    others = "" if a.slo_other_seeds is None else f" --slo-other-seeds {a.slo_other_seeds}"
+    flags = f"--slo-setups {a.slo_setups} --slo-prompts {a.slo_prompts} --slo-seeds {a.slo_seeds}{others} " \
             f"--past-resolution {a.past_resolution}"
+    counts = sorted({seeds_of(a, sd) for sd in chosen})
+    how_many = (f"{counts[0]} seeds" if len(counts) == 1 else
+                f"{a.slo_seeds} seeds for the headline setup and {a.slo_other_seeds} for the others")
     left_out = [f"{s} {d}" for s, d in SETUPS if (s, d) not in rows]
     lines = ["## Throughput at the SLO and goodput, every setup (Fig. 11/12), by time", "",
              f"Command: `{ctx.cmd('slo')} {flags}` (scripts/experiments/slo.py, measures.py). Per setup and "
-             f"policy, for each of {a.slo_seeds} seeds (mean ± 95% interval; ratios paired per seed): the highest "
+             f"policy, for each of {how_many} (mean ± 95% interval where there are two or more; ratios paired "
+             "per seed): the highest "
              "Poisson load, in units of the setup's C (FCFS's sustained capacity, measured by the same harness), "
              f"whose steady-state run ({a.slo_prompts} requests a point through vLLM's length filter, those arriving "
              "in the middle 80% of the trace counted, the run lasting until they finish) keeps the mean per-token "
@@ -123,7 +133,8 @@ def section_slo(ctx: Ctx) -> str:
         cells += [fmt(r["oracle"][(j, SUBJECT)]["vs_ref"]) for j, _ in MEASURES]
         lines.append(f"| {scale} {ds} | {r['cap']['C']:.3f} | {r['slo']:.3f} | " + " | ".join(cells) + " |")
     for (scale, ds), r in rows.items():
-        lines += ["", f"**{scale}, {ds}** ({SCALES[scale][1]}: {layout(scale)}; roofline estimate): C = "
+        lines += ["", f"**{scale}, {ds}** ({SCALES[scale][1]}: {layout(scale)}; roofline estimate; "
+                  f"{seeds_of(a, (scale, ds))} seed(s)): C = "
                   f"{r['cap']['C']:.3f} req/s (FCFS served under a {r['cap']['offered']:.2f} req/s offer), SLO "
                   f"{r['slo']:.3f} s/token.", "",
                   "| measure | policy | load (x C) | fails at (per seed) | req/s | / FCFS | / srpt | seeds at the "
