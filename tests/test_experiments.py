@@ -144,6 +144,17 @@ def test_the_slo_sections_setups_are_the_papers_and_its_flag_names_them():
         parse_setups("opt-13b:azure")
 
 
+def test_the_slo_sections_other_setups_take_their_own_seeds():
+    from types import SimpleNamespace as NS
+
+    from scripts.experiments.slo import HEADLINE, SETUPS, seeds_of
+
+    both = NS(slo_seeds=3, slo_other_seeds=None)
+    assert {seeds_of(both, sd) for sd in SETUPS} == {3}
+    split = NS(slo_seeds=2, slo_other_seeds=1)
+    assert seeds_of(split, HEADLINE) == 2 and [seeds_of(split, sd) for sd in SETUPS if sd != HEADLINE] == [1] * 7
+
+
 def test_the_slo_sections_headline_setup_is_past_capacitys():
     """The slo section's OPT-13B ShareGPT row runs the very Setup past_capacity runs (so the cache serves both)."""
     from types import SimpleNamespace as NS
