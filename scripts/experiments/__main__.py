@@ -11,7 +11,7 @@ seeds, 95% intervals; steady_state.py), the same table for Llama-3-8B on an H100
 attention's KV room), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
 (first-iteration vs decode cost), Fig. 8 (KV memory in use, MLFQ vs FCFS, steady state), Fig. 12 (P95 per-token
 latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
-ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), sim vs live (scripts/benchmarks/sim_vs_live.py),
+ratios; and by time: goodput and a burst, fig14_past.py), Fig. 15a/b (KV policies vs rate, latency breakdown), sim vs live (scripts/benchmarks/sim_vs_live.py),
 and what the paper did not test (the ENST ablation, alpha, profiler error and bursty arrivals, the Azure 2023
 conversation trace's arrivals), past capacity by time (throughput at the SLO, goodput, tokens per second, a
 burst, the upload stall: past_capacity.py), and chunked prefill with long prompts among short ones (budget vs ITL
