@@ -3,10 +3,11 @@ past capacity, every policy of Fig. 14 (the four baselines, the learned order, s
 SRPT oracle), plus the Azure 2023 conversation trace as a check on the opt-in orders (a mode that helps the ratios
 must not hurt it). The goal: the default (skip-join MLFQ) within 10% of the best baseline in every row, on both.
 
-    python -m scripts.experiments --only fig14_past --past-workload-prompts 3000 --past-workload-seeds 2
+    python -m scripts.experiments --only fig14_past --past-workload-prompts 3000 --past-workload-seeds 2 \
+        --fig14-past-seeds 2
 
-A row's Setup and C are past_capacity's (workload_setup, capacity from WORKLOAD_START with the same seeds), so
-the runner's cache serves one section the other's capacity runs.
+A row's Setup and C are past_capacity's (workload_setup; capacity from WORKLOAD_START over --past-workload-seeds
+seeds), so the runner's cache serves one section the other's capacity runs; --fig14-past-seeds seeds are measured.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ def measure_row(ctx: Ctx, runner: Runner, name: str) -> dict:
     """One workload: C, each policy's goodput searches ({policy: [Bracket per seed]}) and burst ({policy: {metric:
     Stat}}); the alike-lengths mode is skip-join on the same Setup with the mode's engine flag."""
     a = ctx.args
-    seeds = range(a.past_workload_seeds)
+    seeds = range(a.fig14_past_seeds)
     setup = workload_setup(ctx, name, a.past_workload_prompts)
     alike = replace(setup, engine=(("adapt_to_alike_lengths", True),))
-    cap = capacity(runner, setup, seeds, WORKLOAD_START.get(name))
+    cap = capacity(runner, setup, range(a.past_workload_seeds), WORKLOAD_START.get(name))
     c, res = cap["C"], a.past_resolution
     plain = (*POLICIES, LEARNED, ORACLE)
     found = {p: v for (_, p), v in highest_loads(runner, setup, plain, seeds, c, GOODPUT, resolution=res).items()}
@@ -70,13 +71,15 @@ def section_fig14_past(ctx: Ctx) -> str:
     mode_names = (SUBJECT, LEARNED, ALIKE)
     lines = ["## Fig. 14 by time: goodput and a burst over input:output ratios", "",
              f"Command: `{ctx.cmd('fig14_past')} --past-workload-prompts {a.past_workload_prompts} "
-             f"--past-workload-seeds {a.past_workload_seeds} --past-resolution {a.past_resolution} --burst-seconds "
+             f"--past-workload-seeds {a.past_workload_seeds} --fig14-past-seeds {a.fig14_past_seeds} "
+             f"--past-resolution {a.past_resolution} --burst-seconds "
              f"{a.burst_seconds:g}` (scripts/experiments/fig14_past.py, measures.py). OPT-13B on one A100 40GB "
              "(roofline profile), the engine's defaults; the rows are past_capacity's fig14-R workloads (input:output "
              f"R:1, synthetic lengths, mean total {a.io_total} tokens, each length uniform over "
              f"[{1 - a.io_spread:g}x, {1 + a.io_spread:g}x] of its mean) and the Azure 2023 conversation trace "
-             "(its lengths and arrival gaps), C measured for each (FCFS's served rate under an offer >= 1.3x it). "
-             f"{a.past_workload_seeds} seeds (mean ± 95% interval; ratios paired per seed). Policies: the four "
+             "(its lengths and arrival gaps), C measured for each (FCFS's served rate under an offer >= 1.3x it, "
+             f"{a.past_workload_seeds} seeds). {a.fig14_past_seeds} seed(s) measured (mean ± 95% interval where "
+             "there are two or more; ratios paired per seed). Policies: the four "
              f"baselines ({', '.join(POLICIES)}), the learned order (`{LEARNED}`), skip-join's alike-lengths mode "
              f"(`{ALIKE}`, `--adapt-to-alike-lengths`), both opt-in and learning with running jobs censored, and the "
              f"bounded SRPT oracle (`{ORACLE}`) for reference. Goal: the default (skip-join MLFQ) within "
