@@ -260,8 +260,9 @@ def reference_output(model_dir, prompt: list[int]):
 
 def run_with_preemption(engine, prompts, evict_at=(), urgent=None, seed=0):
     """Run the prompts; before each step in evict_at, evict every partly prefilled job (its partial KV dropped
-    under recompute, offloaded under reactive and proactive); urgent = (step, prompt length): a request of a more
-    urgent class arrives then. Returns (finished outputs, evictions, policy preemptions of partly prefilled
+    under recompute, offloaded under reactive and proactive; copies in flight land first, so what is evicted does
+    not depend on how fast the copy threads ran); urgent = (step, prompt length): a request of a more urgent class
+    arrives then. Returns (finished outputs, evictions, policy preemptions of partly prefilled
     jobs)."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, PARAMS)
@@ -280,6 +281,7 @@ def run_with_preemption(engine, prompts, evict_at=(), urgent=None, seed=0):
         if urgent is not None and step == urgent[0]:
             engine.add_request("urgent", prompts_of([urgent[1]], seed + 1)[0], PARAMS, priority=-1)
         if step in evict_at:
+            settle_kv_copies(engine)
             for seq in list(engine._seq_of_job.values()):
                 job = seq.job
                 if job.prefilling and not job.in_flight and job.ready:

@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "fig12": "latency_curves",
     "fig13": "latency_curves",
     "fig14": "fig14",
+    "fig14_past": "fig14_past",
     "fig15": "fig15",
     "past_capacity": "past_capacity",
     "enst_ablation": "sched",

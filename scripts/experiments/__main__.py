@@ -11,7 +11,8 @@ seeds, 95% intervals; steady_state.py), the same table for Llama-3-8B on an H100
 attention's KV room), Fig. 1 (queueing share of latency under FCFS, steady state), Fig. 5
 (first-iteration vs decode cost), Fig. 8 (KV memory in use, MLFQ vs FCFS, steady state), Fig. 12 (P95 per-token
 latency vs rate), Fig. 13 (goodput at 5x/10x/20x light-load SLOs, per phase), Fig. 14 (policies over input:output
-ratios), Fig. 15a/b (KV policies vs rate, latency breakdown), sim vs live (scripts/benchmarks/sim_vs_live.py),
+ratios; and by time: goodput and a burst, fig14_past.py), Fig. 15a/b (KV policies vs rate, latency breakdown),
+sim vs live (scripts/benchmarks/sim_vs_live.py),
 and what the paper did not test (the ENST ablation, alpha, profiler error and bursty arrivals, the Azure 2023
 conversation trace's arrivals), past capacity by time (throughput at the SLO, goodput, tokens per second, a
 burst, the upload stall: past_capacity.py), and chunked prefill with long prompts among short ones (budget vs ITL
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     "past_capacity.WORKLOADS")
     ap.add_argument("--past-workload-prompts", type=int, default=3000, help="requests per point of those workloads")
     ap.add_argument("--past-workload-seeds", type=int, default=3, help="seeds of those workloads")
+    ap.add_argument("--fig14-past-seeds", type=int, default=2, help="seeds the fig14_past section measures (its C: "
+                    "--past-workload-seeds, as past_capacity's)")
     ap.add_argument("--burst-seconds", type=float, default=600.0, help="the past_capacity section's burst at 1.5C "
                     "(virtual seconds)")
     ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
