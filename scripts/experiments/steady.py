@@ -18,6 +18,7 @@ from scripts.experiments.steady_state import Runner, Setup, capacity, fmt, markd
 LOADS = (0.5, 0.8, 0.9, 0.95, 1.0)  # x C; past it: past_capacity
 POLICIES = ("fcfs", "skip-join-mlfq", "srpt")
 SUBJECT, ORACLE = "skip-join-mlfq", "srpt"  # srpt: the bounded oracle (true lengths, the defaults' age promotion)
+LEARNED = "gittins"  # the opt-in learned order (scheduler/gittins.py), beside the default in the goal rows
 GOAL_LOADS = (0.9, 0.95)
 GOALS = {"mean_per_token_s": 1.1, "p95_per_token_s": 1.3}  # skip-join / oracle at GOAL_LOADS, >= 10,000 requests
 GOAL_MIN_REQUESTS = 10000
@@ -30,7 +31,7 @@ def goal_rows(runner: Runner, ctx: Ctx, cap: float, seeds: range) -> tuple[list[
     (Stats)."""
     n = ctx.args.steady_goal_prompts
     setup = Setup("opt-13b", "sharegpt", n)
-    data = table(runner, setup, GOAL_LOADS, (SUBJECT, ORACLE), seeds, cap)
+    data = table(runner, setup, GOAL_LOADS, (SUBJECT, LEARNED, ORACLE), seeds, cap)
     enough = n >= GOAL_MIN_REQUESTS
     lines = [f"**Goals** (at 0.9C and 0.95C with >= {GOAL_MIN_REQUESTS:,} requests: mean per-token latency <= "
              f"{GOALS['mean_per_token_s']:g}x the bounded oracle's, P95 <= {GOALS['p95_per_token_s']:g}x), measured "
@@ -48,12 +49,20 @@ def goal_rows(runner: Runner, ctx: Ctx, cap: float, seeds: range) -> tuple[list[
                      f"{fmt(ratios[0])} {verdicts[0]} ({GOALS['mean_per_token_s']:g}) | "
                      f"{fmt(stat(s['p95_per_token_s']))} | {fmt(stat(o['p95_per_token_s']))} | {fmt(ratios[1])} "
                      f"{verdicts[1]} ({GOALS['p95_per_token_s']:g}) |")
+    learned = {load: [ratio_stat(data[(load, LEARNED)][m], data[(load, ORACLE)][m]) for m in GOALS]
+               for load in GOAL_LOADS}
+    lines += ["", f"The learned order (`--scheduling-policy {LEARNED}`, opt-in: a Gittins index over the output "
+              "lengths the server has finished, its running jobs counted as censored) on the same runs: "
+              + "; ".join(f"{load:g}C mean {fmt(stat(data[(load, LEARNED)]['mean_per_token_s']))} s/token, "
+                          f"{fmt(r[0])}x srpt's, P95 {fmt(stat(data[(load, LEARNED)]['p95_per_token_s']))}, "
+                          f"{fmt(r[1])}x srpt's" for load, r in learned.items()) + "."]
     lines += ["", f"Per seed ({', '.join(str(s) for s in seeds)}):"]
     for load in GOAL_LOADS:
         s, o = data[(load, SUBJECT)], data[(load, ORACLE)]
         lines.append(f"{load:g}C: mean / srpt {per_seed(found[load][0].values)}; P95 / srpt "
                      f"{per_seed(found[load][1].values)}; skip-join P95 {per_seed(s['p95_per_token_s'], 4)} s, "
-                     f"srpt P95 {per_seed(o['p95_per_token_s'], 4)} s.")
+                     f"srpt P95 {per_seed(o['p95_per_token_s'], 4)} s; {LEARNED} P95 / srpt "
+                     f"{per_seed(learned[load][1].values)}.")
     return lines, found
 
 
