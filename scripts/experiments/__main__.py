@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-prompts", type=int, default=10000, help="requests per point of the slo section's searches "
                     "(= --past-prompts: its OPT-13B ShareGPT runs are past_capacity's)")
     ap.add_argument("--slo-seeds", type=int, default=3, help="seeds of the slo section")
-    ap.add_argument("--slo-other-seeds", type=int, default=None, help="seeds of the slo section's setups other "
-                    "than the headline (OPT-13B A100-40GB ShareGPT); default --slo-seeds")
+    ap.add_argument("--slo-other-seeds", type=int, default=None, help="seeds of the non-headline slo setups")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--io-total", type=int, default=1024)
     ap.add_argument("--io-load", type=float, default=0.9, help="Fig. 14's load, x C (at most 1.0: steady state)")
@@ -167,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     "past_capacity.WORKLOADS")
     ap.add_argument("--past-workload-prompts", type=int, default=3000, help="requests per point of those workloads")
     ap.add_argument("--past-workload-seeds", type=int, default=3, help="seeds of those workloads")
-    ap.add_argument("--fig14-past-seeds", type=int, default=2, help="seeds the fig14_past section measures (its C: "
-                    "--past-workload-seeds, as past_capacity's)")
+    ap.add_argument("--fig14-past-seeds", type=int, default=2, help="seeds of fig14_past (C: past_capacity's)")
     ap.add_argument("--burst-seconds", type=float, default=600.0, help="the past_capacity section's burst at 1.5C "
                     "(virtual seconds)")
     ap.add_argument("--chunked-budget", type=int, default=256, help="the chunked section's budget for its goals "
