@@ -522,14 +522,13 @@ def test_fig14_past_judges_against_the_best_baseline_the_right_way_up():
     """Goodput (higher is better): the best baseline's over each one's; burst latency (lower is better): each one's
     over the best's. Either way a ratio <= 1.1 is within the goal; the oracle is never the best."""
     from scripts.experiments.fig14_past import ALL, ORACLE, best_of, versus
-    from scripts.experiments.steady_state import stat
 
     goodput = {p: [1.0, 0.8] for p in ALL} | {"fixed-priority": [1.2, 1.0], ORACLE: [4.0, 4.0]}
-    best = best_of({p: stat(v) for p, v in goodput.items()}, higher=True)
+    best = best_of(goodput, higher=True)
     assert best == "fixed-priority"
     vs = versus(goodput, best, higher=True)
     assert vs["skip-join-mlfq"].values == pytest.approx([1.2, 1.25]) and vs[ORACLE].values == [0.3, 0.25]
     latency = {p: [0.5, 0.6] for p in ALL} | {"fcfs": [0.4, 0.5], ORACLE: [0.1, 0.1]}
-    best = best_of({p: stat(v) for p, v in latency.items()}, higher=False)
+    best = best_of(latency, higher=False)
     assert best == "fcfs"
     assert versus(latency, best, higher=False)["skip-join-mlfq"].values == pytest.approx([1.25, 1.2])

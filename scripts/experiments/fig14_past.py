@@ -12,6 +12,7 @@ seeds), so the runner's cache serves one section the other's capacity runs; --fi
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -47,9 +48,9 @@ def measure_row(ctx: Ctx, runner: Runner, name: str) -> dict:
     return {"C": c, "found": found, "burst": burst}
 
 
-def best_of(values: dict[str, Stat], higher: bool) -> str:
-    """The best baseline (POLICIES) by its mean."""
-    return (max if higher else min)(POLICIES, key=lambda p: values[p].mean)
+def best_of(values: dict[str, list[float]], higher: bool) -> str:
+    """The best baseline (POLICIES) by its mean over seeds."""
+    return (max if higher else min)(POLICIES, key=lambda p: statistics.fmean(values[p]))
 
 
 def versus(values: dict[str, list[float]], best: str, higher: bool) -> dict[str, Stat]:
@@ -96,7 +97,7 @@ def section_fig14_past(ctx: Ctx) -> str:
     verdicts = {"goodput": {}, "burst": {}}
     for name, r in rows.items():
         loads = {p: [b.load for b in r["found"][p]] for p in ALL}
-        best = best_of({p: stat(v) for p, v in loads.items()}, higher=True)
+        best = best_of(loads, higher=True)
         vs = versus(loads, best, higher=True)
         verdicts["goodput"][name] = {p: vs[p] for p in mode_names}
         lines.append(f"| {name} | {r['C']:.3f} | " + " | ".join(fmt(stat(loads[p])) for p in ALL)
@@ -114,7 +115,7 @@ def section_fig14_past(ctx: Ctx) -> str:
     for name, r in rows.items():
         b = r["burst"]
         means = {p: b[p]["mean_per_token_s"].values for p in ALL}
-        best = best_of({p: stat(v) for p, v in means.items()}, higher=False)
+        best = best_of(means, higher=False)
         vs = versus(means, best, higher=False)
         verdicts["burst"][name] = {p: vs[p] for p in mode_names}
         drain = ratio_stat(b[SUBJECT]["drain_s"].values, b["fcfs"]["drain_s"].values)
